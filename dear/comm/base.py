@@ -1,0 +1,120 @@
+"""The small interface every communication backend implements.
+
+All collectives work on flat, contiguous 1-D tensors and only SUM: averaging, pre-division and
+compression belong to the caller, so every backend gives bit-comparable results. Every call is
+asynchronous and returns a `Work` whose `wait()` completes it; callers must issue collectives in
+the same order on every rank.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from typing import Any, Callable, Optional
+
+import torch
+
+
+class ReduceOp(enum.Enum):
+    """How gradients from different ranks combine (Horovod's names)."""
+
+    Average = "average"
+    Sum = "sum"
+
+
+class Work(abc.ABC):
+    """Handle of one asynchronous collective."""
+
+    @abc.abstractmethod
+    def wait(self) -> None:
+        """Block until the result is in the output tensor."""
+
+
+class DoneWork(Work):
+    """A collective that completed when it was issued (size-1 groups, synchronous paths)."""
+
+    def wait(self) -> None:
+        return None
+
+
+class CallbackWork(Work):
+    """Waits on inner handles, then runs a finishing step (e.g. a local reduction) once."""
+
+    def __init__(self, inner: list[Any], finish: Optional[Callable[[], None]] = None) -> None:
+        self._inner = inner
+        self._finish = finish
+        self._done = False
+
+    def wait(self) -> None:
+        if self._done:
+            return
+        for work in self._inner:
+            work.wait()
+        if self._finish is not None:
+            self._finish()
+        self._done = True
+
+
+class Communicator(abc.ABC):
+    """Collectives over one group of ranks."""
+
+    #: short name shown in logs and benchmark tables ("gloo-pairwise", "nccl", "horovod", ...)
+    name: str = "abstract"
+
+    @property
+    @abc.abstractmethod
+    def rank(self) -> int: ...
+
+    @property
+    @abc.abstractmethod
+    def size(self) -> int: ...
+
+    @property
+    def local_rank(self) -> int:
+        return 0
+
+    @abc.abstractmethod
+    def reduce_scatter(self, input: torch.Tensor, output: torch.Tensor) -> Work:
+        """Sum `input` (numel = size * output.numel()) over ranks; this rank keeps shard `rank`."""
+
+    @abc.abstractmethod
+    def all_gather(self, input: torch.Tensor, output: torch.Tensor) -> Work:
+        """Concatenate every rank's `input` into `output` (numel = size * input.numel())."""
+
+    @abc.abstractmethod
+    def all_reduce(self, tensor: torch.Tensor) -> Work:
+        """Sum `tensor` over ranks, in place."""
+
+    @abc.abstractmethod
+    def broadcast(self, tensor: torch.Tensor, root: int) -> Work:
+        """Copy `tensor` from rank `root` to every rank, in place."""
+
+    @abc.abstractmethod
+    def broadcast_object(self, obj: Any, root: int) -> Any:
+        """Return rank `root`'s picklable `obj` on every rank (blocking)."""
+
+    @abc.abstractmethod
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Return every rank's picklable `obj`, indexed by rank (blocking)."""
+
+    def barrier(self) -> None:
+        self.all_reduce(torch.zeros(1)).wait()
+
+    def shutdown(self) -> None:
+        """Release the group's resources (the backend may own them)."""
+
+
+def check_flat(tensor: torch.Tensor, what: str) -> None:
+    if tensor.dim() != 1 or not tensor.is_contiguous():
+        raise ValueError(f"{what} must be a contiguous 1-D tensor, got shape {tuple(tensor.shape)}")
+
+
+def check_shard_sizes(full: torch.Tensor, shard: torch.Tensor, size: int) -> None:
+    check_flat(full, "the full buffer")
+    check_flat(shard, "the shard buffer")
+    if full.numel() != shard.numel() * size:
+        raise ValueError(
+            f"full buffer has {full.numel()} elements, expected {size} x {shard.numel()} "
+            f"(pad buckets to a multiple of the world size)")
+    if full.dtype != shard.dtype or full.device != shard.device:
+        raise ValueError("full and shard buffers must share dtype and device")

@@ -1,0 +1,77 @@
+"""Every knob of dear in one place: a dataclass filled from arguments, then DEAR_* variables."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Mapping
+
+_MB = 1024 * 1024
+
+
+def _parse_bytes(text: str) -> int:
+    """Accept '25MB', '25M', '1048576', '0.5GB'; plain numbers are bytes."""
+    value = text.strip().upper()
+    for suffix, scale in (("GB", 1024**3), ("G", 1024**3), ("MB", _MB), ("M", _MB),
+                          ("KB", 1024), ("K", 1024), ("B", 1)):
+        if value.endswith(suffix):
+            return int(float(value[: -len(suffix)]) * scale)
+    return int(float(value))
+
+
+def _parse_bool(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"expected a boolean (1/0/true/false), got {text!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Runtime configuration. Each field has an environment variable, listed in README.md."""
+
+    #: bytes of gradient per fusion bucket (DEAR_FUSION_THRESHOLD, e.g. "25MB").
+    fusion_threshold: int = 25 * _MB
+    #: seconds a collective may wait before the process group reports a failure (DEAR_TIMEOUT).
+    timeout: float = 300.0
+    #: "pairwise" (dear's bandwidth-optimal point-to-point schedule) or "native" (torch's own
+    #: collectives) for reduce-scatter/all-gather on Gloo (DEAR_GLOO_COLLECTIVES).
+    gloo_collectives: str = "pairwise"
+    #: log level of the "dear" logger (DEAR_LOG_LEVEL).
+    log_level: str = "WARNING"
+
+    _ENV = {
+        "fusion_threshold": ("DEAR_FUSION_THRESHOLD", _parse_bytes),
+        "timeout": ("DEAR_TIMEOUT", float),
+        "gloo_collectives": ("DEAR_GLOO_COLLECTIVES", str),
+        "log_level": ("DEAR_LOG_LEVEL", str),
+    }
+
+    def __post_init__(self) -> None:
+        if self.fusion_threshold < 0:
+            raise ValueError(f"fusion_threshold must be >= 0 bytes, got {self.fusion_threshold}")
+        if self.timeout <= 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {self.timeout}")
+        if self.gloo_collectives not in ("pairwise", "native"):
+            raise ValueError(
+                f"gloo_collectives must be 'pairwise' or 'native', got {self.gloo_collectives!r}")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> "Config":
+        """Defaults, overridden by DEAR_* variables, overridden by explicit (non-None) arguments."""
+        environ = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for field, (var, parse) in cls._ENV.items():
+            if var in environ:
+                try:
+                    values[field] = parse(environ[var])
+                except ValueError as exc:
+                    raise ValueError(f"{var}={environ[var]!r} is invalid: {exc}") from None
+        for field, value in overrides.items():
+            if field not in cls._ENV:
+                raise TypeError(f"unknown dear option {field!r}")
+            if value is not None:
+                values[field] = value
+        return cls(**values)

@@ -1,0 +1,154 @@
+"""Process-wide state: which communicator is active, and the optimizers to flush on shutdown."""
+
+from __future__ import annotations
+
+import logging
+import os
+import weakref
+from typing import Any, Iterable, Mapping, Optional, Union
+
+import torch
+import torch.distributed as dist
+
+from .comm.base import Communicator, ReduceOp
+from .comm.local import LocalCommunicator
+from .config import Config
+
+log = logging.getLogger("dear")
+
+_BACKENDS = ("auto", "torch", "local")
+
+
+class _State:
+    comm: Optional[Communicator] = None
+    config: Config = Config()
+    owns_group: bool = False
+    optimizers: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+_state = _State()
+
+
+def init(backend: str = "auto", **config: Any) -> None:
+    """Start dear. `auto`: reuse torch.distributed's default group, or start one from torchrun's
+    variables (NCCL with CUDA, Gloo otherwise), or run alone as a world of size 1."""
+    if backend not in _BACKENDS:
+        if backend in ("horovod", "nccl"):
+            raise ValueError(f"backend {backend!r} is not available in this version of dear; "
+                             f"use one of {_BACKENDS}")
+        raise ValueError(f"unknown backend {backend!r}; expected one of {_BACKENDS}")
+    if _state.comm is not None:
+        raise RuntimeError("dear.init() was already called; call dear.shutdown() first")
+    cfg = Config.from_env(**config)
+    logging.getLogger("dear").setLevel(cfg.log_level.upper())
+    from .comm.torch_dist import TorchCommunicator, init_process_group_from_env
+
+    owns = False
+    if backend != "local" and not dist.is_initialized() and "WORLD_SIZE" in os.environ:
+        init_process_group_from_env(cfg.timeout)
+        owns = True
+    if backend == "torch" and not dist.is_initialized():
+        raise RuntimeError("backend='torch' needs torch.distributed: launch with torchrun or call "
+                           "torch.distributed.init_process_group() before dear.init()")
+    if backend != "local" and dist.is_initialized():
+        comm: Communicator = TorchCommunicator(gloo_collectives=cfg.gloo_collectives)
+        if torch.cuda.is_available() and "LOCAL_RANK" in os.environ:
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    else:
+        comm = LocalCommunicator()
+    _state.comm, _state.config, _state.owns_group = comm, cfg, owns
+    log.info("dear: rank %d of %d on %s", comm.rank, comm.size, comm.name)
+
+
+def shutdown() -> None:
+    """Apply every pending update, then release the process group if dear started it."""
+    if _state.comm is None:
+        return
+    for opt in list(_state.optimizers):
+        opt.synchronize()
+    _state.comm.shutdown()
+    if _state.owns_group and dist.is_initialized():
+        dist.destroy_process_group()
+    _state.comm, _state.owns_group = None, False
+
+
+def is_initialized() -> bool:
+    return _state.comm is not None
+
+
+def communicator() -> Communicator:
+    if _state.comm is None:
+        raise RuntimeError("dear is not initialised: call dear.init() first")
+    return _state.comm
+
+
+def config() -> Config:
+    return _state.config
+
+
+def register_optimizer(opt: Any) -> None:
+    _state.optimizers.add(opt)
+
+
+def rank() -> int:
+    return communicator().rank
+
+
+def size() -> int:
+    return communicator().size
+
+
+def local_rank() -> int:
+    if "LOCAL_RANK" in os.environ:
+        return int(os.environ["LOCAL_RANK"])
+    return 0 if size() == 1 else communicator().local_rank
+
+
+def _flush_all() -> None:
+    for opt in list(_state.optimizers):
+        opt.synchronize()
+
+
+def broadcast_parameters(params: Union[Mapping[str, torch.Tensor],
+                                       Iterable[tuple[str, torch.Tensor]],
+                                       Iterable[torch.Tensor]],
+                         root_rank: int = 0) -> None:
+    """Copy rank `root_rank`'s tensors to every rank, in place (a state_dict, named_parameters()
+    or a list of tensors), in the same order on every rank."""
+    comm = communicator()
+    _flush_all()
+    items = params.items() if isinstance(params, Mapping) else params
+    tensors = [t[1] if isinstance(t, tuple) else t for t in items]
+    works = []
+    with torch.no_grad():
+        for tensor in tensors:
+            if not isinstance(tensor, torch.Tensor):
+                raise TypeError(f"broadcast_parameters expects tensors, got {type(tensor)}")
+            works.append(comm.broadcast(tensor.data, root_rank))
+        for work in works:
+            work.wait()
+
+
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0) -> None:
+    """Give every rank rank `root_rank`'s optimizer state and hyperparameters."""
+    comm = communicator()
+    _flush_all()
+    state = comm.broadcast_object(optimizer.state_dict() if comm.rank == root_rank else None,
+                                  root_rank)
+    if comm.rank != root_rank:
+        optimizer.load_state_dict(state)
+
+
+def allreduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.Average) -> torch.Tensor:
+    """Return the sum or average of `tensor` over ranks (a new tensor, as Horovod does)."""
+    if not isinstance(op, ReduceOp):
+        raise TypeError(f"op must be dear.Average or dear.Sum, got {op!r}")
+    comm = communicator()
+    out = tensor.detach().clone().contiguous()
+    comm.all_reduce(out).wait()
+    if op is ReduceOp.Average:
+        if out.is_floating_point() or out.is_complex():
+            out.div_(comm.size)
+        else:
+            out.floor_divide_(comm.size)
+    return out
