@@ -1,0 +1,101 @@
+"""One fusion bucket's life in an iteration:
+
+    pack (backward) -> reduce-scatter -> scale the shard -> all-gather -> update (next forward)
+
+The same flat buffer carries the local gradients into the reduce-scatter and the averaged
+gradients out of the all-gather: once the reduce-scatter is done the local gradients are no
+longer needed, so the bucket costs one buffer plus one shard of memory.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Optional, Sequence
+
+import torch
+
+from ..comm.base import Communicator, Work
+from .planner import BucketSpec
+
+
+class Stage(enum.Enum):
+    IDLE = "idle"                # nothing in flight; the buffer may be packed
+    REDUCING = "reducing"        # reduce-scatter issued
+    GATHERING = "gathering"      # all-gather issued; the update is pending
+
+
+class Bucket:
+    """Buffers and state of one bucket. Not thread-safe: driven by the optimizer's hooks."""
+
+    def __init__(self, spec: BucketSpec, params: Sequence[torch.nn.Parameter]) -> None:
+        self.spec = spec
+        self.params = list(params)
+        self.buffer = torch.zeros(spec.padded_numel, dtype=spec.dtype, device=spec.device)
+        self.shard = torch.empty(spec.shard_numel, dtype=spec.dtype, device=spec.device)
+        self.grad_views = [self.buffer[o:o + n].view(p.shape)
+                           for o, n, p in zip(spec.offsets, spec.numels, self.params)]
+        self.flags = self.buffer[spec.flags_offset:spec.flags_offset + len(self.params)]
+        self.packed = [False] * len(self.params)
+        self.used = [0.0] * len(self.params)
+        self.num_packed = 0
+        self.stage = Stage.IDLE
+        self._work: Optional[Work] = None
+
+    @property
+    def full(self) -> bool:
+        return self.num_packed == len(self.params)
+
+    def pack(self, j: int, grad: Optional[torch.Tensor]) -> None:
+        """Copy parameter j's local gradient in (None: this rank has none, counts as zero)."""
+        if self.packed[j]:
+            return
+        if grad is None:
+            self.grad_views[j].zero_()
+            self.used[j] = 0.0
+        else:
+            if grad.is_sparse:
+                raise RuntimeError(
+                    "dear.DistributedOptimizer got a sparse gradient; dear reduces dense buckets. "
+                    "Use a dense layer (e.g. nn.Embedding(sparse=False)) or sparse_as_dense.")
+            self.grad_views[j].copy_(grad)
+            self.used[j] = 1.0
+        self.packed[j] = True
+        self.num_packed += 1
+
+    def pack_missing(self) -> None:
+        """Parameters whose hook did not fire this iteration contribute their .grad, or zero."""
+        for j, p in enumerate(self.params):
+            if not self.packed[j]:
+                self.pack(j, p.grad)
+
+    def start_reduce_scatter(self, comm: Communicator, prescale: float) -> None:
+        assert self.stage is Stage.IDLE and self.full, "bucket reduced twice or before it is full"
+        self.flags.copy_(torch.tensor(self.used, dtype=self.flags.dtype))
+        self.buffer[self.spec.flags_offset + len(self.params):].zero_()
+        if prescale != 1.0:
+            self.buffer.mul_(prescale)
+        self._work = comm.reduce_scatter(self.buffer, self.shard)
+        self.stage = Stage.REDUCING
+
+    def finish_reduce_scatter(self, postscale: float) -> None:
+        assert self.stage is Stage.REDUCING and self._work is not None
+        self._work.wait()
+        if postscale != 1.0:
+            self.shard.mul_(postscale)
+
+    def start_all_gather(self, comm: Communicator) -> None:
+        self._work = comm.all_gather(self.shard, self.buffer)
+        self.stage = Stage.GATHERING
+
+    def finish_all_gather(self) -> list[bool]:
+        """Wait for the averaged gradients; return which parameters any rank produced one for."""
+        assert self.stage is Stage.GATHERING and self._work is not None
+        self._work.wait()
+        self._work = None
+        return (self.flags != 0).tolist()
+
+    def reset(self) -> None:
+        self.packed = [False] * len(self.params)
+        self.used = [0.0] * len(self.params)
+        self.num_packed = 0
+        self.stage = Stage.IDLE

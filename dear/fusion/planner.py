@@ -1,0 +1,77 @@
+"""Which parameters share a fusion bucket.
+
+Buckets are contiguous runs of parameters in the order their modules execute in the forward pass,
+so the all-gather of bucket 0 (issued first) is the one the next forward needs first, and the
+reduce-scatters run from the last bucket to the first, the order backward produces gradients in.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketSpec:
+    """Layout of one flat bucket buffer: gradients, then one usage flag per parameter, then
+    padding to a multiple of the world size (every rank's shard has the same length)."""
+
+    index: int
+    params: tuple[int, ...]          # indices into the optimizer's parameter list
+    offsets: tuple[int, ...]         # element offset of each parameter's gradient
+    numels: tuple[int, ...]
+    flags_offset: int                # first usage flag (1 = this rank produced a gradient)
+    padded_numel: int
+    dtype: torch.dtype
+    device: torch.device
+    world_size: int
+
+    @property
+    def shard_numel(self) -> int:
+        return self.padded_numel // self.world_size
+
+
+def _padded(numel: int, world_size: int) -> int:
+    return -(-numel // world_size) * world_size
+
+
+def plan_buckets(params: Sequence[torch.Tensor], order: Sequence[int], threshold_bytes: int,
+                 world_size: int) -> list[BucketSpec]:
+    """Group `params` (visited in `order`) into buckets of at most `threshold_bytes` of gradient.
+
+    A bucket never mixes dtypes or devices; a parameter larger than the threshold gets a bucket
+    of its own; a threshold of 0 gives one bucket per parameter.
+    """
+    if sorted(order) != list(range(len(params))):
+        raise ValueError("order must be a permutation of the parameter indices")
+    groups: list[list[int]] = []
+    current: list[int] = []
+    current_bytes = 0
+    for idx in order:
+        p = params[idx]
+        nbytes = p.numel() * p.element_size()
+        same_kind = bool(current) and (params[current[0]].dtype == p.dtype
+                                       and params[current[0]].device == p.device)
+        if current and (not same_kind or current_bytes + nbytes > threshold_bytes):
+            groups.append(current)
+            current, current_bytes = [], 0
+        current.append(idx)
+        current_bytes += nbytes
+    if current:
+        groups.append(current)
+
+    specs = []
+    for b, members in enumerate(groups):
+        offsets, numels, cursor = [], [], 0
+        for idx in members:
+            offsets.append(cursor)
+            numels.append(params[idx].numel())
+            cursor += params[idx].numel()
+        flags_offset = cursor
+        specs.append(BucketSpec(
+            index=b, params=tuple(members), offsets=tuple(offsets), numels=tuple(numels),
+            flags_offset=flags_offset, padded_numel=_padded(flags_offset + len(members), world_size),
+            dtype=params[members[0]].dtype, device=params[members[0]].device, world_size=world_size))
+    return specs
