@@ -118,6 +118,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             bucket.finish_reduce_scatter(self._postscale)
         for bucket in buckets:                 # forward order: bucket 0 is needed first
             bucket.start_all_gather(self._comm)
+        # The update runs later, after e.g. an LR scheduler has moved on: it must use the
+        # hyperparameters that were in force when step() was called.
+        self._hyper_at_step = [_hyperparameters(g) for g in self.param_groups]
         self._pending = True
         self._next_launch = 0
         self._passes = [0] * len(self._params)
@@ -140,16 +143,18 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         used = bucket.finish_all_gather()
         saved = [p.grad for p in bucket.params]
         groups = self.param_groups
-        originals = [g["params"] for g in groups]
+        originals = [dict(g) for g in groups]
         try:
             for p, view, u in zip(bucket.params, bucket.grad_views, used):
                 p.grad = view if u else None
-            for g, members in zip(groups, self._group_members(bucket)):
+            for g, members, hyper in zip(groups, self._group_members(bucket),
+                                         self._hyper_at_step):
+                g.update(hyper)
                 g["params"] = members
             self._base_step()
         finally:
-            for g, params in zip(groups, originals):
-                g["params"] = params
+            for g, original in zip(groups, originals):
+                g.update(original)
             for p, grad in zip(bucket.params, saved):
                 p.grad = grad
             bucket.reset()
@@ -239,6 +244,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         super().load_state_dict(state_dict)
         for bucket in self._buckets or ():
             bucket.group_members = None  # type: ignore[attr-defined]
+
+
+def _hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
+    return {k: v.clone() if isinstance(v, torch.Tensor) else v
+            for k, v in group.items() if k != "params"}
 
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer,

@@ -1,0 +1,208 @@
+"""dear.DistributedOptimizer against independent references: single-process training on the
+global batch, and torch DDP on the same data, on 1, 2 and 3 Gloo ranks (3 exercises padding)."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import dear
+from tests.distributed import run_distributed
+from tests.workloads import OPTIMIZERS, batch, branch_used, make_net, max_diff, reference, state_of
+
+STEPS = 6
+ATOL = 1e-5
+# 0: one bucket per parameter; 2 KB: several buckets; 1 GB: one bucket.
+THRESHOLDS = {"per-param": 0, "several": 2048, "one": 1 << 30}
+MAIN_OPTS = ("sgd", "adam", "adamw")
+
+
+def train_dear(opt: str, threshold: int, steps: int = STEPS, **kwargs) -> tuple[dict, int]:
+    rank, world = dear.rank(), dear.size()
+    model = make_net()
+    optimizer = dear.DistributedOptimizer(OPTIMIZERS[opt](model.parameters()), model=model,
+                                          fusion_threshold=threshold, **kwargs)
+    for step in range(steps):
+        optimizer.zero_grad()
+        x, y = batch(step, world, rank)
+        F.mse_loss(model(x), y).backward()
+        optimizer.step()
+    return state_of(model), len(optimizer._buckets)
+
+
+def train_ddp(opt: str, steps: int = STEPS) -> dict:
+    rank, world = dear.rank(), dear.size()
+    model = make_net()
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    optimizer = OPTIMIZERS[opt](ddp.parameters())
+    for step in range(steps):
+        optimizer.zero_grad()
+        x, y = batch(step, world, rank)
+        F.mse_loss(ddp(x), y).backward()
+        optimizer.step()
+    return state_of(model)
+
+
+def main_matrix() -> dict:
+    dear.init()
+    out = {}
+    for opt in MAIN_OPTS:
+        out[("ddp", opt)] = train_ddp(opt)
+        for label, threshold in THRESHOLDS.items():
+            out[(label, opt)] = train_dear(opt, threshold)
+    out[("no-overlap", "sgd")] = train_dear("sgd", 2048, overlap_allgather=False)
+    for opt in ("rmsprop", "adagrad"):
+        out[("several", opt)] = train_dear(opt, 2048)
+    dear.shutdown()
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def matrix(world: int) -> list[dict]:
+    return run_distributed(main_matrix, world, timeout=240)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("opt", MAIN_OPTS)
+@pytest.mark.parametrize("layout", list(THRESHOLDS))
+def test_matches_single_process_and_ddp(world: int, opt: str, layout: str) -> None:
+    ranks = matrix(world)
+    ref = reference(opt, world, STEPS)
+    n_params = sum(1 for p in make_net().parameters())
+    for rank, res in enumerate(ranks):
+        params, n_buckets = res[(layout, opt)]
+        assert max_diff(params, ref) < ATOL, f"rank {rank} differs from single-process training"
+        assert max_diff(params, res[("ddp", opt)]) < ATOL, f"rank {rank} differs from DDP"
+        expected = {"per-param": n_params, "one": 1}.get(layout)
+        if expected is not None:
+            assert n_buckets == expected
+        else:
+            assert 1 < n_buckets < n_params
+    # Every rank holds bit-identical parameters.
+    for res in ranks[1:]:
+        assert max_diff(res[(layout, opt)][0], ranks[0][(layout, opt)][0]) == 0.0
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("case", [("no-overlap", "sgd"), ("several", "rmsprop"),
+                                  ("several", "adagrad")])
+def test_other_optimizers_and_no_overlap(world: int, case: tuple[str, str]) -> None:
+    ref = reference(case[1], world, STEPS)
+    for res in matrix(world):
+        assert max_diff(res[case][0], ref) < ATOL
+
+
+# --------------------------------------------------------------------- training-loop features
+def loop_features() -> dict:
+    dear.init()
+    rank, world = dear.rank(), dear.size()
+    out: dict = {}
+
+    # Gradient accumulation: two half-batches per step equal the whole batch.
+    model = make_net()
+    opt = dear.DistributedOptimizer(OPTIMIZERS["sgd"](model.parameters()), model=model,
+                                    backward_passes_per_step=2, fusion_threshold=2048)
+    for step in range(STEPS):
+        opt.zero_grad()
+        x, y = batch(step, world, rank)
+        for half in (slice(0, 2), slice(2, 4)):
+            (F.mse_loss(model(x[half]), y[half]) / 2).backward()
+        opt.step()
+    out["accumulation"] = state_of(model)
+
+    # A branch used by some ranks, by all, or by none, depending on the step.
+    model = make_net()
+    opt = dear.DistributedOptimizer(OPTIMIZERS["sgd"](model.parameters()), model=model,
+                                    fusion_threshold=2048)
+    for step in range(STEPS):
+        opt.zero_grad()
+        x, y = batch(step, world, rank)
+        F.mse_loss(model(x, branch_used(step, rank)), y).backward()
+        opt.step()
+    out["branch"] = state_of(model)
+
+    # LR scheduler, zero_grad(set_to_none=False), frozen parameters.
+    model = make_net(frozen=True)
+    base = OPTIMIZERS["sgd"]([p for p in model.parameters() if p.requires_grad])
+    opt = dear.DistributedOptimizer(base, model=model, fusion_threshold=2048)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 2, 0.5)
+    assert isinstance(opt, torch.optim.SGD)
+    for step in range(STEPS):
+        opt.zero_grad(set_to_none=False)
+        x, y = batch(step, world, rank)
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        sched.step()
+    out["scheduler_frozen"] = state_of(model)
+
+    # Checkpoint after a step, load into fresh objects, continue.
+    model = make_net()
+    opt = dear.DistributedOptimizer(OPTIMIZERS["adam"](model.parameters()), model=model,
+                                    fusion_threshold=2048)
+    half = STEPS // 2
+    for step in range(half):
+        opt.zero_grad()
+        x, y = batch(step, world, rank)
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+    model_sd, opt_sd = model.state_dict(), opt.state_dict()   # must see the applied update
+    out["at_checkpoint"] = {k: v.clone() for k, v in model_sd.items()}
+    model.eval()
+    out["eval_output"] = model(batch(0, 1, 0)[0]).detach()
+    fresh = make_net()
+    fresh.load_state_dict(model_sd)
+    opt2 = dear.DistributedOptimizer(OPTIMIZERS["adam"](fresh.parameters()), model=fresh,
+                                     fusion_threshold=2048)
+    opt2.load_state_dict(opt_sd)
+    for step in range(half, STEPS):
+        opt2.zero_grad()
+        x, y = batch(step, world, rank)
+        F.mse_loss(fresh(x), y).backward()
+        opt2.step()
+    out["resumed"] = state_of(fresh)
+    dear.shutdown()
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def features(world: int) -> list[dict]:
+    return run_distributed(loop_features, world, timeout=240)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_gradient_accumulation_equals_larger_batch(world: int) -> None:
+    ref = reference("sgd", world, STEPS)
+    for res in features(world):
+        assert max_diff(res["accumulation"], ref) < ATOL
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_branch_unused_on_some_ranks_or_all(world: int) -> None:
+    ref = reference("sgd", world, STEPS, branch=True)
+    for res in features(world):
+        assert max_diff(res["branch"], ref) < ATOL
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_scheduler_zero_grad_to_zero_and_frozen(world: int) -> None:
+    ref = reference("sgd", world, STEPS, frozen=True, scheduler=True)
+    frozen_init = make_net(frozen=True).fc2.weight
+    for res in features(world):
+        assert max_diff(res["scheduler_frozen"], ref) < ATOL
+        assert torch.equal(res["scheduler_frozen"]["fc2.weight"], frozen_init)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_checkpoint_and_eval_see_applied_update_and_resume(world: int) -> None:
+    at_ckpt = reference("adam", world, STEPS // 2)
+    full = reference("adam", world, STEPS)
+    ref_model = make_net()
+    ref_model.load_state_dict(at_ckpt)
+    ref_model.eval()
+    for res in features(world):
+        assert max_diff(res["at_checkpoint"], at_ckpt) < ATOL
+        assert torch.allclose(res["eval_output"], ref_model(batch(0, 1, 0)[0]), atol=ATOL)
+        assert max_diff(res["resumed"], full) < ATOL

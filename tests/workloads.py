@@ -1,0 +1,95 @@
+"""Small models, data and training loops shared by the ranks and by the single-process reference.
+
+The reference is independent of dear: plain torch on the concatenated global batch (the mean of
+the per-rank losses, which is what data-parallel averaging computes)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+PER_RANK = 4
+
+
+class Net(torch.nn.Module):
+    """A few layers of different kinds and sizes, and an optional branch."""
+
+    def __init__(self, frozen: bool = False) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv1d(2, 3, kernel_size=3, padding=1)
+        self.fc1 = torch.nn.Linear(24, 32)
+        self.norm = torch.nn.LayerNorm(32)
+        self.fc2 = torch.nn.Linear(32, 16)
+        self.branch = torch.nn.Linear(16, 16)
+        self.head = torch.nn.Linear(16, 4)
+        if frozen:
+            self.fc2.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor, use_branch: bool = True) -> torch.Tensor:
+        h = F.relu(self.conv(x.view(-1, 2, 12))).flatten(1)[:, :24]
+        h = F.relu(self.norm(self.fc1(h)))
+        h = F.relu(self.fc2(h))
+        if use_branch:
+            h = h + torch.tanh(self.branch(h))
+        return self.head(h)
+
+
+def make_net(frozen: bool = False) -> Net:
+    torch.manual_seed(0)
+    return Net(frozen)
+
+
+def batch(step: int, world: int, rank: Optional[int] = None, per_rank: int = PER_RANK
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    x, y = torch.randn(per_rank * world, 24, generator=g), torch.randn(per_rank * world, 4, generator=g)
+    if rank is None:
+        return x, y
+    return x[rank * per_rank:(rank + 1) * per_rank], y[rank * per_rank:(rank + 1) * per_rank]
+
+
+OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
+    "sgd": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01),
+    "adam": lambda p: torch.optim.Adam(p, lr=0.01),
+    "adamw": lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.05),
+    "rmsprop": lambda p: torch.optim.RMSprop(p, lr=0.01, momentum=0.5),
+    "adagrad": lambda p: torch.optim.Adagrad(p, lr=0.05),
+}
+
+
+def branch_used(step: int, rank: int) -> bool:
+    """The branch runs on some ranks, on all, or on none, depending on the step."""
+    if step % 3 == 2:
+        return False
+    return (step + rank) % 2 == 0 or step % 3 == 0
+
+
+def reference(opt: str, world: int, steps: int, *, frozen: bool = False, branch: bool = False,
+              scheduler: bool = False) -> dict[str, torch.Tensor]:
+    """Single process, global batch, plain torch."""
+    model = make_net(frozen)
+    optimizer = OPTIMIZERS[opt]([p for p in model.parameters() if p.requires_grad])
+    sched = torch.optim.lr_scheduler.StepLR(optimizer, 2, 0.5) if scheduler else None
+    for step in range(steps):
+        optimizer.zero_grad()
+        losses = []
+        for r in range(world):
+            x, y = batch(step, world, r)
+            out = model(x, branch_used(step, r) if branch else True)
+            losses.append(F.mse_loss(out, y))
+        torch.stack(losses).mean().backward()
+        optimizer.step()
+        if sched:
+            sched.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def state_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
