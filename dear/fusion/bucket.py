@@ -77,9 +77,19 @@ class Bucket:
         self._work = comm.reduce_scatter(self.buffer, self.shard)
         self.stage = Stage.REDUCING
 
+    def _wait(self, what: str) -> None:
+        assert self._work is not None
+        try:
+            self._work.wait()
+        except Exception as exc:
+            mb = self.buffer.numel() * self.buffer.element_size() / 2**20
+            raise RuntimeError(
+                f"dear: {what} of bucket {self.spec.index} ({len(self.params)} parameters, "
+                f"{mb:.2f} MB) failed; another rank probably died or stalled: {exc}") from exc
+
     def finish_reduce_scatter(self, postscale: float) -> None:
-        assert self.stage is Stage.REDUCING and self._work is not None
-        self._work.wait()
+        assert self.stage is Stage.REDUCING
+        self._wait("reduce-scatter")
         if postscale != 1.0:
             self.shard.mul_(postscale)
 
@@ -89,8 +99,8 @@ class Bucket:
 
     def finish_all_gather(self) -> list[bool]:
         """Wait for the averaged gradients; return which parameters any rank produced one for."""
-        assert self.stage is Stage.GATHERING and self._work is not None
-        self._work.wait()
+        assert self.stage is Stage.GATHERING
+        self._wait("all-gather")
         self._work = None
         return (self.flags != 0).tolist()
 

@@ -1,0 +1,141 @@
+"""Bad input fails with a clear exception naming the problem, never a hang or a wrong answer."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import dear
+from tests.distributed import run_distributed
+from tests.workloads import batch, make_net
+
+
+@pytest.fixture
+def local_dear():
+    dear.init(backend="local")
+    yield
+    dear.shutdown()
+
+
+def sgd(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def test_use_before_init() -> None:
+    assert not dear.is_initialized()
+    model = make_net()
+    with pytest.raises(RuntimeError, match=r"dear.init\(\)"):
+        dear.DistributedOptimizer(sgd(model), model=model)
+    with pytest.raises(RuntimeError, match=r"dear.init\(\)"):
+        dear.rank()
+
+
+def test_unknown_backend() -> None:
+    with pytest.raises(ValueError, match="unknown backend"):
+        dear.init(backend="mpi")
+
+
+def test_sparse_gradients_rejected(local_dear) -> None:
+    emb = torch.nn.Embedding(10, 4, sparse=True)
+    with pytest.raises(ValueError, match="sparse"):
+        dear.DistributedOptimizer(sgd(emb), model=emb)
+    # Without the model dear cannot see the module: the first sparse gradient is refused.
+    opt = dear.DistributedOptimizer(sgd(emb), emb.named_parameters())
+    emb(torch.tensor([1, 2])).sum().backward()
+    with pytest.raises(RuntimeError, match="sparse gradient"):
+        opt.step()
+
+
+def test_parameter_missing_from_named_parameters(local_dear) -> None:
+    model = make_net()
+    named = [(n, p) for n, p in model.named_parameters() if not n.startswith("head")]
+    with pytest.raises(ValueError, match="missing from named_parameters"):
+        dear.DistributedOptimizer(sgd(model), named)
+
+
+def test_duplicate_names(local_dear) -> None:
+    model = make_net()
+    named = [("same", p) for _, p in model.named_parameters()]
+    with pytest.raises(ValueError, match="duplicate names"):
+        dear.DistributedOptimizer(sgd(model), named)
+
+
+def test_optimizer_needing_a_closure(local_dear) -> None:
+    model = make_net()
+    with pytest.raises(ValueError, match="closure"):
+        dear.DistributedOptimizer(torch.optim.LBFGS(model.parameters()), model=model)
+    opt = dear.DistributedOptimizer(sgd(model), model=model)
+    with pytest.raises(ValueError, match="closure"):
+        opt.step(lambda: 0.0)
+
+
+def test_mixed_devices(local_dear) -> None:
+    params = [torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2, device="meta"))]
+    with pytest.raises(ValueError, match="several devices"):
+        dear.DistributedOptimizer(torch.optim.SGD(params, lr=0.1))
+
+
+def test_bad_arguments(local_dear) -> None:
+    model = make_net()
+    with pytest.raises(ValueError, match="backward_passes_per_step"):
+        dear.DistributedOptimizer(sgd(model), model=model, backward_passes_per_step=0)
+    with pytest.raises(ValueError, match="fusion_threshold"):
+        dear.DistributedOptimizer(sgd(model), model=model, fusion_threshold=-1)
+    with pytest.raises(ValueError, match="gradient_predivide_factor"):
+        dear.DistributedOptimizer(sgd(model), model=model, op=dear.Sum,
+                                  gradient_predivide_factor=2.0)
+    with pytest.raises(TypeError, match="dear.Average or dear.Sum"):
+        dear.DistributedOptimizer(sgd(model), model=model, op="avg")
+
+
+def test_bad_environment_variable() -> None:
+    os.environ["DEAR_FUSION_THRESHOLD"] = "lots"
+    try:
+        with pytest.raises(ValueError, match="DEAR_FUSION_THRESHOLD"):
+            dear.init(backend="local")
+    finally:
+        del os.environ["DEAR_FUSION_THRESHOLD"]
+    assert not dear.is_initialized()
+
+
+def shapes_differ() -> None:
+    dear.init()
+    model = torch.nn.Linear(4, 4 + dear.rank())
+    dear.DistributedOptimizer(sgd(model), model=model)
+
+
+def test_shapes_differing_across_ranks_fail_on_every_rank() -> None:
+    outcomes = run_distributed(shapes_differ, 2, timeout=60, expect_failure=True)
+    for outcome in outcomes:
+        assert isinstance(outcome, str) and "differs across ranks" in outcome
+
+
+def dies_mid_training() -> float:
+    dear.init()
+    model = make_net()
+    opt = dear.DistributedOptimizer(sgd(model), model=model, fusion_threshold=2048)
+    start = time.monotonic()
+    for step in range(50):
+        if step == 3 and dear.rank() == 1:
+            os._exit(17)                       # a crash, not a clean exception
+        opt.zero_grad()
+        x, y = batch(step, 2, dear.rank())
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        start = time.monotonic()
+    raise AssertionError("rank 0 finished training although rank 1 died")
+
+
+def test_a_dead_rank_makes_the_others_fail_not_hang() -> None:
+    start = time.monotonic()
+    outcomes = run_distributed(dies_mid_training, 2, timeout=60, expect_failure=True,
+                               env={"DEAR_TIMEOUT": "20"})
+    assert time.monotonic() - start < 45
+    assert "rank 1 exited with code 17" in outcomes[1]
+    assert isinstance(outcomes[0], str)
+    assert "finished training although" not in outcomes[0]
+    assert "dear: " in outcomes[0] and "of bucket" in outcomes[0]

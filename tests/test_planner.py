@@ -1,0 +1,45 @@
+"""Bucket planning: contiguity in the given order, thresholds, dtype boundaries, padding."""
+
+import pytest
+import torch
+
+from dear.fusion.planner import plan_buckets
+
+
+def params(*specs):
+    return [torch.zeros(n, dtype=dt) for n, dt in specs]
+
+
+def test_threshold_groups_contiguously_in_order():
+    ps = params((10, torch.float32), (10, torch.float32), (10, torch.float32), (30, torch.float32))
+    specs = plan_buckets(ps, [3, 0, 1, 2], threshold_bytes=80, world_size=1)
+    assert [s.params for s in specs] == [(3,), (0, 1), (2,)]
+    assert specs[1].offsets == (0, 10) and specs[1].flags_offset == 20
+
+
+def test_zero_threshold_is_one_bucket_per_parameter_and_huge_is_one():
+    ps = params(*[(5, torch.float32)] * 4)
+    assert len(plan_buckets(ps, range(4), 0, 1)) == 4
+    assert len(plan_buckets(ps, list(range(4)), 1 << 30, 1)) == 1
+
+
+def test_dtypes_never_mix():
+    ps = params((4, torch.float32), (4, torch.float16), (4, torch.float16), (4, torch.float32))
+    specs = plan_buckets(ps, list(range(4)), 1 << 30, 1)
+    assert [s.params for s in specs] == [(0,), (1, 2), (3,)]
+    assert [s.dtype for s in specs] == [torch.float32, torch.float16, torch.float32]
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 7])
+def test_padding_gives_equal_shards(world):
+    ps = params((11, torch.float32), (6, torch.float32))
+    (spec,) = plan_buckets(ps, [0, 1], 1 << 30, world)
+    assert spec.padded_numel % world == 0
+    assert spec.padded_numel >= 11 + 6 + 2          # gradients + one usage flag each
+    assert spec.padded_numel - world < 19
+    assert spec.shard_numel * world == spec.padded_numel
+
+
+def test_order_must_be_a_permutation():
+    with pytest.raises(ValueError, match="permutation"):
+        plan_buckets(params((1, torch.float32)) * 2, [0, 0], 10, 1)
