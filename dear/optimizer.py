@@ -61,7 +61,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._buckets: Optional[list[Bucket]] = None
         self._where: list[tuple[Bucket, int]] = []
         self._next_launch = 0                  # position in reduce order (last bucket first)
-        self._pending = False                  # some bucket's update waits to be applied
+        self._num_pending = 0                  # buckets whose update waits to be applied
         self._forward_order: list[int] = []    # parameters in first-execution order
         self._forward_seen: set[int] = set()
         self._grad_order: list[int] = []       # parameters in first-gradient order
@@ -109,7 +109,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._build_buckets()
         buckets = self._buckets
         assert buckets is not None
-        if self._pending:
+        if self._num_pending:
             self.synchronize()
         for bucket in buckets:
             bucket.pack_missing()              # unused parameters count as zero
@@ -121,7 +121,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         # The update runs later, after e.g. an LR scheduler has moved on: it must use the
         # hyperparameters that were in force when step() was called.
         self._hyper_at_step = [_hyperparameters(g) for g in self.param_groups]
-        self._pending = True
+        self._num_pending = len(buckets)
         self._next_launch = 0
         self._passes = [0] * len(self._params)
         if not self._overlap:
@@ -129,12 +129,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def synchronize(self) -> None:
         """Apply every pending update now (issues no new collective: safe on one rank alone)."""
-        if not self._pending or self._buckets is None:
+        if not self._num_pending or self._buckets is None:
             return
         for bucket in self._buckets:
             if bucket.stage is Stage.GATHERING:
                 self._apply(bucket)
-        self._pending = False
 
     # ---------------------------------------------------------------- next forward: the update
     def _apply(self, bucket: Bucket) -> None:
@@ -158,6 +157,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             for p, grad in zip(bucket.params, saved):
                 p.grad = grad
             bucket.reset()
+            self._num_pending -= 1
 
     def _group_members(self, bucket: Bucket) -> list[list[torch.nn.Parameter]]:
         members = getattr(bucket, "group_members", None)
@@ -208,17 +208,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _pre_forward(self, module: torch.nn.Module, args: Any) -> None:
         if module is self._model and not module.training:
             self.synchronize()                 # evaluation reads every parameter
-            return
-        if self._buckets is None:              # first iteration: learn the execution order
+        elif self._num_pending:
+            for bucket in self._triggers.get(module, ()):
+                if bucket.stage is Stage.GATHERING:
+                    self._apply(bucket)
+        elif self._buckets is None:            # first iteration: learn the execution order
             for p in module.parameters(recurse=False):
                 i = self._index.get(p)
                 if i is not None and i not in self._forward_seen:
                     self._forward_seen.add(i)
                     self._forward_order.append(i)
-            return
-        for bucket in self._triggers.get(module, ()):
-            if bucket.stage is Stage.GATHERING:
-                self._apply(bucket)
 
     def _map_triggers(self, model: torch.nn.Module) -> None:
         """Each module applies the pending buckets holding its parameters; parameters whose
