@@ -79,6 +79,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._passes[i] += 1
         if self._passes[i] < self._passes_needed:
             return
+        if self._passes[i] > self._passes_needed:
+            raise RuntimeError(
+                f"gradient of {self._names[i]} was computed {self._passes[i]} times before "
+                f"step(), but backward_passes_per_step={self._passes_needed}; call step() "
+                "after each backward or raise backward_passes_per_step")
         if self._buckets is None:              # first iteration: the plan is built in step()
             self._grad_order.append(i)
             return
@@ -175,6 +180,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------------- plan (first step)
     def _build_buckets(self) -> None:
         order = self._forward_order if self._overlap else list(reversed(self._grad_order))
+        order = list(dict.fromkeys(order))
         seen = set(order)
         order = order + [i for i in range(len(self._params)) if i not in seen]
         # Ranks may have run different branches: everyone adopts rank 0's order.

@@ -139,3 +139,15 @@ def test_a_dead_rank_makes_the_others_fail_not_hang() -> None:
     assert isinstance(outcomes[0], str)
     assert "finished training although" not in outcomes[0]
     assert "dear: " in outcomes[0] and "of bucket" in outcomes[0]
+
+
+def test_more_backward_passes_than_declared(local_dear) -> None:
+    model = make_net()
+    opt = dear.DistributedOptimizer(sgd(model), model=model)
+    for _ in range(2):                      # builds the buckets
+        opt.zero_grad()
+        F.mse_loss(model(batch(0, 1, 0)[0]), batch(0, 1, 0)[1]).backward()
+        opt.step()
+    F.mse_loss(model(batch(0, 1, 0)[0]), batch(0, 1, 0)[1]).backward()
+    with pytest.raises(RuntimeError, match="backward_passes_per_step"):
+        F.mse_loss(model(batch(0, 1, 0)[0]), batch(0, 1, 0)[1]).backward()

@@ -124,6 +124,18 @@ def loop_features() -> dict:
         opt.step()
     out["branch"] = state_of(model)
 
+    # Horovod style: named_parameters only, no model (all-gathers complete inside step()).
+    model = make_net()
+    opt = dear.DistributedOptimizer(OPTIMIZERS["adam"](model.parameters()),
+                                    named_parameters=model.named_parameters(),
+                                    fusion_threshold=2048)
+    for step in range(STEPS):
+        opt.zero_grad()
+        x, y = batch(step, world, rank)
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+    out["named_only"] = state_of(model)
+
     # LR scheduler, zero_grad(set_to_none=False), frozen parameters.
     model = make_net(frozen=True)
     base = OPTIMIZERS["sgd"]([p for p in model.parameters() if p.requires_grad])
@@ -206,3 +218,10 @@ def test_checkpoint_and_eval_see_applied_update_and_resume(world: int) -> None:
         assert max_diff(res["at_checkpoint"], at_ckpt) < ATOL
         assert torch.allclose(res["eval_output"], ref_model(batch(0, 1, 0)[0]), atol=ATOL)
         assert max_diff(res["resumed"], full) < ATOL
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_named_parameters_without_model(world: int) -> None:
+    ref = reference("adam", world, STEPS)
+    for res in features(world):
+        assert max_diff(res["named_only"], ref) < ATOL
