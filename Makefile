@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check -q
 TORCH  ?= torch==2.13.0
 
-.PHONY: setup demo test bench clean
+.PHONY: setup horovod demo test bench clean
 
 setup: $(VENV)/.installed
 
@@ -13,7 +13,12 @@ $(VENV)/.installed: setup.py pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install "$(TORCH)"
 	$(PIP) install -e ".[dev]"
+	PYTHON=$(PY) tools/install_horovod.sh
 	touch $@
+
+# Horovod 0.28.1 against torch 2.x needs C++17 and a few build flags (tools/install_horovod.sh).
+horovod:
+	PYTHON=$(PY) tools/install_horovod.sh
 
 demo: setup
 	$(PY) -m benchmarks.demo

@@ -1,0 +1,116 @@
+"""Horovod backend: dear's schedule on Horovod's collectives (Gloo on CPU, NCCL on GPU).
+
+Horovod returns new tensors from reduce-scatter and all-gather, so results are copied into the
+caller's buffers when the handle completes. Buffers are flat and padded to a multiple of the
+world size, so Horovod's uneven split (lower ranks get one more row) never applies. Every op is
+named from a counter that advances identically on every rank, which is how Horovod matches them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+
+from .base import Communicator, Work, check_shard_sizes
+
+_UNSUPPORTED = (torch.bfloat16,)
+
+
+def _hvd() -> Any:
+    try:
+        import horovod.torch as hvd
+    except ImportError as exc:
+        raise RuntimeError("backend 'horovod' needs Horovod with its torch extension: run "
+                           "`make horovod` (see README)") from exc
+    if not hasattr(hvd, "init"):
+        raise RuntimeError("horovod.torch has no init(): Horovod was built without its torch "
+                           "extension; rebuild it with `make horovod`")
+    return hvd
+
+
+class HorovodWork(Work):
+    def __init__(self, handle: Any, finish: Optional[Callable[[Any], None]] = None) -> None:
+        self._handle = handle
+        self._finish = finish
+        self._done = False
+
+    def wait(self) -> None:
+        if self._done:
+            return
+        result = _hvd().synchronize(self._handle)
+        if self._finish is not None:
+            self._finish(result)
+        self._done = True
+
+
+class HorovodCommunicator(Communicator):
+    """Collectives through horovod.torch's async API (initialised with hvd.init())."""
+
+    name = "horovod"
+
+    def __init__(self) -> None:
+        self._hvd = _hvd()
+        if not self._hvd.is_initialized():
+            self._hvd.init()
+        self._count = 0
+
+    @property
+    def rank(self) -> int:
+        return int(self._hvd.rank())
+
+    @property
+    def size(self) -> int:
+        return int(self._hvd.size())
+
+    @property
+    def local_rank(self) -> int:
+        return int(self._hvd.local_rank())
+
+    def _name(self, kind: str) -> str:
+        self._count += 1
+        return f"dear.{kind}.{self._count}"
+
+    @staticmethod
+    def _check_dtype(tensor: torch.Tensor) -> None:
+        if tensor.dtype in _UNSUPPORTED:
+            raise TypeError(f"Horovod does not support {tensor.dtype}; use the torch backend "
+                            "(dear.init(backend='torch')) for bfloat16 gradients")
+
+    def reduce_scatter(self, input: torch.Tensor, output: torch.Tensor) -> Work:
+        check_shard_sizes(input, output, self.size)
+        self._check_dtype(input)
+        handle = self._hvd.reducescatter_async(input, name=self._name("rs"), op=self._hvd.Sum)
+        return HorovodWork(handle, lambda res: output.copy_(res.view(-1)))
+
+    def all_gather(self, input: torch.Tensor, output: torch.Tensor) -> Work:
+        check_shard_sizes(output, input, self.size)
+        self._check_dtype(input)
+        handle = self._hvd.allgather_async(input, name=self._name("ag"))
+        return HorovodWork(handle, lambda res: output.copy_(res.view(-1)))
+
+    def all_reduce(self, tensor: torch.Tensor) -> Work:
+        self._check_dtype(tensor)
+        handle = self._hvd.allreduce_async_(tensor, name=self._name("ar"), op=self._hvd.Sum)
+        return HorovodWork(handle)
+
+    def broadcast(self, tensor: torch.Tensor, root: int) -> Work:
+        if not 0 <= root < self.size:
+            raise ValueError(f"root rank {root} does not exist in a world of size {self.size}")
+        self._check_dtype(tensor)
+        handle = self._hvd.broadcast_async_(tensor, root, name=self._name("bc"))
+        return HorovodWork(handle)
+
+    def broadcast_object(self, obj: Any, root: int) -> Any:
+        # An explicit name: Horovod's default comes from the object's type, which may differ
+        # between root and the others (None elsewhere) and then deadlocks.
+        return self._hvd.broadcast_object(obj, root, name=self._name("bco"))
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        return list(self._hvd.allgather_object(obj, name=self._name("ago")))
+
+    def barrier(self) -> None:
+        self._hvd.barrier()
+
+    def shutdown(self) -> None:
+        self._hvd.shutdown()
