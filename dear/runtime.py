@@ -16,7 +16,7 @@ from .config import Config
 
 log = logging.getLogger("dear")
 
-_BACKENDS = ("auto", "torch", "local")
+_BACKENDS = ("auto", "torch", "horovod", "local")
 
 
 class _State:
@@ -30,10 +30,11 @@ _state = _State()
 
 
 def init(backend: str = "auto", **config: Any) -> None:
-    """Start dear. `auto`: reuse torch.distributed's default group, or start one from torchrun's
-    variables (NCCL with CUDA, Gloo otherwise), or run alone as a world of size 1."""
+    """Start dear. `auto`: Horovod when launched by horovodrun (HOROVOD_RANK set); else reuse
+    torch.distributed's default group, or start one from torchrun's variables (NCCL with CUDA,
+    Gloo otherwise); else run alone as a world of size 1."""
     if backend not in _BACKENDS:
-        if backend in ("horovod", "nccl"):
+        if backend == "nccl":
             raise ValueError(f"backend {backend!r} is not available in this version of dear; "
                              f"use one of {_BACKENDS}")
         raise ValueError(f"unknown backend {backend!r}; expected one of {_BACKENDS}")
@@ -41,23 +42,33 @@ def init(backend: str = "auto", **config: Any) -> None:
         raise RuntimeError("dear.init() was already called; call dear.shutdown() first")
     cfg = Config.from_env(**config)
     logging.getLogger("dear").setLevel(cfg.log_level.upper())
-    from .comm.torch_dist import TorchCommunicator, init_process_group_from_env
-
-    owns = False
-    if backend != "local" and not dist.is_initialized() and "WORLD_SIZE" in os.environ:
-        init_process_group_from_env(cfg.timeout)
-        owns = True
-    if backend == "torch" and not dist.is_initialized():
-        raise RuntimeError("backend='torch' needs torch.distributed: launch with torchrun or call "
-                           "torch.distributed.init_process_group() before dear.init()")
-    if backend != "local" and dist.is_initialized():
-        comm: Communicator = TorchCommunicator(gloo_collectives=cfg.gloo_collectives)
-        if torch.cuda.is_available() and "LOCAL_RANK" in os.environ:
-            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    else:
-        comm = LocalCommunicator()
+    comm, owns = _make_communicator(backend, cfg)
     _state.comm, _state.config, _state.owns_group = comm, cfg, owns
     log.info("dear: rank %d of %d on %s", comm.rank, comm.size, comm.name)
+
+
+def _make_communicator(backend: str, cfg: Config) -> tuple[Communicator, bool]:
+    """The communicator for `backend`, and whether dear started the process group."""
+    if backend == "auto" and "HOROVOD_RANK" in os.environ and not dist.is_initialized():
+        backend = "horovod"
+    if backend == "horovod":
+        from .comm.horovod import HorovodCommunicator
+        return HorovodCommunicator(), False
+    if backend == "local":
+        return LocalCommunicator(), False
+    from .comm.torch_dist import TorchCommunicator, init_process_group_from_env
+    owns = False
+    if not dist.is_initialized() and "WORLD_SIZE" in os.environ:
+        init_process_group_from_env(cfg.timeout)
+        owns = True
+    if not dist.is_initialized():
+        if backend == "torch":
+            raise RuntimeError("backend='torch' needs torch.distributed: launch with torchrun or "
+                               "call torch.distributed.init_process_group() before dear.init()")
+        return LocalCommunicator(), False
+    if torch.cuda.is_available() and "LOCAL_RANK" in os.environ:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    return TorchCommunicator(gloo_collectives=cfg.gloo_collectives), owns
 
 
 def shutdown() -> None:
