@@ -1,6 +1,7 @@
 """dear: decoupled all-reduce (reduce-scatter in backward, all-gather in the next forward)."""
 
 from .comm.base import ReduceOp
+from .compression import Compression
 from .optimizer import DistributedOptimizer
 from .runtime import (allreduce, broadcast_optimizer_state, broadcast_parameters, init,
                       is_initialized, local_rank, rank, shutdown, size)
@@ -11,6 +12,6 @@ Sum = ReduceOp.Sum
 __version__ = "0.1.0"
 
 __all__ = [
-    "Average", "DistributedOptimizer", "ReduceOp", "Sum", "allreduce", "broadcast_optimizer_state",
+    "Average", "Compression", "DistributedOptimizer", "ReduceOp", "Sum", "allreduce", "broadcast_optimizer_state",
     "broadcast_parameters", "init", "is_initialized", "local_rank", "rank", "shutdown", "size",
 ]

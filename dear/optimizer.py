@@ -9,20 +9,26 @@ Life of one gradient (read top to bottom):
   3. next forward: a forward pre-hook on each module waits for the all-gathers of the buckets
      holding that module's parameters and runs the WRAPPED optimizer's own update on those
      parameters only (`_apply`), just before the module reads them.
-`synchronize()` applies whatever is still pending; it runs before state_dict(), load_state_dict(),
-dear.shutdown() and an eval-mode forward, so nobody reads half-updated parameters.
+`flush_updates()` applies whatever is still pending; it runs before state_dict(),
+load_state_dict(), dear.shutdown() and an eval-mode forward, so nobody reads half-updated
+parameters. `synchronize()` / `skip_synchronize()` keep Horovod's meaning for loops that edit the
+averaged gradients (K-FAC, clipping) before the update.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
-from typing import Any, Callable, Iterable, Optional
+import warnings
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 
 from . import runtime
-from .comm.base import ReduceOp
+from .comm.base import ReduceOp, resolve_op
+from .compression import Compression, Compressor
+from .compression import resolve as resolve_compression
 from .fusion.bucket import Bucket, Stage
 from .fusion.planner import plan_buckets
 from .validation import check_optimizer, check_same_across_ranks, named_params_of
@@ -36,7 +42,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _dear_setup(self, named: list[tuple[str, torch.nn.Parameter]],
                     model: Optional[torch.nn.Module], backward_passes_per_step: int,
                     op: ReduceOp, gradient_predivide_factor: float,
-                    fusion_threshold: Optional[int], overlap_allgather: bool) -> None:
+                    fusion_threshold: Optional[int], overlap_allgather: bool,
+                    compression: Compressor, groups: Any, sparse_as_dense: bool) -> None:
         comm = runtime.communicator()
         self._comm = comm
         step = super(_DistributedOptimizer, type(self)).step
@@ -54,6 +61,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         cfg = runtime.config()
         self._threshold = cfg.fusion_threshold if fusion_threshold is None else fusion_threshold
         self._model = model
+        self._compression = compression
+        self._sparse_as_dense = sparse_as_dense
+        self._groups = self._explicit_groups(groups)
         self._overlap = overlap_allgather and model is not None
         if overlap_allgather and model is None:
             log.info("dear: no model= given, so all-gathers complete inside step(); pass "
@@ -66,6 +76,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._forward_seen: set[int] = set()
         self._grad_order: list[int] = []       # parameters in first-gradient order
         self._triggers: dict[torch.nn.Module, list[Bucket]] = {}
+        self._grads_since_step = False         # a backward ran since the last step()
+        self._synchronized = False             # synchronize() put averaged gradients in .grad
+        self._skip_sync = False
         self._hooks: list[Any] = []
         for i, p in enumerate(self._params):
             self._hooks.append(p.register_post_accumulate_grad_hook(
@@ -84,6 +97,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 f"gradient of {self._names[i]} was computed {self._passes[i]} times before "
                 f"step(), but backward_passes_per_step={self._passes_needed}; call step() "
                 "after each backward or raise backward_passes_per_step")
+        self._grads_since_step = True
         if self._buckets is None:              # first iteration: the plan is built in step()
             self._grad_order.append(i)
             return
@@ -110,12 +124,28 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             raise ValueError("dear.DistributedOptimizer.step() does not take a closure: the "
                              "update is applied later, in the next forward pass")
+        if self._synchronized:                 # Horovod loop: .grad already holds the average
+            if not self._skip_sync:
+                warnings.warn("optimizer.step() after optimizer.synchronize() without "
+                              "optimizer.skip_synchronize(): the gradients are already "
+                              "averaged and are applied as they are")
+            self._synchronized = False
+            self._inner_step(self)
+            return
+        if self._skip_sync:
+            raise RuntimeError("step() inside skip_synchronize() needs optimizer.synchronize() "
+                               "after backward, as in Horovod")
+        self._communicate()
+        if not self._overlap:
+            self.flush_updates()
+
+    def _communicate(self) -> None:
+        """Finish the reduce-scatters, average, and start the all-gathers in forward order."""
         if self._buckets is None:
             self._build_buckets()
         buckets = self._buckets
         assert buckets is not None
-        if self._num_pending:
-            self.synchronize()
+        self.flush_updates()                   # buffers are about to be reused
         for bucket in buckets:
             bucket.pack_missing()              # unused parameters count as zero
         self._launch_ready()
@@ -129,16 +159,45 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._num_pending = len(buckets)
         self._next_launch = 0
         self._passes = [0] * len(self._params)
-        if not self._overlap:
-            self.synchronize()
+        self._grads_since_step = False
 
-    def synchronize(self) -> None:
-        """Apply every pending update now (issues no new collective: safe on one rank alone)."""
+    def flush_updates(self) -> None:
+        """Apply every pending update now. Issues no collective, so it is safe on one rank alone
+        (e.g. rank 0 saving a checkpoint); state_dict(), eval forwards and shutdown call it."""
         if not self._num_pending or self._buckets is None:
             return
         for bucket in self._buckets:
             if bucket.stage is Stage.GATHERING:
                 self._apply(bucket)
+
+    def synchronize(self) -> None:
+        """Horovod's meaning. After backward: finish averaging now and put the averaged gradients
+        in .grad (then `with optimizer.skip_synchronize(): optimizer.step()`), e.g. to clip or
+        precondition them. After step(): apply the pending updates. Call it on every rank."""
+        if self._num_pending or not self._grads_since_step:
+            self.flush_updates()
+            return
+        self._communicate()
+        assert self._buckets is not None
+        for bucket in self._buckets:
+            used = bucket.finish_all_gather()
+            for p, view, u in zip(bucket.params, bucket.grad_views, used):
+                if u and p.grad is None:
+                    p.grad = view.clone()
+                elif u:
+                    p.grad.copy_(view)
+            bucket.reset()
+        self._num_pending = 0
+        self._synchronized = True
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """Horovod's: step() inside applies the gradients synchronize() averaged."""
+        self._skip_sync = True
+        try:
+            yield
+        finally:
+            self._skip_sync = False
 
     # ---------------------------------------------------------------- next forward: the update
     def _apply(self, bucket: Bucket) -> None:
@@ -185,8 +244,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         order = order + [i for i in range(len(self._params)) if i not in seen]
         # Ranks may have run different branches: everyone adopts rank 0's order.
         order = self._comm.broadcast_object(order, 0)
-        specs = plan_buckets(self._params, order, self._threshold, self._comm.size)
-        self._buckets = [Bucket(s, [self._params[i] for i in s.params]) for s in specs]
+        explicit = self._groups
+        if isinstance(explicit, int):          # Horovod: N groups of consecutive parameters
+            size = -(-len(order) // explicit)
+            explicit = [order[k:k + size] for k in range(0, len(order), size)]
+        specs = plan_buckets(self._params, order, self._threshold, self._comm.size, explicit)
+        self._buckets = [Bucket(s, [self._params[i] for i in s.params],
+                                self._compression.wire_dtype(s.dtype), self._sparse_as_dense)
+                         for s in specs]
         self._where = [(self._buckets[0], 0)] * len(self._params)
         for bucket in self._buckets:
             for j, i in enumerate(bucket.spec.params):
@@ -201,19 +266,35 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                  [round(b.buffer.numel() * b.buffer.element_size() / 2**20, 2)
                   for b in self._buckets])
 
+    def _explicit_groups(self, groups: Any) -> Any:
+        if groups is None or isinstance(groups, int):
+            if isinstance(groups, int) and groups < 1:
+                raise ValueError(f"groups must be >= 1 or a list of parameter lists, got {groups}")
+            return groups
+        out = []
+        for group in groups:
+            try:
+                out.append([self._index[p] for p in group])
+            except KeyError:
+                raise ValueError("groups holds a parameter that the optimizer does not train "
+                                 "(or that has requires_grad=False)") from None
+        if len({i for g in out for i in g}) != sum(len(g) for g in out):
+            raise ValueError("a parameter appears in more than one of groups")
+        return out
+
     # ------------------------------------------------------------------------- module hooks
     def _hook_model(self, model: torch.nn.Module) -> None:
         for module in model.modules():
             if module is model or any(p in self._index for p in module.parameters(recurse=False)):
                 self._hooks.append(module.register_forward_pre_hook(self._pre_forward))
         self._hooks.append(model.register_state_dict_pre_hook(
-            lambda *args, **kwargs: self.synchronize()))
+            lambda *args, **kwargs: self.flush_updates()))
         self._hooks.append(model.register_load_state_dict_pre_hook(
-            lambda *args, **kwargs: self.synchronize()))
+            lambda *args, **kwargs: self.flush_updates()))
 
     def _pre_forward(self, module: torch.nn.Module, args: Any) -> None:
         if module is self._model and not module.training:
-            self.synchronize()                 # evaluation reads every parameter
+            self.flush_updates()               # evaluation reads every parameter
         elif self._num_pending:
             for bucket in self._triggers.get(module, ()):
                 if bucket.stage is Stage.GATHERING:
@@ -241,11 +322,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     # --------------------------------------------------------------------- checkpointing
     def state_dict(self) -> dict[str, Any]:
-        self.synchronize()
+        self.flush_updates()
         return super().state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.synchronize()
+        self.flush_updates()
         super().load_state_dict(state_dict)
         for bucket in self._buckets or ():
             bucket.group_members = None  # type: ignore[attr-defined]
@@ -258,20 +339,25 @@ def _hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          named_parameters: Optional[Iterable[tuple[str, torch.nn.Parameter]]] = None,
-                         *, model: Optional[torch.nn.Module] = None,
-                         backward_passes_per_step: int = 1, op: ReduceOp = ReduceOp.Average,
+                         compression: Any = Compression.none,
+                         backward_passes_per_step: int = 1, op: Any = ReduceOp.Average,
                          gradient_predivide_factor: float = 1.0,
+                         groups: Optional[Any] = None, sparse_as_dense: bool = False,
+                         process_set: Any = None, *, model: Optional[torch.nn.Module] = None,
                          fusion_threshold: Optional[int] = None,
                          overlap_allgather: bool = True) -> torch.optim.Optimizer:
     """Wrap `optimizer` so its gradients are averaged with DeAR's decoupled all-reduce.
 
-    Returns an instance of a subclass of the optimizer's own class that shares its state, so
-    isinstance checks, LR schedulers and checkpoint code keep working (as in Horovod).
+    Accepts everything hvd.DistributedOptimizer accepts, in the same positions. Returns an
+    instance of a subclass of the optimizer's own class that shares its state, so isinstance
+    checks, LR schedulers and checkpoint code keep working (as in Horovod).
     """
-    runtime.communicator()                     # fails clearly before dear.init()
+    comm = runtime.communicator()              # fails clearly before dear.init()
     check_optimizer(optimizer)
-    if not isinstance(op, ReduceOp):
-        raise TypeError(f"op must be dear.Average or dear.Sum, got {op!r}")
+    op = resolve_op(op)
+    compressor = resolve_compression(compression)
+    if process_set is not None:
+        raise ValueError("process_set is not supported: dear averages over all ranks")
     if backward_passes_per_step < 1:
         raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
     if gradient_predivide_factor <= 0:
@@ -280,13 +366,13 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         raise ValueError("gradient_predivide_factor only applies to op=dear.Average")
     if fusion_threshold is not None and fusion_threshold < 0:
         raise ValueError(f"fusion_threshold must be >= 0 bytes, got {fusion_threshold}")
-    named = named_params_of(optimizer, named_parameters, model)
-    check_same_across_ranks(named, runtime.communicator())
+    named = named_params_of(optimizer, named_parameters, model, sparse_as_dense)
+    check_same_across_ranks(named, comm)
     cls = type(optimizer.__class__.__name__, (_DistributedOptimizer, optimizer.__class__), {})
     wrapped = cls.__new__(cls)
     wrapped.__dict__.update(optimizer.__dict__)
     wrapped._dear_setup(named, model, backward_passes_per_step, op, gradient_predivide_factor,
-                        fusion_threshold, overlap_allgather)
+                        fusion_threshold, overlap_allgather, compressor, groups, sparse_as_dense)
     return wrapped
 
 

@@ -10,7 +10,7 @@ from typing import Any, Iterable, Mapping, Optional, Union
 import torch
 import torch.distributed as dist
 
-from .comm.base import Communicator, ReduceOp
+from .comm.base import Communicator, ReduceOp, resolve_op
 from .comm.local import LocalCommunicator
 from .config import Config
 
@@ -76,7 +76,7 @@ def shutdown() -> None:
     if _state.comm is None:
         return
     for opt in list(_state.optimizers):
-        opt.synchronize()
+        opt.flush_updates()
     _state.comm.shutdown()
     if _state.owns_group and dist.is_initialized():
         dist.destroy_process_group()
@@ -117,7 +117,7 @@ def local_rank() -> int:
 
 def _flush_all() -> None:
     for opt in list(_state.optimizers):
-        opt.synchronize()
+        opt.flush_updates()
 
 
 def broadcast_parameters(params: Union[Mapping[str, torch.Tensor],
@@ -150,10 +150,9 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
         optimizer.load_state_dict(state)
 
 
-def allreduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.Average) -> torch.Tensor:
+def allreduce(tensor: torch.Tensor, op: Any = ReduceOp.Average) -> torch.Tensor:
     """Return the sum or average of `tensor` over ranks (a new tensor, as Horovod does)."""
-    if not isinstance(op, ReduceOp):
-        raise TypeError(f"op must be dear.Average or dear.Sum, got {op!r}")
+    op = resolve_op(op)
     comm = communicator()
     out = tensor.detach().clone().contiguous()
     comm.all_reduce(out).wait()

@@ -23,7 +23,8 @@ def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
 
 def named_params_of(optimizer: torch.optim.Optimizer,
                     named_parameters: Optional[Iterable[tuple[str, torch.nn.Parameter]]],
-                    model: Optional[torch.nn.Module]) -> list[tuple[str, torch.nn.Parameter]]:
+                    model: Optional[torch.nn.Module], sparse_as_dense: bool = False
+                    ) -> list[tuple[str, torch.nn.Parameter]]:
     """The optimizer's trainable parameters with names, in the optimizer's order."""
     opt_params = [p for g in optimizer.param_groups for p in g["params"]]
     if len({id(p) for p in opt_params}) != len(opt_params):
@@ -32,11 +33,12 @@ def named_params_of(optimizer: torch.optim.Optimizer,
     if len(devices) > 1:
         raise ValueError(f"parameters live on several devices {sorted(map(str, devices))}; "
                          "dear needs one device per process (move the model with .to(device))")
-    if model is not None:
+    if model is not None and not sparse_as_dense:
         for name, module in model.named_modules():
             if getattr(module, "sparse", False) is True:
                 raise ValueError(f"module {name or 'model'} produces sparse gradients "
-                                 "(sparse=True); dear reduces dense buckets: use sparse=False")
+                                 "(sparse=True); dear reduces dense buckets: use sparse=False or "
+                                 "sparse_as_dense=True")
     if named_parameters is None and model is not None:
         named_parameters = model.named_parameters()
     if named_parameters is None:

@@ -43,3 +43,15 @@ def test_padding_gives_equal_shards(world):
 def test_order_must_be_a_permutation():
     with pytest.raises(ValueError, match="permutation"):
         plan_buckets(params((1, torch.float32)) * 2, [0, 0], 10, 1)
+
+
+def test_explicit_groups_are_buckets_at_their_first_member():
+    ps = params(*[(4, torch.float32)] * 5)
+    specs = plan_buckets(ps, [0, 1, 2, 3, 4], 1 << 30, 1, explicit=[[3, 1]])
+    assert [s.params for s in specs] == [(0,), (1, 3), (2, 4)]
+
+
+def test_explicit_group_mixing_dtypes_is_refused():
+    ps = params((4, torch.float32), (4, torch.float16))
+    with pytest.raises(ValueError, match="mixes dtypes"):
+        plan_buckets(ps, [0, 1], 10, 1, explicit=[[0, 1]])

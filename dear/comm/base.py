@@ -22,6 +22,23 @@ class ReduceOp(enum.Enum):
     Sum = "sum"
 
 
+_HOROVOD_OPS = {0: "Average", 1: "Sum", 2: "Adasum"}   # horovod.torch's constants
+
+
+def resolve_op(op: Any) -> ReduceOp:
+    """dear.Average / dear.Sum, or Horovod's hvd.Average / hvd.Sum; Adasum is refused."""
+    if isinstance(op, ReduceOp):
+        return op
+    name = _HOROVOD_OPS.get(op) if isinstance(op, int) and not isinstance(op, bool) else None
+    if name is None and isinstance(op, str):
+        name = {"average": "Average", "sum": "Sum", "adasum": "Adasum"}.get(op.lower())
+    if name == "Adasum":
+        raise ValueError("op=Adasum is not supported by dear: use dear.Average or dear.Sum")
+    if name is None:
+        raise TypeError(f"op must be dear.Average or dear.Sum, got {op!r}")
+    return ReduceOp[name]
+
+
 class Work(abc.ABC):
     """Handle of one asynchronous collective."""
 

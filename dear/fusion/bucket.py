@@ -27,11 +27,18 @@ class Stage(enum.Enum):
 class Bucket:
     """Buffers and state of one bucket. Not thread-safe: driven by the optimizer's hooks."""
 
-    def __init__(self, spec: BucketSpec, params: Sequence[torch.nn.Parameter]) -> None:
+    def __init__(self, spec: BucketSpec, params: Sequence[torch.nn.Parameter],
+                 wire_dtype: Optional[torch.dtype] = None, sparse_as_dense: bool = False) -> None:
         self.spec = spec
+        self.sparse_as_dense = sparse_as_dense
         self.params = list(params)
         self.buffer = torch.zeros(spec.padded_numel, dtype=spec.dtype, device=spec.device)
         self.shard = torch.empty(spec.shard_numel, dtype=spec.dtype, device=spec.device)
+        # Compression: what travels is a copy in the wire dtype; averaging stays in spec.dtype.
+        self.wire, self.wire_shard = self.buffer, self.shard
+        if wire_dtype is not None and wire_dtype != spec.dtype:
+            self.wire = torch.empty(spec.padded_numel, dtype=wire_dtype, device=spec.device)
+            self.wire_shard = torch.empty(spec.shard_numel, dtype=wire_dtype, device=spec.device)
         self.grad_views = [self.buffer[o:o + n].view(p.shape)
                            for o, n, p in zip(spec.offsets, spec.numels, self.params)]
         self.flags = self.buffer[spec.flags_offset:spec.flags_offset + len(self.params)]
@@ -54,9 +61,12 @@ class Bucket:
             self.used[j] = 0.0
         else:
             if grad.is_sparse:
-                raise RuntimeError(
-                    "dear.DistributedOptimizer got a sparse gradient; dear reduces dense buckets. "
-                    "Use a dense layer (e.g. nn.Embedding(sparse=False)) or sparse_as_dense.")
+                if not self.sparse_as_dense:
+                    raise RuntimeError(
+                        "dear.DistributedOptimizer got a sparse gradient; dear reduces dense "
+                        "buckets. Use a dense layer (nn.Embedding(sparse=False)) or pass "
+                        "sparse_as_dense=True.")
+                grad = grad.to_dense()
             self.grad_views[j].copy_(grad)
             self.used[j] = 1.0
         self.packed[j] = True
@@ -74,7 +84,9 @@ class Bucket:
         self.buffer[self.spec.flags_offset + len(self.params):].zero_()
         if prescale != 1.0:
             self.buffer.mul_(prescale)
-        self._work = comm.reduce_scatter(self.buffer, self.shard)
+        if self.wire is not self.buffer:
+            self.wire.copy_(self.buffer)
+        self._work = comm.reduce_scatter(self.wire, self.wire_shard)
         self.stage = Stage.REDUCING
 
     def _wait(self, what: str) -> None:
@@ -90,11 +102,15 @@ class Bucket:
     def finish_reduce_scatter(self, postscale: float) -> None:
         assert self.stage is Stage.REDUCING
         self._wait("reduce-scatter")
+        if self.wire_shard is not self.shard:
+            self.shard.copy_(self.wire_shard)
         if postscale != 1.0:
             self.shard.mul_(postscale)
 
     def start_all_gather(self, comm: Communicator) -> None:
-        self._work = comm.all_gather(self.shard, self.buffer)
+        if self.wire_shard is not self.shard:
+            self.wire_shard.copy_(self.shard)
+        self._work = comm.all_gather(self.wire_shard, self.wire)
         self.stage = Stage.GATHERING
 
     def finish_all_gather(self) -> list[bool]:
@@ -102,6 +118,8 @@ class Bucket:
         assert self.stage is Stage.GATHERING
         self._wait("all-gather")
         self._work = None
+        if self.wire is not self.buffer:
+            self.buffer.copy_(self.wire)
         return (self.flags != 0).tolist()
 
     def reset(self) -> None:

@@ -8,7 +8,7 @@ reduce-scatters run from the last bucket to the first, the order backward produc
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -38,18 +38,34 @@ def _padded(numel: int, world_size: int) -> int:
 
 
 def plan_buckets(params: Sequence[torch.Tensor], order: Sequence[int], threshold_bytes: int,
-                 world_size: int) -> list[BucketSpec]:
+                 world_size: int, explicit: Optional[Sequence[Sequence[int]]] = None
+                 ) -> list[BucketSpec]:
     """Group `params` (visited in `order`) into buckets of at most `threshold_bytes` of gradient.
 
     A bucket never mixes dtypes or devices; a parameter larger than the threshold gets a bucket
-    of its own; a threshold of 0 gives one bucket per parameter.
+    of its own; a threshold of 0 gives one bucket per parameter. `explicit` groups (Horovod's
+    `groups=`) become one bucket each, placed where their first member comes in `order`.
     """
     if sorted(order) != list(range(len(params))):
         raise ValueError("order must be a permutation of the parameter indices")
+    position = {idx: k for k, idx in enumerate(order)}
+    group_of = {idx: g for g, members in enumerate(explicit or ()) for idx in members}
     groups: list[list[int]] = []
     current: list[int] = []
     current_bytes = 0
     for idx in order:
+        if idx in group_of:
+            members = sorted((explicit or ())[group_of[idx]], key=position.__getitem__)
+            if members[0] != idx:
+                continue                        # emitted with its first member
+            if len({(params[m].dtype, params[m].device) for m in members}) > 1:
+                raise ValueError(f"fusion group {group_of[idx]} mixes dtypes or devices; "
+                                 "a group must hold one dtype on one device")
+            if current:
+                groups.append(current)
+                current, current_bytes = [], 0
+            groups.append(members)
+            continue
         p = params[idx]
         nbytes = p.numel() * p.element_size()
         same_kind = bool(current) and (params[current[0]].dtype == p.dtype
