@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import sys
 import warnings
 from typing import Any, Callable, Iterable, Iterator, Optional
 
@@ -69,6 +70,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             log.info("dear: no model= given, so all-gathers complete inside step(); pass "
                      "model= to overlap them with the next forward pass")
         self._buckets: Optional[list[Bucket]] = None
+        self._provisional = False              # plan built before any forward: thrown away
         self._where: list[tuple[Bucket, int]] = []
         self._next_launch = 0                  # position in reduce order (last bucket first)
         self._num_pending = 0                  # buckets whose update waits to be applied
@@ -136,8 +138,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             raise RuntimeError("step() inside skip_synchronize() needs optimizer.synchronize() "
                                "after backward, as in Horovod")
         self._communicate()
-        if not self._overlap:
+        if not self._overlap or self._provisional:
             self.flush_updates()
+        self._discard_provisional_plan()
 
     def _communicate(self) -> None:
         """Finish the reduce-scatters, average, and start the all-gathers in forward order."""
@@ -189,6 +192,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             bucket.reset()
         self._num_pending = 0
         self._synchronized = True
+        self._discard_provisional_plan()
 
     @contextlib.contextmanager
     def skip_synchronize(self) -> Iterator[None]:
@@ -242,8 +246,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         order = list(dict.fromkeys(order))
         seen = set(order)
         order = order + [i for i in range(len(self._params)) if i not in seen]
-        # Ranks may have run different branches: everyone adopts rank 0's order.
-        order = self._comm.broadcast_object(order, 0)
+        # A step before any forward (e.g. Horovod's broadcast_optimizer_state initialising the
+        # state) has no execution order yet: it runs synchronously on a throwaway plan.
+        provisional = self._overlap and not self._forward_order
+        # Ranks may have run different branches: everyone adopts rank 0's decision.
+        order, self._provisional = self._comm.broadcast_object((order, provisional), 0)
         explicit = self._groups
         if isinstance(explicit, int):          # Horovod: N groups of consecutive parameters
             size = -(-len(order) // explicit)
@@ -265,6 +272,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         log.info("dear: %d buckets, sizes (MB) %s", len(self._buckets),
                  [round(b.buffer.numel() * b.buffer.element_size() / 2**20, 2)
                   for b in self._buckets])
+
+    def _discard_provisional_plan(self) -> None:
+        if self._provisional:
+            self._buckets, self._where, self._triggers = None, [], {}
+            self._grad_order = []
 
     def _explicit_groups(self, groups: Any) -> Any:
         if groups is None or isinstance(groups, int):
@@ -337,6 +349,14 @@ def _hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
             for k, v in group.items() if k != "params"}
 
 
+def _horovod_is_initialized() -> bool:
+    hvd = sys.modules.get("horovod.torch")
+    try:
+        return bool(hvd is not None and hvd.is_initialized())
+    except Exception:
+        return False
+
+
 def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          named_parameters: Optional[Iterable[tuple[str, torch.nn.Parameter]]] = None,
                          compression: Any = Compression.none,
@@ -352,6 +372,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     instance of a subclass of the optimizer's own class that shares its state, so isinstance
     checks, LR schedulers and checkpoint code keep working (as in Horovod).
     """
+    if not runtime.is_initialized() and _horovod_is_initialized():
+        runtime.init(backend="horovod")        # hvd.init() was called: the one-line swap
     comm = runtime.communicator()              # fails clearly before dear.init()
     check_optimizer(optimizer)
     op = resolve_op(op)
@@ -367,6 +389,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     if fusion_threshold is not None and fusion_threshold < 0:
         raise ValueError(f"fusion_threshold must be >= 0 bytes, got {fusion_threshold}")
     named = named_params_of(optimizer, named_parameters, model, sparse_as_dense)
+    for dtype in {p.dtype for _, p in named}:
+        comm.check_dtype(compressor.wire_dtype(dtype))
     check_same_across_ranks(named, comm)
     cls = type(optimizer.__class__.__name__, (_DistributedOptimizer, optimizer.__class__), {})
     wrapped = cls.__new__(cls)

@@ -114,6 +114,9 @@ class Communicator(abc.ABC):
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Return every rank's picklable `obj`, indexed by rank (blocking)."""
 
+    def check_dtype(self, dtype: torch.dtype) -> None:
+        """Raise a clear TypeError for a dtype this backend cannot communicate."""
+
     def barrier(self) -> None:
         self.all_reduce(torch.zeros(1)).wait()
 

@@ -71,11 +71,13 @@ class HorovodCommunicator(Communicator):
         self._count += 1
         return f"dear.{kind}.{self._count}"
 
-    @staticmethod
-    def _check_dtype(tensor: torch.Tensor) -> None:
-        if tensor.dtype in _UNSUPPORTED:
-            raise TypeError(f"Horovod does not support {tensor.dtype}; use the torch backend "
+    def check_dtype(self, dtype: torch.dtype) -> None:
+        if dtype in _UNSUPPORTED:
+            raise TypeError(f"Horovod does not support {dtype}; use the torch backend "
                             "(dear.init(backend='torch')) for bfloat16 gradients")
+
+    def _check_dtype(self, tensor: torch.Tensor) -> None:
+        self.check_dtype(tensor.dtype)
 
     def reduce_scatter(self, input: torch.Tensor, output: torch.Tensor) -> Work:
         check_shard_sizes(input, output, self.size)

@@ -1,0 +1,37 @@
+"""Runs on every Horovod rank: each configuration trained with hvd.DistributedOptimizer and with
+the one-line swap to dear.DistributedOptimizer; rank 0 saves both results to argv[1]."""
+
+import itertools
+import sys
+
+import horovod.torch as hvd
+import torch
+
+import dear
+from examples.horovod_train import train
+
+CONFIGS = list(itertools.product(("sgd", "adam"), ("none", "fp16"), (1, 2)))
+CLIPPED = ("sgd", "none", 1)                   # + synchronize / skip_synchronize loop
+
+
+def main() -> None:
+    hvd.init()
+    only = sys.argv[2].split(",") if len(sys.argv) > 2 else None
+    out = {}
+    for opt, comp, passes in CONFIGS:
+        key = f"{opt}-{comp}-{passes}"
+        if only and key not in only:
+            continue
+        out[key] = {impl: train(opt, comp, passes, use_dear=(impl == "dear"))
+                    for impl in ("horovod", "dear")}
+    if not only or "clip" in only:
+        out["clip"] = {impl: train(*CLIPPED, use_dear=(impl == "dear"), clip=0.05)
+                       for impl in ("horovod", "dear")}
+    assert dear.rank() == hvd.rank() and dear.size() == hvd.size()
+    if hvd.rank() == 0:
+        torch.save(out, sys.argv[1])
+    dear.shutdown()
+
+
+if __name__ == "__main__":
+    main()
