@@ -1,7 +1,11 @@
 """Horovod backend: dear's schedule on Horovod's collectives (Gloo on CPU, NCCL on GPU).
 
-Horovod returns new tensors from reduce-scatter and all-gather, so results are copied into the
-caller's buffers when the handle completes. Buffers are flat and padded to a multiple of the
+Reduce-scatter is an all-to-all plus a local sum, not hvd.reducescatter: with Horovod 0.28.1 on
+Gloo, two reducescatter_async calls in flight that total about 44 MB (fp32, 2 ranks) return
+garbage on rank 0, with or without tensor fusion (16 MB in flight is fine); alltoall_async is
+correct under the same load, and moves the same, bandwidth-optimal, (N-1)/N of the buffer.
+Horovod returns new tensors, so results are copied into the caller's buffers when the handle
+completes. Buffers are flat and padded to a multiple of the
 world size, so Horovod's uneven split (lower ranks get one more row) never applies. Every op is
 named from a counter that advances identically on every rank, which is how Horovod matches them.
 """
@@ -51,7 +55,8 @@ class HorovodCommunicator(Communicator):
 
     def __init__(self) -> None:
         self._hvd = _hvd()
-        if not self._hvd.is_initialized():
+        self._owns = not self._hvd.is_initialized()
+        if self._owns:
             self._hvd.init()
         self._count = 0
 
@@ -82,8 +87,14 @@ class HorovodCommunicator(Communicator):
     def reduce_scatter(self, input: torch.Tensor, output: torch.Tensor) -> Work:
         check_shard_sizes(input, output, self.size)
         self._check_dtype(input)
-        handle = self._hvd.reducescatter_async(input, name=self._name("rs"), op=self._hvd.Sum)
-        return HorovodWork(handle, lambda res: output.copy_(res.view(-1)))
+        handle = self._hvd.alltoall_async(input, name=self._name("rs"))
+        n = self.size
+
+        def finish(res: Any) -> None:
+            received = res[0] if isinstance(res, tuple) else res
+            torch.sum(received.view(n, -1), dim=0, out=output)   # rank order: deterministic
+
+        return HorovodWork(handle, finish)
 
     def all_gather(self, input: torch.Tensor, output: torch.Tensor) -> Work:
         check_shard_sizes(output, input, self.size)
@@ -115,4 +126,5 @@ class HorovodCommunicator(Communicator):
         self._hvd.barrier()
 
     def shutdown(self) -> None:
-        self._hvd.shutdown()
+        if self._owns:                         # a user's hvd.init() is the user's to undo
+            self._hvd.shutdown()
