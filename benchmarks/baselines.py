@@ -1,0 +1,139 @@
+"""The schedules dear is measured against, each wrapping a model and a torch optimizer.
+
+- `allreduce`: one all-reduce of the whole flattened gradient after backward (no overlap).
+- `wfbp`: wait-free backprop, Horovod's schedule: gradients fused into buckets in the order
+  backward produces them, each bucket all-reduced as soon as it fills, all waited for in step().
+- `ddp`: torch DistributedDataParallel with its default 25 MB buckets.
+- `fsdp2`: fully_shard(reshard_after_forward=False) per block: reduce-scatter in backward,
+  all-gather of PARAMETERS with prefetch in forward; DeAR's overlap, the other thing gathered.
+- `dear`: dear.DistributedOptimizer on torch.distributed; `dear-hvd`: the same on Horovod.
+All use the same Communicator / process group, so only the schedule differs.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+import dear
+from dear.comm.base import Work
+from dear.fusion.planner import plan_buckets
+from dear.runtime import communicator
+
+METHODS = ("ddp", "fsdp2", "horovod", "allreduce", "wfbp", "dear", "dear-hvd")
+
+
+class AllReduceAfterBackward:
+    """step(): flatten every gradient, one all-reduce, unflatten, update."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = optimizer
+        self.flat = torch.zeros(sum(p.numel() for p in self.params))
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad()
+
+    def step(self) -> None:
+        offset = 0
+        for p in self.params:
+            self.flat[offset:offset + p.numel()].copy_(p.grad.view(-1))
+            offset += p.numel()
+        communicator().all_reduce(self.flat).wait()
+        self.flat.div_(communicator().size)
+        offset = 0
+        for p in self.params:
+            p.grad.copy_(self.flat[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+        self.optimizer.step()
+
+
+class WFBP:
+    """All-reduce each bucket from the backward hook that fills it, in a fixed order."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 threshold: int = 25 * 2**20) -> None:
+        self.optimizer = optimizer
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        order = list(reversed(range(len(self.params))))      # roughly backward order
+        self.specs = plan_buckets(self.params, order, threshold, 1)
+        self.buffers = [torch.zeros(s.padded_numel) for s in self.specs]
+        self.where: dict[int, tuple[int, int]] = {}
+        for b, spec in enumerate(self.specs):
+            for j, i in enumerate(spec.params):
+                self.where[i] = (b, j)
+        self.filled = [0] * len(self.specs)
+        self.works: list[Optional[Work]] = [None] * len(self.specs)
+        self.next = 0
+        for i, p in enumerate(self.params):
+            p.register_post_accumulate_grad_hook(lambda p, i=i: self._on_grad(i, p))
+
+    def _on_grad(self, i: int, p: torch.Tensor) -> None:
+        b, j = self.where[i]
+        spec = self.specs[b]
+        self.buffers[b][spec.offsets[j]:spec.offsets[j] + spec.numels[j]].copy_(p.grad.view(-1))
+        self.filled[b] += 1
+        while self.next < len(self.specs) and self.filled[self.next] == len(self.specs[self.next].params):
+            self.works[self.next] = communicator().all_reduce(self.buffers[self.next])
+            self.next += 1
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad()
+
+    def step(self) -> None:
+        size = communicator().size
+        for b, spec in enumerate(self.specs):
+            work = self.works[b]
+            if work is None:                     # a parameter got no gradient: send what we have
+                work = communicator().all_reduce(self.buffers[b])
+            work.wait()
+            self.buffers[b].div_(size)
+            for j, i in enumerate(spec.params):
+                p = self.params[i]
+                p.grad = self.buffers[b][spec.offsets[j]:spec.offsets[j] + spec.numels[j]].view_as(p).clone()
+        self.filled = [0] * len(self.specs)
+        self.works = [None] * len(self.specs)
+        self.next = 0
+        self.optimizer.step()
+
+
+def fsdp2_wrap(model: torch.nn.Module, blocks: Callable[[torch.nn.Module], list[torch.nn.Module]]
+               ) -> torch.nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for block in blocks(model):
+        fully_shard(block, mesh=mesh, reshard_after_forward=False)
+    fully_shard(model, mesh=mesh, reshard_after_forward=False)
+    return model
+
+
+def prepare(method: str, model: torch.nn.Module,
+            make_optimizer: Callable[[Any], torch.optim.Optimizer],
+            blocks: Callable[[torch.nn.Module], list[torch.nn.Module]]
+            ) -> tuple[torch.nn.Module, Any]:
+    """Return (module to call for the forward pass, object with zero_grad() and step())."""
+    if method == "ddp":
+        return torch.nn.parallel.DistributedDataParallel(model), make_optimizer(model.parameters())
+    if method == "fsdp2":
+        model = fsdp2_wrap(model, blocks)
+        return model, make_optimizer(model.parameters())
+    if method == "allreduce":
+        return model, AllReduceAfterBackward(model, make_optimizer(model.parameters()))
+    if method == "wfbp":
+        return model, WFBP(model, make_optimizer(model.parameters()))
+    if method in ("dear", "dear-hvd"):             # the backend is chosen by dear.init()
+        return model, dear.DistributedOptimizer(make_optimizer(model.parameters()), model=model)
+    if method == "horovod":
+        try:
+            import horovod.torch as hvd
+        except ImportError as exc:
+            raise RuntimeError("method 'horovod' needs Horovod installed (see README)") from exc
+        hvd.init()
+        opt = make_optimizer(model.parameters())
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        return model, hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+    raise ValueError(f"unknown method {method!r}; expected one of {METHODS}")

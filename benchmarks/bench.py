@@ -1,0 +1,124 @@
+"""`make bench`: DeAR against DDP, FSDP2, Horovod, all-reduce and WFBP on an emulated cluster.
+
+For each model, 2 ranks (one core each) in their own network namespaces behind a shaped link,
+sized so that communication takes about as long as compute (the regime where overlap matters).
+Writes benchmarks/results/bench_<model>.{json,md} (from benchmarks.train), and
+benchmarks/results/bench.{json,md,png}: every method as a ratio to the lower bound T_lb and to DDP.
+Without root (or `ip`/`tc`) it says so and runs on loopback with --no-shaping.
+
+    python -m benchmarks.bench [--models resnet50,bert_base] [--quick] [--no-shaping]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+from benchmarks import results
+from benchmarks.cluster import EmulatedCluster, check_can_shape
+
+# Sized on the 2-core development machine: one-core iteration ~ the all-reduce time at the rate.
+CONFIGS: dict[str, dict[str, Any]] = {
+    "resnet50": {"bandwidth": "1gbit", "args": ["--image-size", "64", "--batch", "16"]},
+    "bert_base": {"bandwidth": "2gbit", "args": ["--seq-len", "64", "--batch", "4"]},
+}
+METHODS = "ddp,fsdp2,allreduce,wfbp,horovod,dear,dear-hvd"
+
+
+def horovod_installed() -> bool:
+    try:
+        import horovod.torch as hvd
+    except ImportError:
+        return False
+    return hasattr(hvd, "init")
+
+
+def run_model(model: str, args: argparse.Namespace, shaping: bool) -> dict[str, Any]:
+    cfg = CONFIGS[model]
+    methods = args.methods
+    use_hvd = horovod_installed()
+    if not use_hvd:
+        methods = ",".join(m for m in methods.split(",") if m not in ("horovod", "dear-hvd"))
+        print("bench: Horovod is not installed; skipping its methods (run `make horovod`)")
+    name = f"bench_{model}{args.suffix}"
+    iters = ["--warmup", "2", "--iters", "4"] if args.quick else ["--warmup", "2", "--iters", "8"]
+    cmd = [sys.executable, "-m", "benchmarks.train", "--model", model, "--methods", methods,
+           "--name", name, *iters, *cfg["args"]]
+    with EmulatedCluster(2, cfg["bandwidth"], shaping=shaping, horovod=use_hvd) as cluster:
+        if shaping:
+            measured = cluster.measure_bandwidth()
+            print(f"bench: {model}: link requested {cfg['bandwidth']}, measured "
+                  f"{measured / 1e9:.2f} Gbit/s", flush=True)
+        code = cluster.run(cmd, timeout=args.timeout)
+    if code != 0:
+        raise SystemExit(f"bench: {model} failed (exit {code})")
+    with open(os.path.join(results.RESULTS_DIR, f"{name}.json")) as fh:
+        return json.load(fh)
+
+
+def chart(reports: dict[str, dict[str, Any]], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(reports), figsize=(6 * len(reports), 4), squeeze=False)
+    for ax, (model, rep) in zip(axes[0], reports.items()):
+        methods = list(rep["methods"])
+        ratios = [rep["methods"][m]["ratio_lb"] for m in methods]
+        colors = ["tab:red" if m.startswith("dear") else "tab:gray" for m in methods]
+        ax.bar(methods, ratios, color=colors)
+        ax.axhline(1.0, color="black", linewidth=1, linestyle="--", label="T_lb")
+        ax.set_title(f"{model}: {rep['t_lb_s'] * 1e3:.0f} ms lower bound")
+        ax.set_ylabel("iteration time / T_lb")
+        ax.tick_params(axis="x", rotation=30)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="resnet50,bert_base")
+    parser.add_argument("--methods", default=METHODS)
+    parser.add_argument("--quick", action="store_true", help="fewer iterations (for make demo)")
+    parser.add_argument("--no-shaping", action="store_true")
+    parser.add_argument("--suffix", default="", help="appended to the result names")
+    parser.add_argument("--timeout", type=float, default=900.0)
+    args = parser.parse_args(argv)
+    shaping = not args.no_shaping
+    reason = check_can_shape() if shaping else None
+    if reason:
+        print(f"bench: cannot shape a network here ({reason}); running on loopback instead")
+        shaping = False
+    reports = {m: run_model(m, args, shaping) for m in args.models.split(",") if m}
+    rows = []
+    for model, rep in reports.items():
+        for method, res in rep["methods"].items():
+            rows.append([model, method, round(res["median_s"] * 1e3, 1), round(res["ratio_lb"], 3),
+                         round(res["ratio_ddp"], 3) if res.get("ratio_ddp") else "-",
+                         "ok" if res.get("loss_matches_ddp", True) else "REFUSED"])
+    table = results.markdown_table(
+        ["model", "method", "median iter (ms)", "x T_lb", "x DDP", "loss vs DDP"], rows)
+    limits = "\n".join(
+        f"- {model}: T_compute {rep['t_compute_s'] * 1e3:.0f} ms, T_comm "
+        f"{min(rep['t_comm_s'].values()) * 1e3:.0f} ms (all_reduce "
+        f"{rep['t_comm_s']['all_reduce'] * 1e3:.0f}, dear rs+ag {rep['t_comm_s']['rs_ag'] * 1e3:.0f})"
+        f", link bound {rep['link_bound_s'] * 1e3 if rep['link_bound_s'] else float('nan'):.0f} ms,"
+        f" measured link {(rep['bandwidth_measured_bps'] or 0) / 1e9:.2f} Gbit/s"
+        for model, rep in reports.items())
+    print(table)
+    print(limits)
+    name = f"bench{args.suffix}"
+    png = os.path.join(results.RESULTS_DIR, f"{name}.png")
+    chart(reports, png)
+    results.write(name, "DeAR vs baselines on an emulated 2-node cluster",
+                  {"shaping": shaping, "configs": CONFIGS, "reports": reports}, table,
+                  limits + f"\n\n![ratios]({os.path.basename(png)})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
