@@ -26,5 +26,9 @@ demo: setup
 test: setup
 	$(PY) -m pytest -q -rs tests
 
+# DeAR vs DDP/FSDP2/Horovod/WFBP on an emulated cluster (root for network namespaces).
+bench: setup
+	$(PY) -m benchmarks.bench
+
 clean:
 	rm -rf $(VENV) build *.egg-info
