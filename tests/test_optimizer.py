@@ -55,6 +55,7 @@ def main_matrix() -> dict:
             out[(label, opt)] = train_dear(opt, threshold)
     out[("no-overlap", "sgd")] = train_dear("sgd", 2048, overlap_allgather=False)
     for opt in ("rmsprop", "adagrad"):
+        out[("ddp", opt)] = train_ddp(opt)
         out[("several", opt)] = train_dear(opt, 2048)
     dear.shutdown()
     return out
@@ -92,7 +93,14 @@ def test_matches_single_process_and_ddp(world: int, opt: str, layout: str) -> No
 def test_other_optimizers_and_no_overlap(world: int, case: tuple[str, str]) -> None:
     ref = reference(case[1], world, STEPS)
     for res in matrix(world):
-        assert max_diff(res[case][0], ref) < ATOL
+        ddp = res[("ddp", case[1])]
+        assert max_diff(res[case][0], ddp) < ATOL, "differs from DDP"
+        # RMSprop divides by the root of a running mean of g^2, which magnifies the last-bit
+        # difference between summing 3 shard gradients (in any order) and one global-batch
+        # gradient on components near zero: measured on 3 ranks, DDP 5.6e-6 and dear 1.2e-5
+        # from the single process, dear 8.2e-6 from DDP. Asserted: the same order as DDP's own.
+        slack = max(ATOL, 3 * max_diff(ddp, ref))
+        assert max_diff(res[case][0], ref) < slack, "differs from single-process training"
 
 
 # --------------------------------------------------------------------- training-loop features
