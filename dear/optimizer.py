@@ -26,19 +26,21 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 
-from . import runtime
+from . import amp, runtime
 from .comm.base import ReduceOp, resolve_op
 from .compression import Compression, Compressor
 from .compression import resolve as resolve_compression
 from .fusion.bucket import Bucket, Stage
 from .fusion.planner import plan_buckets
+from .reduced import ReducedGradientMixin
 from .validation import check_optimizer, check_same_across_ranks, named_params_of
 
 log = logging.getLogger("dear")
 
 
-class _DistributedOptimizer(torch.optim.Optimizer):
-    """Mixed into the wrapped optimizer's own class (see `DistributedOptimizer`)."""
+class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
+    """Mixed into the wrapped optimizer's own class (see `DistributedOptimizer`); GradScaler
+    and clip_grad_norm_ support come from `ReducedGradientMixin` (dear/reduced.py)."""
 
     def _dear_setup(self, named: list[tuple[str, torch.nn.Parameter]],
                     model: Optional[torch.nn.Module], backward_passes_per_step: int,
@@ -81,6 +83,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._grads_since_step = False         # a backward ran since the last step()
         self._synchronized = False             # synchronize() put averaged gradients in .grad
         self._skip_sync = False
+        self._reduced = False                  # clip_grad_norm_ finished the reduce-scatters
+        self._amp_found_inf: Optional[torch.Tensor] = None  # shards unscaled; agreed found-inf
+        self._clipped_scaled = False           # clipped without knowing of a GradScaler
         self._hooks: list[Any] = []
         for i, p in enumerate(self._params):
             self._hooks.append(p.register_post_accumulate_grad_hook(
@@ -91,6 +96,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     # ----------------------------------------------------------------- backward: pack & reduce
     def _on_grad(self, i: int, param: torch.nn.Parameter) -> None:
+        if self._reduced:
+            raise RuntimeError(
+                f"gradient of {self._names[i]} arrived after optimizer.clip_grad_norm_() had "
+                "reduced this iteration's gradients; call clip_grad_norm_ after the last "
+                "backward and before step(), never after step()")
         self._passes[i] += 1
         if self._passes[i] < self._passes_needed:
             return
@@ -122,7 +132,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     # ----------------------------------------------------------------------- step: all-gather
     @torch.optim.Optimizer.profile_hook_step
-    def step(self, closure: Optional[Callable[[], float]] = None) -> None:  # type: ignore[override]
+    def step(self, closure: Optional[Callable[[], float]] = None,  # type: ignore[override]
+             grad_scaler: Optional[Any] = None) -> None:
+        """Finish averaging and start the all-gathers; the update lands in the next forward.
+        `scaler.step(optimizer)` passes its GradScaler as `grad_scaler` (see dear/amp.py)."""
         if closure is not None:
             raise ValueError("dear.DistributedOptimizer.step() does not take a closure: the "
                              "update is applied later, in the next forward pass")
@@ -132,18 +145,36 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                               "optimizer.skip_synchronize(): the gradients are already "
                               "averaged and are applied as they are")
             self._synchronized = False
-            self._inner_step(self)
+            if grad_scaler is None or not amp.unscale_averaged_grads(grad_scaler, self):
+                self._inner_step(self)
             return
         if self._skip_sync:
             raise RuntimeError("step() inside skip_synchronize() needs optimizer.synchronize() "
                                "after backward, as in Horovod")
-        self._communicate()
+        self._communicate(grad_scaler)
         if not self._overlap or self._provisional:
             self.flush_updates()
         self._discard_provisional_plan()
 
-    def _communicate(self) -> None:
-        """Finish the reduce-scatters, average, and start the all-gathers in forward order."""
+    def _communicate(self, grad_scaler: Optional[Any] = None) -> None:
+        """Finish averaging, run GradScaler's check on the reduced shards, and start the
+        all-gathers in forward order; a step the scaler skips gathers nothing, on every rank."""
+        self._finish_reduce()
+        buckets = self._buckets
+        assert buckets is not None
+        if grad_scaler is None or not self._amp_skips(grad_scaler):
+            for bucket in buckets:             # forward order: bucket 0 is needed first
+                bucket.start_all_gather(self._comm)
+            # The update runs later, after e.g. an LR scheduler has moved on: it must use the
+            # hyperparameters that were in force when step() was called.
+            self._hyper_at_step = [_hyperparameters(g) for g in self.param_groups]
+            self._num_pending = len(buckets)
+        self._end_iteration()
+
+    def _finish_reduce(self) -> None:
+        """Finish the reduce-scatters and average each shard, once per iteration."""
+        if self._reduced:
+            return
         if self._buckets is None:
             self._build_buckets()
         buckets = self._buckets
@@ -154,12 +185,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._launch_ready()
         for bucket in reversed(buckets):
             bucket.finish_reduce_scatter(self._postscale)
-        for bucket in buckets:                 # forward order: bucket 0 is needed first
-            bucket.start_all_gather(self._comm)
-        # The update runs later, after e.g. an LR scheduler has moved on: it must use the
-        # hyperparameters that were in force when step() was called.
-        self._hyper_at_step = [_hyperparameters(g) for g in self.param_groups]
-        self._num_pending = len(buckets)
+        self._reduced = True
+
+    def _end_iteration(self) -> None:
+        for bucket in self._buckets or ():
+            if bucket.stage is Stage.REDUCING:  # a skipped step: nothing to gather or apply
+                bucket.reset()
+        self._reduced, self._amp_found_inf, self._clipped_scaled = False, None, False
         self._next_launch = 0
         self._passes = [0] * len(self._params)
         self._grads_since_step = False

@@ -1,0 +1,84 @@
+"""torch.amp.GradScaler with dear.DistributedOptimizer.
+
+GradScaler's own inf check and unscale read the optimizer's `.grad`, which under dear are each
+rank's LOCAL gradients, already copied into the buckets. Checking those would let ranks disagree
+about skipping (an overflow on one rank only), miss overflows that only the reduction produces
+(fp16 on the wire), and unscaling them would not reach the buckets. So the optimizer declares
+`_step_supports_amp_scaling`: `scaler.step(optimizer)` then calls `optimizer.step(grad_scaler=
+scaler)` and leaves the check to the optimizer (the contract in torch/amp/grad_scaler.py, torch
+2.x). dear checks and unscales the REDUCED shards, agrees on found-inf with one tiny all-gather,
+skips the update on every rank when any rank's shard overflowed, and puts the agreed found-inf
+where `scaler.update()` reads it, so every rank's scale moves the same way.
+
+Every use of GradScaler's private state is in this module.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import defaultdict
+from typing import Any, Sequence
+
+import torch
+from torch.amp.grad_scaler import OptState
+
+from .comm.base import Communicator
+from .fusion.bucket import Bucket
+from .shards import gather_small, gradient_slices
+
+# GradScaler warns, once per call site, that it will stop passing itself to such optimizers. The
+# warning is for us, not for the user calling scaler.step(); tests/test_amp.py fails if the
+# contract changes.
+warnings.filterwarnings("ignore", message="GradScaler is going to stop passing itself",
+                        category=FutureWarning)
+
+
+def _inverse_scale(scaler: Any) -> torch.Tensor:
+    scale = scaler._get_scale_async()
+    if scale is None:
+        raise RuntimeError("scaler.step(optimizer) before scaler.scale(loss): there is no scale "
+                           "to undo; call scaler.scale(loss).backward() first")
+    return scale.double().reciprocal().float()   # as GradScaler.unscale_ does
+
+
+def unscale_local(buckets: Sequence[Bucket], rank: int, scaler: Any) -> torch.Tensor:
+    """Unscale this rank's reduced shards in place; return 1.0 if any is inf/NaN, else 0.0."""
+    if any(b.spec.dtype == torch.float16 for b in buckets):
+        # Same rule as GradScaler.unscale_: fp16 master gradients lose too much when unscaled.
+        raise ValueError("GradScaler cannot unscale float16 gradients (torch refuses them too: "
+                         "'Attempting to unscale FP16 gradients'); keep the parameters in "
+                         "float32 and run the forward under torch.autocast, or use bfloat16")
+    device = buckets[0].shard.device
+    found = torch.zeros((), dtype=torch.float32, device=device)
+    inv_scale = _inverse_scale(scaler).to(device)
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = defaultdict(list)
+    for piece in gradient_slices(buckets, rank):
+        by_dtype[piece.dtype].append(piece)
+    for pieces in by_dtype.values():
+        torch._amp_foreach_non_finite_check_and_unscale_(pieces, found, inv_scale)
+    return found
+
+
+def agree(comm: Communicator, found: torch.Tensor) -> torch.Tensor:
+    """The sum over ranks of each rank's local found-inf (> 0: skip on every rank)."""
+    return gather_small(comm, found.view(1), "the inf/NaN check (GradScaler)").sum()
+
+
+def record(scaler: Any, optimizer: torch.optim.Optimizer, found: torch.Tensor) -> None:
+    """Make `scaler.update()` see the agreed found-inf (it sums these per-device tensors)."""
+    per_device = scaler._found_inf_per_device(optimizer)
+    per_device.clear()
+    per_device[found.device] = found.float()
+
+
+def unscaled_by_user(scaler: Any, optimizer: torch.optim.Optimizer) -> bool:
+    """Whether the user called scaler.unscale_(optimizer) in this iteration."""
+    return scaler._per_optimizer_states[id(optimizer)]["stage"] is OptState.UNSCALED
+
+
+def unscale_averaged_grads(scaler: Any, optimizer: torch.optim.Optimizer) -> bool:
+    """After optimizer.synchronize() `.grad` holds the averaged gradient, the same bits on every
+    rank, so GradScaler's own unscale_ is right as it is. Return whether to skip the update."""
+    if not unscaled_by_user(scaler, optimizer):
+        scaler.unscale_(optimizer)
+    return bool(sum(v.item() for v in scaler._found_inf_per_device(optimizer).values()))

@@ -1,0 +1,88 @@
+"""What a training loop does to the averaged gradient between backward and step(), under DeAR.
+
+Between the reduce-scatter and the all-gather the averaged gradient exists only as one shard per
+rank (dear/shards.py). GradScaler's unscale and inf check (dear/amp.py) and clipping by the global
+norm (dear/clip.py) are applied there, so they see exactly what DDP users see in the all-reduced
+`.grad`, cost no extra pass over the full gradient, and take effect before the deferred update.
+After `optimizer.synchronize()` (Horovod's loop) `.grad` holds the average itself and torch's own
+GradScaler.unscale_ and clip_grad_norm_ apply as they are.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+
+from . import amp, clip
+
+
+class ReducedGradientMixin:
+    """Methods of dear.DistributedOptimizer; they use its bucket state (see dear/optimizer.py:
+    `_finish_reduce`, `_end_iteration`, `_buckets`, `_comm`, `_synchronized`, `_params`)."""
+
+    # GradScaler.step() then calls step(grad_scaler=scaler) and leaves the inf check to the
+    # optimizer: see dear/amp.py for why it must look at the reduced gradient.
+    _step_supports_amp_scaling = True
+
+    if TYPE_CHECKING:
+        _buckets: Any
+        _comm: Any
+        _params: list
+        _synchronized: bool
+        _amp_found_inf: Optional[torch.Tensor]
+        _clipped_scaled: bool
+
+        def _finish_reduce(self) -> None: ...
+        def _end_iteration(self) -> None: ...
+
+    def _amp_skips(self, grad_scaler: Any) -> bool:
+        """GradScaler's unscale and inf check, on the reduced shards; True: skip on every rank."""
+        if self._amp_found_inf is None:
+            if self._clipped_scaled and amp.unscaled_by_user(grad_scaler, self):
+                self._end_iteration()
+                raise RuntimeError(
+                    "scaler.unscale_(optimizer) does not reach dear's reduced gradients, so "
+                    "optimizer.clip_grad_norm_() clipped them still scaled; this step was "
+                    "dropped. Pass the scaler instead: optimizer.clip_grad_norm_(max_norm, "
+                    "grad_scaler=scaler), without scaler.unscale_(optimizer)")
+            assert self._buckets is not None
+            try:
+                found = amp.unscale_local(self._buckets, self._comm.rank, grad_scaler)
+            except ValueError:                 # e.g. fp16 gradients: the same on every rank
+                self._end_iteration()
+                raise
+            self._amp_found_inf = amp.agree(self._comm, found)
+        amp.record(grad_scaler, self, self._amp_found_inf)
+        return bool(self._amp_found_inf.item() > 0)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False, *,
+                        grad_scaler: Optional[Any] = None) -> torch.Tensor:
+        """torch.nn.utils.clip_grad_norm_ applied to the AVERAGED gradient (what DDP users clip),
+        computed from the reduced shards; returns the total norm. Call it on every rank after the
+        last backward and before step(). With a GradScaler pass grad_scaler=scaler instead of
+        calling scaler.unscale_(optimizer): the reduced gradient is unscaled first."""
+        norm_type = clip.check_norm_type(norm_type)
+        if self._synchronized:                 # .grad holds the average, the same on every rank
+            if grad_scaler is not None and not amp.unscaled_by_user(grad_scaler, self):
+                grad_scaler.unscale_(self)
+            return torch.nn.utils.clip_grad_norm_(
+                [p for p in self._params if p.grad is not None], max_norm, norm_type,
+                error_if_nonfinite)
+        self._finish_reduce()
+        assert self._buckets is not None
+        found = None
+        if grad_scaler is not None and self._amp_found_inf is None:
+            found = amp.unscale_local(self._buckets, self._comm.rank, grad_scaler)
+        total, agreed = clip.global_norm(self._buckets, self._comm, norm_type, found)
+        if agreed is not None:
+            self._amp_found_inf = agreed
+            amp.record(grad_scaler, self, agreed)
+        self._clipped_scaled |= grad_scaler is None and self._amp_found_inf is None
+        if error_if_nonfinite and not torch.isfinite(total):
+            raise RuntimeError(f"the total norm of order {norm_type} of the averaged gradients "
+                               "is non-finite, so it cannot be clipped; set "
+                               "error_if_nonfinite=False to scale them by it anyway")
+        clip.scale_(self._buckets, self._comm.rank, total, max_norm)
+        return total
