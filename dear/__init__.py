@@ -2,6 +2,7 @@
 
 from .comm.base import ReduceOp
 from .compression import Compression
+from .kfac import KFAC
 from .optimizer import DistributedOptimizer
 from .runtime import (allreduce, broadcast_optimizer_state, broadcast_parameters, init,
                       is_initialized, local_rank, rank, shutdown, size)
@@ -12,6 +13,6 @@ Sum = ReduceOp.Sum
 __version__ = "0.1.0"
 
 __all__ = [
-    "Average", "Compression", "DistributedOptimizer", "ReduceOp", "Sum", "allreduce", "broadcast_optimizer_state",
+    "Average", "Compression", "DistributedOptimizer", "KFAC", "ReduceOp", "Sum", "allreduce", "broadcast_optimizer_state",
     "broadcast_parameters", "init", "is_initialized", "local_rank", "rank", "shutdown", "size",
 ]

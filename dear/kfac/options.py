@@ -1,0 +1,97 @@
+"""Hyperparameters (a value or a callable of the step, as in kfac-pytorch), their checks, and
+which modules K-FAC takes."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable, Iterable, Optional, Union
+
+from torch import nn
+
+from .layers import KFACLayer, make_layer, unsupported_reason
+
+Hyper = Union[float, int, None, Callable[[int], Any]]
+NAMES = ("lr", "damping", "factor_decay", "kl_clip", "factor_update_freq", "inv_update_freq")
+
+
+@dataclasses.dataclass(frozen=True)
+class Hyperparameters:
+    """The values in force at one step."""
+
+    lr: float
+    damping: float
+    factor_decay: float
+    kl_clip: Optional[float]
+    factor_update_freq: int
+    inv_update_freq: int
+
+
+def check(name: str, value: Any, step: Optional[int] = None) -> Any:
+    """`value` if valid for `name`, else a ValueError that says what is wrong and where from."""
+    where = f" (returned by its callable at step {step})" if step is not None else ""
+
+    def fail(expected: str) -> None:
+        raise ValueError(f"dear.KFAC: {name} must be {expected}, got {value!r}{where}")
+
+    if name in ("factor_update_freq", "inv_update_freq"):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            fail("an integer >= 1")
+        return value
+    if name == "kl_clip" and value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        fail("a finite number")
+    if name == "damping" and value <= 0:
+        fail("> 0 (it keeps (F + damping I) invertible; kfac-pytorch's default is 0.001)")
+    if name == "factor_decay" and not 0 <= value < 1:
+        fail("in [0, 1) (the weight of the old factor in the running average)")
+    if name in ("lr", "kl_clip") and value < 0:
+        fail(">= 0")
+    return float(value)
+
+
+def resolve(sources: dict[str, Hyper], step: int) -> Hyperparameters:
+    values = {}
+    for name in NAMES:
+        source = sources[name]
+        values[name] = check(name, source(step), step) if callable(source) else source
+    return Hyperparameters(**values)
+
+
+def _skipped(name: str, module: nn.Module, skip: Iterable[Union[str, type]]) -> bool:
+    for rule in skip:
+        if isinstance(rule, type):
+            if isinstance(module, rule):
+                return True
+        elif (name == rule or name.startswith(rule + ".")
+              or type(module).__name__.lower() == rule.lower()):
+            return True
+    return False
+
+
+def find_layers(model: nn.Module, skip_layers: Iterable[Union[str, type]]
+                ) -> tuple[list[KFACLayer], list[str]]:
+    """The supported layers of `model` in registration order, and a description of every module
+    with parameters of its own that K-FAC leaves to the optimizer (with the reason)."""
+    skip = list(skip_layers)
+    for rule in skip:
+        if not isinstance(rule, (str, type)):
+            raise TypeError(f"dear.KFAC: skip_layers holds module names, class names or types; "
+                            f"got {rule!r}")
+    layers: list[KFACLayer] = []
+    others: list[str] = []
+    for name, module in model.named_modules():
+        if not any(True for _ in module.parameters(recurse=False)):
+            continue
+        kind = type(module).__name__
+        if _skipped(name, module, skip):
+            others.append(f"{name} ({kind}: skip_layers)")
+            continue
+        layer = make_layer(name, module)
+        if layer is not None:
+            layers.append(layer)
+        else:
+            reason = unsupported_reason(module)
+            others.append(f"{name} ({kind}{': ' + reason if reason else ''})")
+    return layers, others
