@@ -36,6 +36,12 @@ class Config:
     fusion_threshold: int = 25 * _MB
     #: seconds a collective may wait before the process group reports a failure (DEAR_TIMEOUT).
     timeout: float = 300.0
+    #: directory where dear.diagnose writes a trace of each DistributedOptimizer's run
+    #: ("" = no tracing) (DEAR_TRACE).
+    trace: str = ""
+    #: iterations DEAR_TRACE records, START:STOP counted from the optimizer's creation
+    #: (DEAR_TRACE_ITERATIONS).
+    trace_iterations: str = "10:20"
     #: "pairwise" (dear's bandwidth-optimal point-to-point schedule) or "native" (torch's own
     #: collectives) for reduce-scatter/all-gather on Gloo (DEAR_GLOO_COLLECTIVES).
     gloo_collectives: str = "pairwise"
@@ -45,6 +51,8 @@ class Config:
     _ENV = {
         "fusion_threshold": ("DEAR_FUSION_THRESHOLD", _parse_bytes),
         "timeout": ("DEAR_TIMEOUT", float),
+        "trace": ("DEAR_TRACE", str),
+        "trace_iterations": ("DEAR_TRACE_ITERATIONS", str),
         "gloo_collectives": ("DEAR_GLOO_COLLECTIVES", str),
         "log_level": ("DEAR_LOG_LEVEL", str),
     }
@@ -54,6 +62,10 @@ class Config:
             raise ValueError(f"fusion_threshold must be >= 0 bytes, got {self.fusion_threshold}")
         if self.timeout <= 0:
             raise ValueError(f"timeout must be > 0 seconds, got {self.timeout}")
+        start, _, stop = self.trace_iterations.partition(":")
+        if not (start.strip().isdigit() and stop.strip().isdigit() and int(stop) > int(start)):
+            raise ValueError(f"trace_iterations must be START:STOP with 0 <= START < STOP, "
+                             f"e.g. '10:20', got {self.trace_iterations!r}")
         if self.gloo_collectives not in ("pairwise", "native"):
             raise ValueError(
                 f"gloo_collectives must be 'pairwise' or 'native', got {self.gloo_collectives!r}")

@@ -429,6 +429,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     wrapped.__dict__.update(optimizer.__dict__)
     wrapped._dear_setup(named, model, backward_passes_per_step, op, gradient_predivide_factor,
                         fusion_threshold, overlap_allgather, compressor, groups, sparse_as_dense)
+    if getattr(runtime.config(), "trace", ""):  # DEAR_TRACE=dir: dear.diagnose records the run
+        from .diagnose.trace import attach_from_config
+        attach_from_config(wrapped, model)
     return wrapped
 
 

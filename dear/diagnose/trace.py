@@ -1,0 +1,391 @@
+"""The tracer: module hooks, optimizer hooks and a traced communicator, for a range of iterations.
+
+    with dear.diagnose.trace(model, optimizer, out="traces/", iterations=range(10, 20)):
+        for x, y in loader: ...
+
+or DEAR_TRACE=traces/ (DEAR_TRACE_ITERATIONS=10:20) for a dear.DistributedOptimizer. An
+iteration ends when `optimizer.step()` returns (without an optimizer: when the model's next
+training forward starts); iteration 0 is the first one that starts after the tracer does. Hooks
+stay installed while the tracer is attached but only record inside `iterations`, so the trace
+holds those iterations and nothing else. Each rank writes `<out>/rank<r>.json` (Chrome trace).
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import json
+import logging
+import os
+import time
+from typing import Any, Optional
+
+import torch
+
+from .align import clock_offset, current_group
+from .comm import CompletionWatcher, TracingCommunicator, ddp_comm_hook
+from .recorder import Clock, Ev, Recorder
+
+log = logging.getLogger("dear")
+
+
+def parse_iterations(text: str) -> range:
+    """'10:20' -> range(10, 20) (DEAR_TRACE_ITERATIONS)."""
+    try:
+        start, stop = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise ValueError(f"trace iterations must look like START:STOP (e.g. 10:20), got {text!r}")
+    return _check_iterations(range(start, stop))
+
+
+def _check_iterations(iterations: Any) -> range:
+    if not isinstance(iterations, range) or iterations.step != 1:
+        raise TypeError(f"iterations must be a range with step 1, e.g. range(10, 20); "
+                        f"got {iterations!r}")
+    if iterations.start < 0 or len(iterations) == 0:
+        raise ValueError(f"iterations must be a non-empty range of non-negative iteration "
+                         f"numbers, got {iterations!r}")
+    return iterations
+
+
+class Tracer:
+    """Records the iterations in `iterations` of this rank; see the module docstring."""
+
+    def __init__(self, model: Optional[torch.nn.Module] = None, optimizer: Any = None,
+                 out: str = "traces", iterations: range = range(10, 20), *,
+                 clock: Clock = time.perf_counter_ns, finish_after_range: bool = False) -> None:
+        if model is None and optimizer is None:
+            raise ValueError("dear.diagnose.trace needs a model, an optimizer or both")
+        if model is not None and not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if optimizer is not None and not callable(getattr(optimizer, "step", None)):
+            raise TypeError(f"optimizer must have a step() method, got {type(optimizer).__name__}")
+        self.model, self.optimizer = model, optimizer
+        self.out = os.fspath(out)
+        self.iterations = _check_iterations(iterations)
+        self.recorder = Recorder(clock)
+        self._finish_after_range = finish_after_range
+        self._count = 0
+        self._recording: Optional[int] = None
+        self._step_depth = 0
+        self._step_start = 0
+        self._handles: list[Any] = []
+        self._proxy: Optional[TracingCommunicator] = None
+        self._watcher: Optional[CompletionWatcher] = None
+        self._ddp_slot: Optional[list] = None
+        self._bucket_map: tuple[Any, dict[int, int]] = (None, {})
+        self._started = self._stopped = False
+        self._seen_forward = self._wrapped_step = False
+        self.path: Optional[str] = None
+        self.meta: dict[str, Any] = {}
+
+    # ------------------------------------------------------------------ context manager
+    def __enter__(self) -> "Tracer":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    @property
+    def iteration(self) -> int:
+        """Iterations completed since the tracer started."""
+        return self._count
+
+    def _active(self) -> Optional[int]:
+        return self._recording
+
+    # ---------------------------------------------------------------------- attach/detach
+    def start(self) -> "Tracer":
+        if self._started:
+            raise RuntimeError("this tracer was already started; make a new one")
+        self._started = True
+        clock = self.recorder.clock
+        self._watcher = CompletionWatcher(clock)
+        comm = self._install_comm()
+        flush = getattr(self.optimizer, "flush_updates", None)
+        if callable(flush):
+            flush()                            # no all-gather in flight while clocks align
+        group = current_group(comm.inner if comm is not None else None)
+        offset, origin = clock_offset(group, clock)
+        self.meta.update(rank=group.rank, world_size=group.size, clock_offset_ns=offset,
+                         origin_ns=origin, backend=comm.name if comm is not None else None)
+        self._params = self._collect_params()
+        if self.model is not None:
+            self._hook_model(self.model)
+        self._hook_params()
+        if self.optimizer is not None:
+            self._hook_optimizer(self.optimizer)
+        self._set_count(0, clock())
+        if self._finish_after_range:
+            atexit.register(self.stop)
+        return self
+
+    def stop(self) -> Optional[str]:
+        """Detach, wait for the traced collectives to complete, write the trace; return its path."""
+        if not self._started or self._stopped:
+            return self.path
+        self._stopped = True
+        self._recording = None
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        if self._ddp_slot is not None:
+            self._ddp_slot[0] = None
+        if self.optimizer is not None and "_apply" in vars(self.optimizer):
+            del self.optimizer._apply
+        if self._wrapped_step:
+            del self.optimizer.step
+        self._uninstall_comm()
+        assert self._watcher is not None
+        if not self._watcher.close():
+            log.warning("dear.diagnose: collectives still in flight after 600 s; their end "
+                        "times are missing from the trace")
+        self.path = self.write()
+        return self.path
+
+    def _install_comm(self) -> Optional[TracingCommunicator]:
+        from .. import runtime
+        opt_comm = getattr(self.optimizer, "_comm", None)
+        rt_comm = runtime._state.comm
+        target = opt_comm if opt_comm is not None else rt_comm
+        if target is None:
+            return None
+        assert self._watcher is not None
+        proxy = TracingCommunicator(target, self.recorder, self._watcher, self._active,
+                                    self._bucket_of)
+        if opt_comm is not None:
+            self.optimizer._comm = proxy
+        if rt_comm is target:
+            runtime._state.comm = proxy
+        self._proxy = proxy
+        return proxy
+
+    def _uninstall_comm(self) -> None:
+        from .. import runtime
+        proxy = self._proxy
+        if proxy is None:
+            return
+        if getattr(self.optimizer, "_comm", None) is proxy:
+            self.optimizer._comm = proxy.inner
+        if runtime._state.comm is proxy:
+            runtime._state.comm = proxy.inner
+
+    # ------------------------------------------------------------------------- iterations
+    def _set_count(self, count: int, t_ns: int) -> None:
+        rec = self.recorder
+        if self._recording is not None:
+            rec.iteration_ends[self._recording] = t_ns
+        self._count = count
+        self._recording = count if count in self.iterations else None
+        if self._recording is not None:
+            rec.iteration_starts[count] = t_ns
+
+    def _end_iteration(self) -> None:
+        self._set_count(self._count + 1, self.recorder.clock())
+
+    # ------------------------------------------------------------------------------ hooks
+    def _collect_params(self) -> list[tuple[str, torch.nn.Parameter]]:
+        named: list[tuple[str, torch.nn.Parameter]] = []
+        seen: set[int] = set()
+        if self.model is not None:
+            for name, p in self.model.named_parameters():
+                if p.requires_grad and id(p) not in seen:
+                    seen.add(id(p))
+                    named.append((name, p))
+        opt_names = getattr(self.optimizer, "_names", None)
+        for group in getattr(self.optimizer, "param_groups", ()):
+            for p in group["params"]:
+                if p.requires_grad and id(p) not in seen:
+                    seen.add(id(p))
+                    named.append((f"param{len(named)}", p))
+        if opt_names is not None:              # dear's own names when no model was given
+            by_id = {id(p): n for n, p in zip(opt_names, self.optimizer._params)}
+            named = [(by_id.get(id(p), n) if n.startswith("param") else n, p) for n, p in named]
+        self._param_index = {id(p): i for i, (_, p) in enumerate(named)}
+        return named
+
+    def _hook_model(self, model: torch.nn.Module) -> None:
+        self._modules = list(model.named_modules())
+        self._handles.append(model.register_forward_pre_hook(self._root_forward))
+        for idx, (_, module) in enumerate(self._modules):
+            leaf = next(module.children(), None) is None
+            self._handles.append(module.register_forward_pre_hook(
+                functools.partial(self._forward_start, idx)))
+            self._handles.append(module.register_forward_hook(
+                functools.partial(self._forward_end, idx, leaf)))
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            self._hook_ddp(model)
+
+    def _hook_ddp(self, ddp: torch.nn.parallel.DistributedDataParallel) -> None:
+        slot = getattr(ddp, "_dear_trace_slot", None)
+        if slot is None:
+            if getattr(ddp, "_comm_hooks", None):
+                log.warning("dear.diagnose: this DDP model has its own comm hook; its "
+                            "all-reduces are not traced")
+                return
+            slot = [None]                      # DDP keeps a comm hook for good: it asks
+            ddp.register_comm_hook(ddp.process_group, ddp_comm_hook(slot))  # the slot
+            ddp._dear_trace_slot = slot  # type: ignore[attr-defined]
+        slot[0] = self
+        self._ddp_slot = slot
+
+    def _hook_params(self) -> None:
+        for idx, (_, p) in enumerate(self._params):
+            self._handles.append(p.register_post_accumulate_grad_hook(
+                functools.partial(self._grad_ready, idx)))
+
+    def _hook_optimizer(self, optimizer: Any) -> None:
+        if isinstance(optimizer, torch.optim.Optimizer):
+            self._handles.append(optimizer.register_step_pre_hook(self._step_pre))
+            self._handles.append(optimizer.register_step_post_hook(self._step_post))
+        else:                                  # any object with step(): wrap it
+            step = optimizer.step
+
+            def traced_step(*args: Any, **kwargs: Any) -> Any:
+                self._step_pre()
+                try:
+                    return step(*args, **kwargs)
+                finally:
+                    self._step_post()
+            optimizer.step = traced_step
+            self._wrapped_step = True
+        apply = getattr(optimizer, "_apply", None)
+        if callable(apply) and hasattr(optimizer, "_buckets"):   # dear: per-bucket updates
+            def traced_apply(bucket: Any) -> Any:
+                it = self._recording
+                if it is None:
+                    return apply(bucket)
+                start = self.recorder.clock()
+                try:
+                    return apply(bucket)
+                finally:
+                    self.recorder.events.append((Ev.UPDATE, it, start, self.recorder.clock(),
+                                                 bucket.spec.index))
+            optimizer._apply = traced_apply
+
+    def _root_forward(self, module: torch.nn.Module, args: Any) -> None:
+        if not module.training:
+            return
+        if self.optimizer is None:
+            if self._seen_forward:
+                self._end_iteration()
+            self._seen_forward = True
+        if self._finish_after_range and self._count > self.iterations.stop:
+            # DEAR_TRACE: one iteration after the range, so the last updates were applied and
+            # nothing traced is in flight. (Not from a step hook: torch iterates over those.)
+            self.stop()
+
+    def _forward_start(self, idx: int, module: torch.nn.Module, args: Any) -> None:
+        it = self._recording
+        if it is not None and module.training:
+            self.recorder.events.append((Ev.FORWARD_START, it, self.recorder.clock(), idx))
+
+    def _forward_end(self, idx: int, leaf: bool, module: torch.nn.Module, args: Any,
+                     output: Any) -> None:
+        it = self._recording
+        if it is None or not module.training:
+            return
+        self.recorder.events.append((Ev.FORWARD_END, it, self.recorder.clock(), idx))
+        if leaf and torch.is_grad_enabled():
+            tensor = _first_grad_tensor(output)
+            if tensor is not None:
+                tensor.register_hook(functools.partial(self._backward_start, idx, it))
+
+    def _backward_start(self, idx: int, it: int, grad: torch.Tensor) -> None:
+        self.recorder.events.append((Ev.BACKWARD_START, it, self.recorder.clock(), idx))
+
+    def _grad_ready(self, idx: int, param: torch.Tensor) -> None:
+        it = self._recording
+        if it is not None:
+            self.recorder.events.append((Ev.GRAD_READY, it, self.recorder.clock(), idx))
+
+    def _step_pre(self, *args: Any) -> None:
+        self._step_depth += 1
+        if self._step_depth == 1:
+            self._step_start = self.recorder.clock()
+
+    def _step_post(self, *args: Any) -> None:
+        self._step_depth -= 1
+        if self._step_depth:
+            return
+        it = self._recording
+        end = self.recorder.clock()
+        if it is not None:
+            self.recorder.events.append((Ev.STEP, it, self._step_start, end))
+        self._set_count(self._count + 1, end)
+
+    def _bucket_of(self, tensor: torch.Tensor) -> Optional[int]:
+        buckets = getattr(self.optimizer, "_buckets", None)
+        if not buckets:
+            return None
+        key, table = self._bucket_map
+        if key is not buckets:
+            table = {}
+            for b in buckets:
+                for t in (b.wire, b.wire_shard):
+                    table[t.data_ptr()] = b.spec.index
+            self._bucket_map = (buckets, table)
+        return table.get(tensor.data_ptr())
+
+    # ------------------------------------------------------------------------------ output
+    def describe(self) -> dict[str, Any]:
+        """What the trace needs besides events: parameters, modules, buckets, schedule."""
+        opt = self.optimizer
+        buckets = []
+        for b in getattr(opt, "_buckets", None) or ():
+            buckets.append([self._param_index.get(id(p), -1) for p in b.params])
+        modules = [{"name": name or "<root>", "leaf": next(m.children(), None) is None,
+                    "params": [self._param_index[id(p)] for p in m.parameters(recurse=False)
+                               if id(p) in self._param_index]}
+                   for name, m in getattr(self, "_modules", [])]
+        return {**self.meta, "version": 1, "schedule": _schedule_of(self.model, opt),
+                "iterations": [self.iterations.start, self.iterations.stop],
+                "params": [{"name": n, "numel": p.numel(), "bytes": p.numel() * p.element_size()}
+                           for n, p in self._params],
+                "modules": modules, "buckets": buckets,
+                "fusion_threshold": getattr(opt, "_threshold", None)}
+
+    def write(self) -> str:
+        from .chrome import build_trace
+        doc = build_trace(self.recorder, self.describe())
+        os.makedirs(self.out, exist_ok=True)
+        path = os.path.join(self.out, f"rank{self.meta.get('rank', 0)}.json")
+        with open(path, "w") as fh:
+            json.dump(doc, fh, separators=(",", ":"))
+        return path
+
+
+def _first_grad_tensor(output: Any) -> Optional[torch.Tensor]:
+    if isinstance(output, torch.Tensor):
+        return output if output.requires_grad else None
+    if isinstance(output, (tuple, list)):
+        for item in output:
+            found = _first_grad_tensor(item)
+            if found is not None:
+                return found
+    return None
+
+
+def _schedule_of(model: Any, optimizer: Any) -> str:
+    if optimizer is not None and hasattr(optimizer, "_buckets") and hasattr(optimizer, "_apply"):
+        return "dear"
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return "ddp"
+    return type(optimizer).__name__.lower() if optimizer is not None else "unknown"
+
+
+def trace(model: Optional[torch.nn.Module] = None, optimizer: Any = None, out: str = "traces",
+          iterations: range = range(10, 20)) -> Tracer:
+    """Context manager tracing `iterations` (counted from entry) into `<out>/rank<r>.json`."""
+    return Tracer(model, optimizer, out, iterations)
+
+
+def attach_from_config(optimizer: Any, model: Optional[torch.nn.Module]) -> Optional[Tracer]:
+    """DEAR_TRACE: trace a dear.DistributedOptimizer from its creation; write after the range."""
+    from .. import runtime
+    cfg = runtime.config()
+    if not cfg.trace:
+        return None
+    tracer = Tracer(model, optimizer, cfg.trace, parse_iterations(cfg.trace_iterations),
+                    finish_after_range=True)
+    return tracer.start()
