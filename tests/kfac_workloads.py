@@ -23,6 +23,9 @@ from torch import Tensor, nn
 
 DTYPE = torch.float64
 PER_RANK = 6
+STEPS = 3
+ARGS: dict[str, Any] = dict(lr=0.1, damping=0.003, factor_decay=0.9, kl_clip=0.001,
+                            inv_update_freq=2)
 
 
 class MLP(nn.Module):
@@ -268,9 +271,9 @@ def _horovod_main(strategy: str) -> None:
     model = make_model("mlp")
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
                                    named_parameters=model.named_parameters())
-    precond = dear.KFAC(model, inv_update_freq=2, strategy=strategy)
+    precond = dear.KFAC(model, strategy=strategy, **ARGS)
     result = []
-    for step in range(3):
+    for step in range(STEPS):
         x, y = batch("mlp", step, hvd.size(), hvd.rank())
         opt.zero_grad()
         loss_fn(model(x), y).backward()

@@ -34,6 +34,7 @@ from .costs import NetworkModel
 
 log = logging.getLogger("dear")
 _TAG_OFFSET = 1 << 24     # above the tags dear's communicator uses on a shared group
+_SHARED: dict[tuple[int, int], tuple[Any, "Transport"]] = {}
 
 
 class Transport:
@@ -70,15 +71,26 @@ class Transport:
         if runtime.is_initialized():
             comm = runtime.communicator()
             if isinstance(comm, TorchCommunicator):
-                return cls(group=comm.group, torch_dist=True)
+                return cls._shared(comm.group)
             return cls(comm)
         if dist.is_available() and dist.is_initialized():
-            return cls(group=None, torch_dist=True)
+            return cls._shared(None)
         hvd = sys.modules.get("horovod.torch")
         if hvd is not None and getattr(hvd, "is_initialized", lambda: False)():
             from ..comm.horovod import HorovodCommunicator
             return cls(HorovodCommunicator())
         return cls(LocalCommunicator())
+
+    @classmethod
+    def _shared(cls, group: Optional[dist.ProcessGroup]) -> "Transport":
+        """One transport (and so one pair of groups) per torch group and process: every KFAC
+        instance made on every rank in the same order shares it, in the same order."""
+        key = (id(dist.group.WORLD), id(group))
+        cached = _SHARED.get(key)
+        if cached is None or cached[0] is not dist.group.WORLD:
+            cached = (dist.group.WORLD, cls(group=group, torch_dist=True))
+            _SHARED[key] = cached
+        return cached[1]
 
     def _peer(self, index: int) -> int:
         return dist.get_global_rank(self._group, index) if self._group is not None else index

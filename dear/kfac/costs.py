@@ -18,7 +18,7 @@ import torch
 
 from .enums import ComputeMethod
 
-_CALIBRATION_DIMS = (64, 128, 256, 384)
+_CALIBRATION_DIMS = (32, 96, 192, 256)
 
 
 @dataclasses.dataclass(frozen=True)

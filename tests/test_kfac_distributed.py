@@ -1,0 +1,157 @@
+"""dear.KFAC on 2 and 3 Gloo ranks, every strategy and variant: the preconditioned gradients at
+every step equal the single-process reference in which factors and gradients are averaged over
+the same shards of the global batch (tests/kfac_workloads.py). Also under torch DDP,
+dear.DistributedOptimizer (Horovod's synchronize / skip_synchronize loop) and Horovod."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dear.kfac import KFAC, NetworkModel
+from tests import kfac_workloads as W
+from tests.distributed import run_distributed
+from tests.horovod_launch import horovod_available, run_horovod
+
+STEPS, ARGS = W.STEPS, W.ARGS
+# (model, strategy, extra KFAC options). A network with alpha = 1 s makes every small factor
+# "cheaper to compute than to send", so those runs exercise redundant computation; alpha = 0
+# makes nothing redundant.
+SLOW_NET, FAST_NET = NetworkModel(1.0, 1e-6), NetworkModel(0.0, 0.0)
+CASES = [
+    ("mlp", "comm-opt", dict(network_model=FAST_NET)),
+    ("cnn", "comm-opt", dict(network_model=SLOW_NET)),
+    ("cnn", "comm-opt", dict(pipeline_factors=False, symmetry_aware=False, redundancy=False,
+                             network_model=FAST_NET)),                      # naive D-KFAC
+    ("embed", "comm-opt", dict(network_model=FAST_NET, bucket_cap_mb=1e-4)),  # many buckets
+    ("mlp", "mem-opt", dict(network_model=FAST_NET)),
+    ("cnn", "mem-opt", dict(network_model=SLOW_NET)),
+    ("embed", "mem-opt", dict(network_model=FAST_NET, method="inverse")),
+    ("mlp", "pad", dict(network_model=FAST_NET)),
+    ("cnn", "pad", dict(network_model=FAST_NET, bucket_cap_mb=1e-4)),
+    ("cnn", "pad", dict(network_model=FAST_NET, pipeline_factors=False, method="inverse")),
+    ("embed", "pad", dict(network_model=FAST_NET)),
+    ("cnn", "auto", dict()),                            # measured network, calibrated costs
+]
+
+
+def _average_grads(model: torch.nn.Module) -> None:
+    for p in model.parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad)
+            p.grad /= dist.get_world_size()
+
+
+def _rank_cases(cases: list) -> list:
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = []
+    for name, strategy, extra in cases:
+        model = W.make_model(name)
+        precond = KFAC(model, strategy=strategy, **{**ARGS, **extra})
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        grads = []
+        for step in range(STEPS):
+            x, y = W.batch(name, step, world, rank)
+            opt.zero_grad()
+            W.loss_fn(model(x), y).backward()
+            _average_grads(model)
+            precond.step()
+            grads.append(W.grads_of(model))
+            opt.step()
+        out.append((grads, precond.plan.strategy.value, list(precond.plan.layer_owner),
+                    list(precond.plan.a_owner)))
+    if world == 2:         # the integrations, in the same ranks (each spawn costs seconds)
+        out.append(_with_ddp("pad"))
+        out.append(_with_dear_optimizer("mem-opt"))
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_every_strategy_matches_the_shard_averaged_reference(world):
+    results = run_distributed(_rank_cases, world, CASES, timeout=240)
+    references = {}
+    for k, (name, strategy, extra) in enumerate(CASES):
+        method = extra.get("method", "eigen")
+        if (name, method) not in references:
+            references[(name, method)] = W.reference_run(name, world, STEPS, method=method,
+                                                         **ARGS)
+        want = references[(name, method)]
+        for rank in range(world):
+            grads, chosen, owners, a_owners = results[rank][k]
+            assert (chosen == strategy) or strategy == "auto"
+            assert owners == results[0][k][2], "ranks disagree on the plan"
+            for step in range(STEPS):
+                diff = W.max_rel_diff(grads[step], want[step])
+                assert diff < 1e-9, (name, strategy, extra, rank, step, diff)
+        if strategy == "pad":      # contiguous blocks, every rank owning some when possible
+            owners = results[0][k][2]
+            assert owners == sorted(owners)
+        if strategy == "comm-opt" and extra.get("network_model") is SLOW_NET:
+            assert -1 in results[0][k][3], "the slow network should make small factors redundant"
+    if world == 2:     # torch DDP (embedding model), then dear.DistributedOptimizer (CNN)
+        for name, got in (("embed", [r[-2] for r in results]), ("cnn", [r[-1] for r in results])):
+            want = W.reference_run(name, 2, STEPS, **ARGS)
+            for grads in got:
+                for step in range(STEPS):
+                    assert W.max_rel_diff(grads[step], want[step]) < 1e-9, (name, step)
+
+
+def _with_dear_optimizer(strategy: str) -> list:
+    """Horovod's K-FAC loop on dear.DistributedOptimizer (dear.init() reuses the group)."""
+    import dear
+    dear.init()
+    rank, world = dear.rank(), dear.size()
+    model = W.make_model("cnn")
+    opt = dear.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model=model)
+    precond = dear.KFAC(model, strategy=strategy, **ARGS)
+    grads = []
+    for step in range(STEPS):
+        x, y = W.batch("cnn", step, world, rank)
+        opt.zero_grad()
+        W.loss_fn(model(x), y).backward()
+        if step == 0:
+            try:
+                precond.step()
+                raise AssertionError("precond.step() before synchronize() was accepted")
+            except RuntimeError as exc:
+                assert "synchronize" in str(exc)
+        opt.synchronize()
+        precond.step()
+        grads.append(W.grads_of(model))
+        with opt.skip_synchronize():
+            opt.step()
+    dear.shutdown()
+    return grads
+
+
+def _with_ddp(strategy: str) -> list:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = torch.nn.parallel.DistributedDataParallel(W.make_model("embed"))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    precond = KFAC(model, strategy=strategy, **ARGS)
+    grads = []
+    for step in range(STEPS):
+        x, y = W.batch("embed", step, world, rank)
+        opt.zero_grad()
+        W.loss_fn(model(x), y).backward()
+        precond.step()
+        grads.append({k.removeprefix("module."): v for k, v in W.grads_of(model).items()})
+        opt.step()
+    return grads
+
+
+@pytest.mark.skipif(not horovod_available(), reason="Horovod with its torch extension is needed")
+def test_with_horovod_distributed_optimizer():
+    want = W.reference_run("mlp", 2, STEPS, **ARGS)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "grads")
+        run_horovod(["-m", "tests.kfac_workloads", "hvd", "pad", out], np=2, timeout=180)
+        for rank in range(2):
+            grads = torch.load(f"{out}.{rank}", weights_only=False)
+            for step in range(STEPS):
+                assert W.max_rel_diff(grads[step], want[step]) < 1e-9, step
