@@ -3,14 +3,20 @@
 - `trace(model, optimizer, out=..., iterations=range(10, 20))`: a context manager recording per
   rank a Chrome trace (Perfetto, chrome://tracing) of module forward/backward spans, updates,
   step and every collective, rank clocks aligned (also DEAR_TRACE=dir for dear's optimizer).
-- `report(path)`: per iteration compute, communication, exposed communication, overlap ratio,
+- `build_report(path)`: per iteration compute, communication, exposed communication, overlap ratio,
   idle gaps, slowest layers, buckets and rank; `plot_timeline` draws the lanes (PNG).
-- `simulate(path, ...)` / `predict_iteration_time(path, ...)`: replay the traced iteration's
+- `Simulator(path).predict(...)` / `predict_iteration_time(path, ...)`: replay the traced iteration's
   dependency graph under another schedule, bandwidth, latency, world size or fusion threshold.
 Command line: `python -m dear.diagnose report|simulate TRACE_DIR ...`.
 """
 
 from .chrome import Trace, load_trace
+from .costmodel import CostModel
+from .plot import plot_timeline
+from .report import Report, build_report, format_report
+from .simulate import Prediction, Schedule, Simulator, predict_iteration_time
 from .trace import Tracer, trace
 
-__all__ = ["Trace", "Tracer", "load_trace", "trace"]
+__all__ = ["CostModel", "Prediction", "Report", "Schedule", "Simulator", "Trace", "Tracer",
+           "build_report", "format_report", "load_trace", "plot_timeline",
+           "predict_iteration_time", "trace"]

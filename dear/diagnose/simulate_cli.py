@@ -1,9 +1,73 @@
-"""`python -m dear.diagnose simulate`: filled in with the simulator."""
+"""`python -m dear.diagnose simulate TRACE [--schedule ...] [--bandwidth ...] ...`"""
 
 from __future__ import annotations
 
+import argparse
 from typing import Any
+
+from ..config import _parse_bytes
+
+
+def _rate(text: str) -> float:
+    """'10gbit', '100mbit', '1e9' (bits/s)."""
+    value = text.strip().lower().replace("bps", "bit")
+    for suffix, scale in (("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3), ("bit", 1.0),
+                          ("g", 1e9), ("m", 1e6), ("k", 1e3)):
+        if value.endswith(suffix):
+            return float(value[: -len(suffix)]) * scale
+    return float(value)
+
+
+def _seconds(text: str) -> float:
+    value = text.strip().lower()
+    for suffix, scale in (("us", 1e-6), ("ms", 1e-3), ("s", 1.0)):
+        if value.endswith(suffix):
+            return float(value[: -len(suffix)]) * scale
+    return float(value)
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    from .simulate import Schedule, Simulator
+    sim = Simulator(args.trace)
+    schedules = [Schedule(s) for s in args.schedule.split(",")]
+    worlds = [int(w) for w in args.world_size.split(",")] if args.world_size else [None]
+    print(f"{args.trace}: traced schedule {sim.model.schedule} on {sim.model.world_size} ranks")
+    if sim.fitted is not None:
+        print(f"fitted network: {sim.fitted.describe()}")
+    cost = sim.cost_model(args.bandwidth, args.latency, None, args.traced_bandwidth)
+    print(f"replayed with: {cost.describe()}\n")
+    print("| schedule | world size | buckets | iteration (ms) | compute | communication | "
+          "exposed | overlap |")
+    print("|---|---|---|---|---|---|---|---|")
+    for n in worlds:
+        for schedule in schedules:
+            p = sim.predict(schedule, fusion_threshold=args.fusion_threshold,
+                            bandwidth_bps=args.bandwidth, latency_s=args.latency, world_size=n,
+                            traced_bandwidth_bps=args.traced_bandwidth,
+                            compute_scale=args.compute_scale)
+            ov = "-" if p.overlap is None else f"{p.overlap:.0%}"
+            print(f"| {p.schedule.value} | {p.world_size} | {p.buckets} | "
+                  f"{p.iteration_time * 1e3:.1f} | {p.compute * 1e3:.1f} | {p.comm * 1e3:.1f} | "
+                  f"{p.exposed * 1e3:.1f} | {ov} |")
+    return 0
 
 
 def add_parser(sub: Any) -> None:
-    return None
+    sim = sub.add_parser("simulate", help="replay the traced iteration under what-if settings")
+    sim.add_argument("trace", help="directory holding rank*.json")
+    sim.add_argument("--schedule", default="dear,ddp,wfbp,allreduce",
+                     help="comma-separated: dear, ddp, wfbp, allreduce")
+    sim.add_argument("--bandwidth", type=_rate, default=None,
+                     help="link rate, e.g. 10gbit (default: as fitted from the trace)")
+    sim.add_argument("--latency", type=_seconds, default=None,
+                     help="per-step latency, e.g. 20us (default: as fitted)")
+    sim.add_argument("--world-size", default="",
+                     help="comma-separated world sizes (default: the traced one)")
+    sim.add_argument("--fusion-threshold", type=_parse_bytes, default=None,
+                     help="bucket size, e.g. 25MB (default: as traced, else 25MB)")
+    sim.add_argument("--traced-bandwidth", type=_rate, default=None,
+                     help="the traced link's rate: --bandwidth then keeps each collective's "
+                          "measured efficiency instead of assuming the ideal rate")
+    sim.add_argument("--compute-scale", type=float, default=1.0,
+                     help="multiply compute times (e.g. 0.1 for a 10x faster accelerator)")
+    sim.set_defaults(run=_simulate)

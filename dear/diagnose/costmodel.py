@@ -1,0 +1,134 @@
+"""Alpha-beta cost of a collective for a world size, fitted from a trace or given.
+
+Ring algorithms over N ranks, S bytes (the full buffer), per-step latency a, link rate B:
+    reduce-scatter, all-gather:  (N-1) a + (N-1)/N S / B
+    all-reduce:                 2(N-1) a + 2(N-1)/N S / B
+    broadcast:                  (N-1) a + S / B
+Each kind has its own (a, B): backends differ per kind (Gloo's all-reduce vs dear's pairwise
+reduce-scatter). Fitted by least squares on the traced service times; a kind the trace lacks is
+derived from the others (all-reduce = reduce-scatter + all-gather, and back). A what-if bandwidth
+keeps each kind's measured efficiency (fitted rate / traced link rate) when the traced link rate
+is known, else assumes the ideal rate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from typing import Optional
+
+KINDS = ("reduce_scatter", "all_gather", "all_reduce", "broadcast")
+
+
+def latency_steps(kind: str, n: int) -> float:
+    return (2 if kind == "all_reduce" else 1) * (n - 1)
+
+
+def volume(kind: str, nbytes: float, n: int) -> float:
+    """Bytes each rank sends for a collective of `nbytes` on `n` ranks."""
+    if n <= 1:
+        return 0.0
+    if kind == "broadcast":
+        return float(nbytes)
+    return (2 if kind == "all_reduce" else 1) * (n - 1) / n * nbytes
+
+
+@dataclasses.dataclass(frozen=True)
+class CostModel:
+    """Per kind: `alpha` seconds per latency step, `rate` bytes/s sent per rank."""
+
+    alpha: dict[str, float]
+    rate: dict[str, float]
+    world_size: int
+
+    def time(self, kind: str, nbytes: float, world_size: Optional[int] = None) -> float:
+        n = self.world_size if world_size is None else world_size
+        if n <= 1:
+            return 0.0
+        return latency_steps(kind, n) * self.alpha[kind] + volume(kind, nbytes, n) / self.rate[kind]
+
+    @classmethod
+    def ideal(cls, bandwidth_bps: float, latency_s: float = 0.0, world_size: int = 2
+              ) -> "CostModel":
+        """Every kind at the link rate (bits/s) with per-step latency `latency_s`."""
+        _check_positive(bandwidth_bps, "bandwidth")
+        return cls({k: latency_s for k in KINDS}, {k: bandwidth_bps / 8 for k in KINDS},
+                   world_size)
+
+    @classmethod
+    def fit(cls, samples: list[dict], world_size: int) -> "CostModel":
+        """From collective_samples(trace): per kind least squares of seconds on bytes sent."""
+        alpha: dict[str, float] = {}
+        rate: dict[str, float] = {}
+        for kind in KINDS:
+            pts = [(volume(kind, s["bytes"], world_size), s["seconds"])
+                   for s in samples if s["kind"] == kind]
+            if pts:
+                alpha[kind], rate[kind] = _fit_line(pts, latency_steps(kind, world_size))
+        if not rate:
+            raise ValueError("the trace has no completed collective to fit a cost model on; "
+                             "give --bandwidth (and --latency)")
+        _derive_missing(alpha, rate)
+        return cls(alpha, rate, world_size)
+
+    def what_if(self, bandwidth_bps: Optional[float] = None, latency_s: Optional[float] = None,
+                world_size: Optional[int] = None, traced_bandwidth_bps: Optional[float] = None
+                ) -> "CostModel":
+        """This model at another link rate / latency / world size."""
+        rate = dict(self.rate)
+        if bandwidth_bps is not None:
+            _check_positive(bandwidth_bps, "bandwidth")
+            if traced_bandwidth_bps:
+                rate = {k: r * bandwidth_bps / traced_bandwidth_bps for k, r in rate.items()}
+            else:
+                rate = {k: bandwidth_bps / 8 for k in rate}
+        alpha = dict(self.alpha) if latency_s is None else {k: latency_s for k in self.alpha}
+        if latency_s is not None and latency_s < 0:
+            raise ValueError(f"latency must be >= 0 seconds, got {latency_s}")
+        n = self.world_size if world_size is None else world_size
+        if n < 1:
+            raise ValueError(f"world size must be >= 1, got {n}")
+        return CostModel(alpha, rate, n)
+
+    def describe(self) -> str:
+        return ", ".join(f"{k} {self.rate[k] * 8 / 1e9:.2f} Gbit/s + {self.alpha[k] * 1e6:.0f} us"
+                         f"/step" for k in ("reduce_scatter", "all_gather", "all_reduce"))
+
+
+def _check_positive(value: float, what: str) -> None:
+    if not value > 0:
+        raise ValueError(f"{what} must be > 0, got {value}")
+
+
+def _fit_line(pts: list[tuple[float, float]], steps: float) -> tuple[float, float]:
+    """(alpha, rate) with seconds = steps * alpha + bytes / rate, alpha >= 0."""
+    xs = [x for x, _ in pts]
+    ys = [y for _, y in pts]
+    if len(set(xs)) >= 2 and steps > 0:
+        mx, my = statistics.mean(xs), statistics.mean(ys)
+        sxx = sum((x - mx) ** 2 for x in xs)
+        slope = sum((x - mx) * (y - my) for x, y in pts) / sxx
+        intercept = my - slope * mx
+        if slope > 0 and intercept >= 0:
+            return intercept / steps, 1.0 / slope
+    # One size, or a negative intercept: no latency term, the aggregate rate.
+    return 0.0, sum(xs) / sum(ys)
+
+
+def _derive_missing(alpha: dict[str, float], rate: dict[str, float]) -> None:
+    """Ring identities: all-reduce = reduce-scatter + all-gather of the same buffer."""
+    rs, ag, ar = "reduce_scatter", "all_gather", "all_reduce"
+    if not any(k in rate for k in (rs, ag, ar)):      # broadcasts only
+        for k in (rs, ag, ar):
+            alpha[k], rate[k] = alpha["broadcast"], rate["broadcast"]
+    for a, b in ((rs, ag), (ag, rs)):
+        if a not in rate and b in rate:
+            alpha[a], rate[a] = alpha[b], rate[b]
+    if ar not in rate and rs in rate:
+        rate[ar] = 2 / (1 / rate[rs] + 1 / rate[ag])
+        alpha[ar] = (alpha[rs] + alpha[ag]) / 2
+    if rs not in rate and ar in rate:
+        for k in (rs, ag):
+            alpha[k], rate[k] = alpha[ar], rate[ar]
+    if "broadcast" not in rate:
+        alpha["broadcast"], rate["broadcast"] = alpha[ar], rate[ar]

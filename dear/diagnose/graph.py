@@ -1,0 +1,195 @@
+"""From a trace to what replay needs: one rank's iteration as compute segments with dependencies.
+
+The training thread's iteration is cut at the points where communication can interact with it:
+- forward: at each module that owns parameters (the first time it runs): the segment after the
+  cut needs those parameters updated (DeAR waits for their bucket's all-gather there);
+- backward: at each parameter's gradient arriving (a bucket may become ready to reduce);
+- step: the update of every parameter (DDP, WFBP, all-reduce) or, for DeAR, per bucket in the
+  next forward, plus what step() itself does.
+Each segment's duration is compute only: time inside traced waits and dear's per-bucket updates
+is removed (the update is modelled separately, per parameter, proportional to its size), as is
+time blocked on communication after the last gradient (DDP waits there, inside backward).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from typing import Any, Optional, Sequence
+
+from .chrome import RankTrace, Span, Trace
+from .intervals import Interval, clip, subtract, total, union
+
+
+@dataclasses.dataclass
+class Segment:
+    duration: float
+    needs: tuple[int, ...] = ()           # forward: parameters first used by this segment
+    produces: Optional[int] = None        # backward: the parameter whose gradient ends it
+
+
+@dataclasses.dataclass
+class Profile:
+    """One rank's iteration, compute only (seconds)."""
+
+    rank: int
+    lead: float                           # iteration start to forward (zero_grad, data, ...)
+    forward: list[Segment]
+    loss: float                           # forward's end to backward's start
+    backward: list[Segment]
+    backward_tail: float                  # last gradient to step(), communication removed
+    update: float                         # the optimizer's update of all parameters
+    step_extra: float                     # the rest of step(): schedule-specific (see below)
+    tail: float                           # step()'s end to the iteration's end
+
+    def structure(self) -> tuple:
+        return (tuple(s.needs for s in self.forward), tuple(s.produces for s in self.backward))
+
+    @property
+    def compute(self) -> float:
+        return (self.lead + self.loss + self.backward_tail + self.update + self.step_extra
+                + self.tail + sum(s.duration for s in self.forward + self.backward))
+
+
+@dataclasses.dataclass
+class Model:
+    """What every rank shares: parameters, forward order, the traced schedule and buckets."""
+
+    param_bytes: list[int]
+    param_numel: list[int]
+    forward_order: list[int]              # parameters by first use in forward
+    backward_order: list[int]             # parameters by gradient arrival
+    schedule: str
+    buckets: list[list[int]]              # traced buckets (dear), forward order
+    fusion_threshold: Optional[int]
+    world_size: int
+    profiles: list[Profile]               # one per traced rank
+
+
+def _minus(span: Interval, holes: list[Interval]) -> float:
+    return total(subtract([span], holes))
+
+
+def _rank_profile(rank: RankTrace, iteration: int, comm: list[Interval]) -> Profile:
+    spans = [s for s in rank.spans if s.iteration == iteration]
+    window = rank.iterations[iteration]
+    modules = rank.meta.get("modules", [])
+    roots = [s for s in spans if s.cat == "forward" and s.args.get("module") == 0]
+    steps = [s for s in spans if s.cat == "step"]
+    if len(roots) != 1 or len(steps) != 1:
+        raise ValueError(
+            f"rank {rank.rank} iteration {iteration}: replay models one forward, one backward "
+            f"and one step() per iteration; this one has {len(roots)} forward(s) of the model "
+            f"and {len(steps)} step(s) (gradient accumulation is not modelled yet)")
+    root, step = roots[0], steps[0]
+    updates = [(s.start, s.end) for s in spans if s.cat == "update"]
+    waits = [(s.start, s.end) for s in spans if s.cat == "wait"]
+    not_compute = union(updates + waits)
+
+    seen: set[int] = set()
+    cuts: list[tuple[float, tuple[int, ...]]] = []
+    for s in sorted((s for s in spans if s.cat == "forward" and s.args.get("module")),
+                    key=lambda s: s.start):
+        fresh = tuple(p for p in modules[s.args["module"]].get("params", []) if p not in seen)
+        if fresh:
+            seen.update(fresh)
+            cuts.append((s.start, fresh))
+    bounds = [root.start] + [t for t, _ in cuts] + [root.end]
+    needs = [()] + [n for _, n in cuts]
+    forward = [Segment(_minus((a, b), not_compute), n)
+               for a, b, n in zip(bounds, bounds[1:], needs)]
+
+    grads = sorted((s for s in spans if s.cat == "grad"), key=lambda s: s.start)
+    backward_spans = [s for s in spans if s.cat == "backward"]
+    start = min([s.start for s in backward_spans] + [g.start for g in grads[:1]] + [step.start])
+    backward, cursor, produced = [], start, set()
+    for g in grads:
+        param = int(g.args["param"])
+        if param in produced:
+            raise ValueError(f"rank {rank.rank} iteration {iteration}: parameter {param} got "
+                             "two gradients (several backward passes per step are not modelled)")
+        produced.add(param)
+        backward.append(Segment(_minus((cursor, g.start), not_compute), produces=param))
+        cursor = g.start
+    blocked = union(not_compute + clip(comm, cursor, step.start))
+    update_spans = sum(_minus(u, waits) for u in updates)
+    step_compute = _minus((step.start, step.end), waits)
+    dear = rank.meta.get("schedule") == "dear"
+    return Profile(
+        rank=rank.rank,
+        lead=_minus((window.start, root.start), not_compute),
+        forward=forward,
+        loss=_minus((root.end, start), not_compute),
+        backward=backward,
+        backward_tail=_minus((cursor, step.start), blocked),
+        update=update_spans if dear else step_compute,
+        step_extra=step_compute if dear else 0.0,
+        tail=_minus((step.end, window.end), not_compute))
+
+
+def _median_profile(profiles: Sequence[Profile]) -> Profile:
+    """Element-wise median over iterations of the same structure."""
+    first = profiles[0]
+    med = lambda xs: statistics.median(xs)  # noqa: E731
+    forward = [Segment(med([p.forward[i].duration for p in profiles]), s.needs)
+               for i, s in enumerate(first.forward)]
+    backward = [Segment(med([p.backward[i].duration for p in profiles]), produces=s.produces)
+                for i, s in enumerate(first.backward)]
+    scalars = {f: med([getattr(p, f) for p in profiles])
+               for f in ("lead", "loss", "backward_tail", "update", "step_extra", "tail")}
+    return Profile(rank=first.rank, forward=forward, backward=backward, **scalars)
+
+
+def build_model(trace: Trace, iterations: Optional[Sequence[int]] = None) -> Model:
+    """Profiles of every traced rank (median over `iterations`, default all complete ones)."""
+    chosen = list(iterations) if iterations is not None else trace.common_iterations()
+    if not chosen:
+        raise ValueError(f"{trace.path}: no iteration was traced on every rank")
+    profiles = []
+    for rank in trace.ranks:
+        comm = union((s.start, s.end) for s in rank.spans if s.cat == "comm")
+        per_it = [_rank_profile(rank, it, comm) for it in chosen]
+        same = all(p.structure() == per_it[0].structure() for p in per_it)
+        if same:
+            profiles.append(_median_profile(per_it))
+        else:                                  # take the iteration of median length
+            times = sorted((rank.iterations[it].duration, k) for k, it in enumerate(chosen))
+            profiles.append(per_it[times[len(times) // 2][1]])
+    meta = trace.meta
+    params = meta.get("params", [])
+    if not params:
+        raise ValueError(f"{trace.path}: the trace lists no parameters")
+    p0 = profiles[0]
+    forward_order = [p for s in p0.forward for p in s.needs]
+    backward_order = [s.produces for s in p0.backward if s.produces is not None]
+    missing = [i for i in range(len(params)) if i not in set(forward_order)]
+    return Model(param_bytes=[int(p["bytes"]) for p in params],
+                 param_numel=[int(p["numel"]) for p in params],
+                 forward_order=forward_order + missing,
+                 backward_order=backward_order,
+                 schedule=str(meta.get("schedule", "unknown")),
+                 buckets=[list(b) for b in meta.get("buckets", [])],
+                 fusion_threshold=meta.get("fusion_threshold"),
+                 world_size=trace.world_size, profiles=profiles)
+
+
+def collective_samples(trace: Trace) -> list[dict[str, Any]]:
+    """Each traced collective once: kind, bytes, and its service time on a FIFO link (from the
+    last rank's issue, or the previous collective's end, to the last rank's completion)."""
+    by_seq: dict[int, list[Span]] = {}
+    for rank in trace.ranks:
+        for s in rank.of("comm"):
+            if s.args.get("end_source") in ("watcher", "callback", "wait"):
+                by_seq.setdefault(int(s.args["seq"]), []).append(s)
+    out, prev_end = [], float("-inf")
+    for seq in sorted(by_seq):
+        spans = by_seq[seq]
+        if len(spans) != len(trace.ranks):
+            continue
+        issue, end = max(s.start for s in spans), max(s.end for s in spans)
+        begin = max(issue, prev_end)
+        prev_end = max(prev_end, end)
+        if end > begin:
+            out.append({"kind": spans[0].args["kind"], "bytes": int(spans[0].args["bytes"]),
+                        "seconds": end - begin, "seq": seq})
+    return out

@@ -1,0 +1,224 @@
+"""dear.diagnose replay: the engine, each schedule and the cost model on hand-built graphs whose
+iteration time has a closed form; graph extraction from a synthetic trace; the CLI."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dear.diagnose.chrome import FORMAT_VERSION, load_trace
+from dear.diagnose.costmodel import CostModel
+from dear.diagnose.engine import replay
+from dear.diagnose.graph import Model, Profile, Segment, build_model, collective_samples
+from dear.diagnose.simulate import Schedule, Simulator, predict_iteration_time
+
+MB = 2**20
+
+
+def test_engine_closed_form():
+    # Rank 0 issues A at 1, rank 1 at 3: A runs 3-4.5. B, issued by both at 4.5, queues behind
+    # nothing and runs 4.5-5.5; C, issued at once after B, waits for the link: 5.5-6.5.
+    progs = [[("compute", 1, "f"), ("issue", "A"), ("compute", 2, "f"), ("wait", "A"),
+              ("issue", "B"), ("issue", "C"), ("wait", "C"), ("mark", "end")],
+             [("compute", 3, "f"), ("issue", "A"), ("wait", "A"), ("issue", "B"),
+              ("issue", "C"), ("mark", "end")]]
+    cost = {"A": 1.5, "B": 1.0, "C": 1.0}
+    out = replay(progs, cost.__getitem__)
+    assert out.comm == {"A": (3, 4.5), "B": (4.5, 5.5), "C": (5.5, 6.5)}
+    assert out.mark_times("end") == [[6.5], [4.5]]
+    assert out.waits[0] == [(3, 4.5, "A"), (4.5, 6.5, "C")]
+
+
+def test_engine_rejects_inconsistent_programs():
+    with pytest.raises(ValueError, match="another order"):
+        replay([[("issue", "A"), ("issue", "B")], [("issue", "B"), ("issue", "A")]],
+               lambda k: 1.0)
+    with pytest.raises(ValueError, match="never issued"):
+        replay([[("wait", "A")]], lambda k: 1.0)
+    with pytest.raises(ValueError, match="negative"):
+        replay([[("compute", -1, "x")]], lambda k: 1.0)
+
+
+# Two parameters of 2 MB: forward uses p0 then p1, backward produces p1 then p0.
+F0, F1, G1, G0, UPDATE = 0.010, 0.020, 0.030, 0.040, 0.008
+NUMEL = 2 * MB // 4
+
+
+def _model(schedule: str = "dear", buckets: list[list[int]] | None = None) -> Model:
+    prof = Profile(rank=0, lead=0.0,
+                   forward=[Segment(0.0), Segment(F0, (0,)), Segment(F1, (1,))], loss=0.0,
+                   backward=[Segment(G1, produces=1), Segment(G0, produces=0)],
+                   backward_tail=0.0, update=UPDATE, step_extra=0.0, tail=0.0)
+    return Model(param_bytes=[2 * MB, 2 * MB], param_numel=[NUMEL, NUMEL], forward_order=[0, 1],
+                 backward_order=[1, 0], schedule=schedule,
+                 buckets=buckets if buckets is not None else [[0], [1]],
+                 fusion_threshold=None, world_size=2, profiles=[prof, prof])
+
+
+def _bucket_bytes(params: int, world: int = 2) -> int:
+    numel = params * NUMEL + params                    # + one usage flag per parameter
+    return -(-numel // world) * world * 4
+
+
+def test_dear_two_buckets_closed_form():
+    # 2 Gbit/s: a 2 MB bucket's reduce-scatter or all-gather (half of it sent) takes ~4.2 ms,
+    # less than G0 and F0 + its update, so only the last reduce-scatter (after backward) and
+    # the first all-gather (at the next forward) are exposed.
+    cost = CostModel.ideal(2e9, 0.0, world_size=2)
+    one = cost.time("reduce_scatter", _bucket_bytes(1))
+    assert one < G0 and one < F0 + UPDATE / 2
+    p = Simulator.from_model(_model(), cost).predict(Schedule.DEAR)
+    compute = F0 + F1 + G1 + G0 + UPDATE
+    assert p.buckets == 2
+    assert p.iteration_time == pytest.approx(compute + 2 * one, rel=1e-9)
+    assert p.compute == pytest.approx(compute, rel=1e-9)
+    assert p.exposed == pytest.approx(2 * one, rel=1e-9)
+    assert p.comm == pytest.approx(4 * one, rel=1e-9)
+    assert p.overlap == pytest.approx(0.5, rel=1e-9)
+
+
+def test_dear_one_bucket_has_no_overlap():
+    cost = CostModel.ideal(2e9, 0.0, world_size=2)
+    sim = Simulator.from_model(_model(), cost)
+    p = sim.predict(Schedule.DEAR, fusion_threshold=64 * MB)
+    both = cost.time("reduce_scatter", _bucket_bytes(2)) + cost.time("all_gather",
+                                                                      _bucket_bytes(2))
+    assert p.buckets == 1
+    assert p.iteration_time == pytest.approx(F0 + F1 + G1 + G0 + UPDATE + both, rel=1e-9)
+    assert p.overlap == pytest.approx(0.0, abs=1e-12)
+
+
+def test_ddp_wfbp_allreduce_closed_forms():
+    # With a 1 MB cap every 2 MB gradient is a bucket of its own: p1's all-reduce hides behind
+    # G0, p0's is exposed, then the update. One all-reduce after backward hides nothing.
+    cost = CostModel.ideal(2e9, 1e-4, world_size=4)
+    sim = Simulator.from_model(_model("ddp", buckets=[]), cost)
+    ar = cost.time("all_reduce", 2 * MB)
+    assert ar == pytest.approx(2 * 3 * 1e-4 + 2 * 3 / 4 * 2 * MB / (2e9 / 8))
+    assert ar < G0
+    compute = F0 + F1 + G1 + G0 + UPDATE
+    ddp = sim.predict(Schedule.DDP, fusion_threshold=1, world_size=4)
+    wfbp = sim.predict(Schedule.WFBP, fusion_threshold=1, world_size=4)
+    assert ddp.buckets == wfbp.buckets == 2
+    assert ddp.iteration_time == pytest.approx(compute + ar, rel=1e-9)
+    assert wfbp.iteration_time == pytest.approx(compute + ar, rel=1e-9)
+    one = sim.predict(Schedule.ALLREDUCE, world_size=4)
+    assert one.buckets == 1
+    assert one.iteration_time == pytest.approx(compute + cost.time("all_reduce", 4 * MB),
+                                               rel=1e-9)
+    # DDP's default: the 1 MB first bucket closes with p1, the 25 MB one holds p0: as above.
+    assert sim.predict(Schedule.DDP, world_size=4).iteration_time == pytest.approx(
+        compute + ar, rel=1e-9)
+    # WFBP with 25 MB buckets: one bucket, all-reduced after backward.
+    assert sim.predict(Schedule.WFBP, world_size=4).iteration_time == pytest.approx(
+        one.iteration_time)
+    # The same graph on 2 ranks: the latency and the volume factor 2(N-1)/N shrink.
+    two = sim.predict(Schedule.DDP, fusion_threshold=1)
+    assert two.world_size == 2 and two.iteration_time == pytest.approx(
+        compute + 2 * 1e-4 + 2 * MB / (2e9 / 8), rel=1e-9)
+
+
+def test_cost_model_fit_and_what_if():
+    # Samples drawn from alpha 50 us, 1 Gbit/s on 2 ranks are fitted back exactly.
+    alpha, rate = 50e-6, 1e9 / 8
+    samples = [{"kind": "reduce_scatter", "bytes": b, "seconds": alpha + b / 2 / rate}
+               for b in (MB, 4 * MB, 16 * MB)]
+    samples += [{"kind": "all_gather", "bytes": b, "seconds": alpha + b / 2 / (2 * rate)}
+                for b in (MB, 8 * MB)]
+    fitted = CostModel.fit(samples, world_size=2)
+    assert fitted.alpha["reduce_scatter"] == pytest.approx(alpha)
+    assert fitted.rate["reduce_scatter"] == pytest.approx(rate)
+    assert fitted.rate["all_gather"] == pytest.approx(2 * rate)
+    # No all-reduce traced: the ring identity, all-reduce = reduce-scatter + all-gather.
+    assert fitted.time("all_reduce", 8 * MB) == pytest.approx(
+        fitted.time("reduce_scatter", 8 * MB) + fitted.time("all_gather", 8 * MB))
+    # 10x the traced 1 Gbit/s link keeps each kind's efficiency; 64 ranks: (N-1) steps.
+    fast = fitted.what_if(bandwidth_bps=10e9, world_size=64, traced_bandwidth_bps=1e9)
+    assert fast.time("reduce_scatter", 64 * MB) == pytest.approx(
+        63 * alpha + 63 / 64 * 64 * MB / (10 * rate))
+    ideal = fitted.what_if(bandwidth_bps=10e9, latency_s=0.0)
+    assert ideal.time("all_gather", 8 * MB) == pytest.approx(4 * MB / (10e9 / 8))
+    with pytest.raises(ValueError, match="bandwidth must be > 0"):
+        fitted.what_if(bandwidth_bps=0)
+    with pytest.raises(ValueError, match="no completed collective"):
+        CostModel.fit([], world_size=2)
+
+
+def _span(cat, start_ms, end_ms, **args):
+    return {"ph": "X", "pid": 0, "tid": 1, "cat": cat, "name": cat, "ts": start_ms * 1e3,
+            "dur": (end_ms - start_ms) * 1e3, "args": {"iteration": 0, **args}}
+
+
+def _synthetic_dear_trace(tmp_path) -> str:
+    """Two ranks, one iteration 0-100 ms: lead 0-5; forward 5-40 with fc1 (p0) at 10-20,
+    bucket 0's update 20-26 holding a wait 21-23, fc2 (p1) at 26-36; loss 40-45; backward with
+    p1's gradient at 60 and p0's at 75; step 80-95 holding a wait 82-90; reduce-scatters
+    and all-gathers of 1 MB buckets."""
+    comm = dict(bytes=MB, end_source="watcher")
+    events = [_span("iteration", 0, 100), _span("forward", 5, 40, module=0),
+              _span("forward", 10, 20, module=1), _span("update", 20, 26, bucket=0),
+              _span("wait", 21, 23, seq=1), _span("forward", 26, 36, module=2),
+              _span("backward", 45, 60, module=2), _span("backward", 60, 75, module=1),
+              {"ph": "i", "pid": 0, "tid": 1, "cat": "grad", "name": "g", "ts": 60e3,
+               "args": {"iteration": 0, "param": 1}},
+              {"ph": "i", "pid": 0, "tid": 1, "cat": "grad", "name": "g", "ts": 75e3,
+               "args": {"iteration": 0, "param": 0}},
+              _span("step", 80, 95), _span("wait", 82, 90, seq=3),
+              _span("comm", 60, 70, kind="reduce_scatter", bucket=1, seq=2, **comm),
+              _span("comm", 75, 88, kind="reduce_scatter", bucket=0, seq=3, **comm),
+              _span("comm", 95, 99, kind="all_gather", bucket=0, seq=4, **comm)]
+    meta = {"version": FORMAT_VERSION, "world_size": 2, "schedule": "dear",
+            "modules": [{"name": "<root>", "leaf": False, "params": []},
+                        {"name": "fc1", "leaf": True, "params": [0]},
+                        {"name": "fc2", "leaf": True, "params": [1]}],
+            "params": [{"name": "fc1.weight", "numel": NUMEL // 2, "bytes": MB // 2},
+                       {"name": "fc2.weight", "numel": NUMEL // 2, "bytes": MB // 2}],
+            "buckets": [[0], [1]], "fusion_threshold": MB // 2}
+    for rank in (0, 1):
+        with open(tmp_path / f"rank{rank}.json", "w") as fh:
+            json.dump({"traceEvents": events, "dear": {**meta, "rank": rank}}, fh)
+    return str(tmp_path)
+
+
+def test_graph_from_trace(tmp_path):
+    trace = load_trace(_synthetic_dear_trace(tmp_path))
+    model = build_model(trace)
+    prof = model.profiles[0]
+    ms = pytest.approx
+    assert prof.lead == ms(0.005)
+    # Cut at fc1 (needs p0) and fc2 (needs p1); the update 20-26 is not forward compute.
+    assert [s.needs for s in prof.forward] == [(), (0,), (1,)]
+    assert [s.duration for s in prof.forward] == [ms(0.005), ms(0.010), ms(0.014)]
+    assert prof.loss == ms(0.005)
+    assert [(s.produces, s.duration) for s in prof.backward] == [(1, ms(0.015)), (0, ms(0.015))]
+    assert prof.update == ms(0.004)                    # 6 ms minus its 2 ms wait
+    assert prof.step_extra == ms(0.007)                # 15 ms minus its 8 ms wait
+    # 75-80 after the last gradient is blocked on the reduce-scatter (as DDP's wait would be).
+    assert prof.backward_tail == ms(0.0) and prof.tail == ms(0.005)
+    assert model.forward_order == [0, 1] and model.backward_order == [1, 0]
+    samples = collective_samples(trace)
+    # FIFO service times: 60-70, then 75-88, then 95-99.
+    assert [round(s["seconds"], 6) for s in samples] == [0.010, 0.013, 0.004]
+
+
+def test_predict_iteration_time_objective(tmp_path):
+    path = _synthetic_dear_trace(tmp_path)
+    sim = Simulator(path)
+    times = [predict_iteration_time(sim, t, bandwidth_bps=1e8) for t in (0, 512 * 1024, 4 * MB)]
+    assert all(isinstance(t, float) and t > 0 for t in times)
+    slow = predict_iteration_time(path, bandwidth_bps=1e7)
+    fast = predict_iteration_time(path, bandwidth_bps=1e10)
+    assert slow > fast
+    with pytest.raises(ValueError, match="fusion_threshold"):
+        predict_iteration_time(sim, -1)
+
+
+def test_simulate_cli(tmp_path, capsys):
+    from dear.diagnose.__main__ import main
+    path = _synthetic_dear_trace(tmp_path)
+    assert main(["simulate", path, "--bandwidth", "1gbit", "--world-size", "2,16",
+                 "--schedule", "dear,ddp"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("| dear |") == 2 and out.count("| ddp |") == 2
+    assert main(["simulate", str(tmp_path / "nowhere")]) == 2
