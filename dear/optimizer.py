@@ -125,7 +125,9 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
         assert buckets is not None
         while self._next_launch < len(buckets):
             bucket = buckets[len(buckets) - 1 - self._next_launch]
-            if not bucket.full:
+            # A bucket whose module skipped this forward still holds last step's pending update
+            # (and last step's "full"): it waits for step(), which applies it first.
+            if bucket.stage is not Stage.IDLE or not bucket.full:
                 return
             bucket.start_reduce_scatter(self._comm, self._prescale)
             self._next_launch += 1
