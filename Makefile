@@ -9,10 +9,14 @@ TORCH  ?= torch==2.13.0
 
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: setup.py pyproject.toml Makefile
+# --no-build-isolation: setup.py builds dear's C++ extension (csrc/) against the torch installed
+# here; in an isolated build there is no torch and dear would install as pure Python.
+$(VENV)/.installed: setup.py pyproject.toml Makefile $(wildcard csrc/*.* csrc/cuda/*.*)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install "$(TORCH)"
-	$(PIP) install -e ".[dev]"
+	$(PIP) install "setuptools>=64,<81" wheel
+	$(PIP) install --no-build-isolation -e ".[dev]"
+	$(PY) -m dear.info
 	PYTHON=$(PY) tools/install_horovod.sh
 	touch $@
 

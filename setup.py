@@ -1,4 +1,83 @@
+import glob
+import os
+import sys
+
 from setuptools import find_packages, setup
+
+
+def _warn(message: str) -> None:
+    print(f"dear: {message}", file=sys.stderr)
+
+
+def _find_nccl() -> "tuple[str, str, str] | None":
+    """(include dir, library dir, library file) of NCCL: $NCCL_HOME, the nvidia-nccl-cu* wheel
+    that CUDA builds of torch depend on, or the system's; None where there is no nccl.h."""
+    roots = [os.environ.get("NCCL_HOME", "")]
+    roots += [os.path.join(p, "nvidia", "nccl") for p in sys.path if p]
+    roots += [os.environ.get("CUDA_HOME", ""), "/usr/local/cuda", "/usr"]
+    for root in filter(None, roots):
+        include = os.path.join(root, "include")
+        if not os.path.exists(os.path.join(include, "nccl.h")):
+            continue
+        for libdir in (os.path.join(root, "lib"), os.path.join(root, "lib64"),
+                       "/usr/lib/x86_64-linux-gnu"):
+            libs = sorted(glob.glob(os.path.join(libdir, "libnccl.so*")))
+            if libs:
+                return include, libdir, os.path.basename(libs[0])
+    return None
+
+
+def _native_build() -> dict:
+    """setup() arguments that build dear._native (csrc/): C++ always where torch and a compiler
+    are there, CUDA kernels and the NCCL communicator when torch has CUDA and nvcc is present.
+    Any failure leaves the pure-Python path (dear.native_available() is then False)."""
+    if os.environ.get("DEAR_BUILD_NATIVE", "1") == "0":
+        return {}
+    try:
+        import torch
+        from torch.utils import cpp_extension
+    except ImportError:
+        _warn("torch is not importable while building (pip's build isolation?), so the native "
+              "extension is not built; `pip install --no-build-isolation -e .` builds it")
+        return {}
+    sources = ["csrc/module.cpp", "csrc/grad_ready.cpp", "csrc/pack.cpp", "csrc/fused_sgd.cpp"]
+    kwargs: dict = {"define_macros": [], "include_dirs": [], "library_dirs": [],
+                    "extra_link_args": [],
+                    "extra_compile_args": {"cxx": ["-O3"], "nvcc": ["-O3"]}}
+    extension = cpp_extension.CppExtension
+    with_cuda = (torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
+                 and os.environ.get("DEAR_BUILD_CUDA", "1") != "0")
+    if with_cuda:
+        extension = cpp_extension.CUDAExtension
+        sources.append("csrc/cuda/pack_kernels.cu")
+        kwargs["define_macros"].append(("DEAR_WITH_CUDA", None))
+        nccl = _find_nccl()
+        if nccl is None:
+            _warn("nccl.h not found (set NCCL_HOME): building without the NCCL communicator")
+        else:
+            include, libdir, libfile = nccl
+            sources.append("csrc/cuda/nccl_communicator.cpp")
+            kwargs["define_macros"].append(("DEAR_WITH_NCCL", None))
+            kwargs["include_dirs"].append(include)
+            kwargs["library_dirs"].append(libdir)
+            kwargs["extra_link_args"] += [f"-l:{libfile}", f"-Wl,-rpath,{libdir}"]
+    if not with_cuda:
+        del kwargs["extra_compile_args"]["nvcc"]
+
+    class BuildNative(cpp_extension.BuildExtension):
+        """A failed build of the extension warns and installs the pure-Python package."""
+
+        def run(self) -> None:
+            try:
+                super().run()
+            except Exception as exc:  # compiler missing, compile or link error
+                _warn(f"the native extension failed to build ({exc}); dear will use its "
+                      "pure-Python path (python -m dear.info tells which is in use)")
+                self.extensions = []
+
+    return {"ext_modules": [extension("dear._native", sources, **kwargs)],
+            "cmdclass": {"build_ext": BuildNative}}
+
 
 setup(
     name="dear",
@@ -11,5 +90,7 @@ setup(
     extras_require={
         "dev": ["pytest>=7", "pytest-timeout", "matplotlib", "tqdm"],
         "bench": ["matplotlib", "tqdm"],
+        "nccl": ["nccl4py[cu13]"],
     },
+    **_native_build(),
 )

@@ -1,8 +1,10 @@
 """dear: decoupled all-reduce (reduce-scatter in backward, all-gather in the next forward)."""
 
+from .checkpoint import atomic_save
 from .comm.base import ReduceOp
 from .compression import Compression
 from .kfac import KFAC
+from .native import native_available
 from .optimizer import DistributedOptimizer
 from .runtime import (allreduce, broadcast_optimizer_state, broadcast_parameters, init,
                       is_initialized, local_rank, rank, shutdown, size)
@@ -13,6 +15,6 @@ Sum = ReduceOp.Sum
 __version__ = "0.1.0"
 
 __all__ = [
-    "Average", "Compression", "DistributedOptimizer", "KFAC", "ReduceOp", "Sum", "allreduce", "broadcast_optimizer_state",
-    "broadcast_parameters", "init", "is_initialized", "local_rank", "rank", "shutdown", "size",
+    "Average", "Compression", "atomic_save", "DistributedOptimizer", "KFAC", "ReduceOp", "Sum", "allreduce", "broadcast_optimizer_state",
+    "broadcast_parameters", "init", "native_available", "is_initialized", "local_rank", "rank", "shutdown", "size",
 ]

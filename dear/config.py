@@ -47,14 +47,40 @@ class Config:
     gloo_collectives: str = "pairwise"
     #: log level of the "dear" logger (DEAR_LOG_LEVEL).
     log_level: str = "WARNING"
+    #: use the C++ extension (csrc/) for bucket bookkeeping and packing where it was built;
+    #: False forces the pure-Python path (DEAR_NATIVE).
+    native: bool = True
+
+    #: tune the fusion layout online with Bayesian optimization (DEAR_AUTOTUNE).
+    autotune: bool = False
+    #: at most this many autotune trials (DEAR_AUTOTUNE_TRIALS).
+    autotune_trials: int = 12
+    #: iterations timed per trial (median), after autotune_settle dropped (DEAR_AUTOTUNE_WINDOW,
+    #: DEAR_AUTOTUNE_SETTLE).
+    autotune_window: int = 5
+    autotune_settle: int = 2
+    #: JSON-lines log of the trials, written by rank 0 as they finish (DEAR_AUTOTUNE_LOG).
+    autotune_log: str = "dear_autotune.jsonl"
+    #: where the best layout is saved when tuning ends (DEAR_AUTOTUNE_OUT).
+    autotune_out: str = "dear_fusion.json"
+    #: a saved layout to use instead of the thresholds; skips tuning (DEAR_FUSION_CONFIG).
+    fusion_config: str = ""
 
     _ENV = {
         "fusion_threshold": ("DEAR_FUSION_THRESHOLD", _parse_bytes),
+        "autotune": ("DEAR_AUTOTUNE", _parse_bool),
+        "autotune_trials": ("DEAR_AUTOTUNE_TRIALS", int),
+        "autotune_window": ("DEAR_AUTOTUNE_WINDOW", int),
+        "autotune_settle": ("DEAR_AUTOTUNE_SETTLE", int),
+        "autotune_log": ("DEAR_AUTOTUNE_LOG", str),
+        "autotune_out": ("DEAR_AUTOTUNE_OUT", str),
+        "fusion_config": ("DEAR_FUSION_CONFIG", str),
         "timeout": ("DEAR_TIMEOUT", float),
         "trace": ("DEAR_TRACE", str),
         "trace_iterations": ("DEAR_TRACE_ITERATIONS", str),
         "gloo_collectives": ("DEAR_GLOO_COLLECTIVES", str),
         "log_level": ("DEAR_LOG_LEVEL", str),
+        "native": ("DEAR_NATIVE", _parse_bool),
     }
 
     def __post_init__(self) -> None:
@@ -66,6 +92,10 @@ class Config:
         if not (start.strip().isdigit() and stop.strip().isdigit() and int(stop) > int(start)):
             raise ValueError(f"trace_iterations must be START:STOP with 0 <= START < STOP, "
                              f"e.g. '10:20', got {self.trace_iterations!r}")
+        if self.autotune_trials < 1 or self.autotune_window < 1 or self.autotune_settle < 0:
+            raise ValueError("autotune needs trials >= 1, window >= 1 and settle >= 0; got "
+                             f"{self.autotune_trials}, {self.autotune_window}, "
+                             f"{self.autotune_settle}")
         if self.gloo_collectives not in ("pairwise", "native"):
             raise ValueError(
                 f"gloo_collectives must be 'pairwise' or 'native', got {self.gloo_collectives!r}")

@@ -16,7 +16,7 @@ from .config import Config
 
 log = logging.getLogger("dear")
 
-_BACKENDS = ("auto", "torch", "horovod", "local")
+_BACKENDS = ("auto", "torch", "horovod", "local", "nccl")
 
 
 class _State:
@@ -32,11 +32,9 @@ _state = _State()
 def init(backend: str = "auto", **config: Any) -> None:
     """Start dear. `auto`: Horovod when launched by horovodrun (HOROVOD_RANK set); else reuse
     torch.distributed's default group, or start one from torchrun's variables (NCCL with CUDA,
-    Gloo otherwise); else run alone as a world of size 1."""
+    Gloo otherwise); else run alone as a world of size 1. `nccl`: NCCL directly, without
+    torch.distributed's process group (dear/comm/nccl.py; needs CUDA)."""
     if backend not in _BACKENDS:
-        if backend == "nccl":
-            raise ValueError(f"backend {backend!r} is not available in this version of dear; "
-                             f"use one of {_BACKENDS}")
         raise ValueError(f"unknown backend {backend!r}; expected one of {_BACKENDS}")
     if _state.comm is not None:
         raise RuntimeError("dear.init() was already called; call dear.shutdown() first")
@@ -53,9 +51,12 @@ def _make_communicator(backend: str, cfg: Config) -> tuple[Communicator, bool]:
         backend = "horovod"
     if backend == "horovod":
         from .comm.horovod import HorovodCommunicator
-        return HorovodCommunicator(), False
+        return HorovodCommunicator(timeout=cfg.timeout), False
     if backend == "local":
         return LocalCommunicator(), False
+    if backend == "nccl":                  # direct NCCL: csrc/ communicator or nccl4py
+        from .comm import nccl
+        return nccl.create(cfg.timeout), False
     from .comm.torch_dist import TorchCommunicator, init_process_group_from_env
     owns = False
     if not dist.is_initialized() and "WORLD_SIZE" in os.environ:

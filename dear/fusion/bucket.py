@@ -14,6 +14,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from .. import native as _native
 from ..comm.base import Communicator, Work
 from .planner import BucketSpec
 
@@ -28,7 +29,8 @@ class Bucket:
     """Buffers and state of one bucket. Not thread-safe: driven by the optimizer's hooks."""
 
     def __init__(self, spec: BucketSpec, params: Sequence[torch.nn.Parameter],
-                 wire_dtype: Optional[torch.dtype] = None, sparse_as_dense: bool = False) -> None:
+                 wire_dtype: Optional[torch.dtype] = None, sparse_as_dense: bool = False,
+                 native: Optional[bool] = None) -> None:
         self.spec = spec
         self.sparse_as_dense = sparse_as_dense
         self.params = list(params)
@@ -47,13 +49,24 @@ class Bucket:
         self.num_packed = 0
         self.stage = Stage.IDLE
         self._work: Optional[Work] = None
+        # Native path (csrc/, `native` None: DEAR_NATIVE and whether it was built): hooks only
+        # record gradients; C++ packs the bucket, flags and padding when the last one arrives.
+        use_native = _native.enabled() if native is None else native
+        self._ready = (_native.grad_ready(self.buffer, spec.offsets, spec.numels,
+                                          spec.flags_offset, sparse_as_dense)
+                       if use_native else None)
 
     @property
     def full(self) -> bool:
+        if self._ready is not None:
+            return self._ready.full()
         return self.num_packed == len(self.params)
 
     def pack(self, j: int, grad: Optional[torch.Tensor]) -> None:
         """Copy parameter j's local gradient in (None: this rank has none, counts as zero)."""
+        if self._ready is not None:
+            self._ready.record(j, grad)
+            return
         if self.packed[j]:
             return
         if grad is None:
@@ -74,14 +87,19 @@ class Bucket:
 
     def pack_missing(self) -> None:
         """Parameters whose hook did not fire this iteration contribute their .grad, or zero."""
+        if self._ready is not None:
+            for j in self._ready.missing():
+                self._ready.record(j, self.params[j].grad)
+            return
         for j, p in enumerate(self.params):
             if not self.packed[j]:
                 self.pack(j, p.grad)
 
     def start_reduce_scatter(self, comm: Communicator, prescale: float) -> None:
         assert self.stage is Stage.IDLE and self.full, "bucket reduced twice or before it is full"
-        self.flags.copy_(torch.tensor(self.used, dtype=self.flags.dtype))
-        self.buffer[self.spec.flags_offset + len(self.params):].zero_()
+        if self._ready is None:            # the native pack wrote flags and padding
+            self.flags.copy_(torch.tensor(self.used, dtype=self.flags.dtype))
+            self.buffer[self.spec.flags_offset + len(self.params):].zero_()
         if prescale != 1.0:
             self.buffer.mul_(prescale)
         if self.wire is not self.buffer:
@@ -107,10 +125,18 @@ class Bucket:
         if postscale != 1.0:
             self.shard.mul_(postscale)
 
-    def start_all_gather(self, comm: Communicator) -> None:
+    def outgoing_shard(self) -> torch.Tensor:
+        """This rank's averaged shard, in the wire dtype, ready to be all-gathered."""
         if self.wire_shard is not self.shard:
             self.wire_shard.copy_(self.shard)
-        self._work = comm.all_gather(self.wire_shard, self.wire)
+        return self.wire_shard
+
+    def start_all_gather(self, comm: Communicator) -> None:
+        self.gathering(comm.all_gather(self.outgoing_shard(), self.wire))
+
+    def gathering(self, work: Work) -> None:
+        """The all-gather filling `wire` is `work` (possibly shared with other buckets)."""
+        self._work = work
         self.stage = Stage.GATHERING
 
     def finish_all_gather(self) -> list[bool]:
@@ -118,11 +144,16 @@ class Bucket:
         assert self.stage is Stage.GATHERING
         self._wait("all-gather")
         self._work = None
+        if self._ready is not None:
+            return _native.extension().unpack_bucket(self.wire, self.buffer,
+                                                     self.spec.flags_offset, len(self.params))
         if self.wire is not self.buffer:
             self.buffer.copy_(self.wire)
         return (self.flags != 0).tolist()
 
     def reset(self) -> None:
+        if self._ready is not None:
+            self._ready.reset()
         self.packed = [False] * len(self.params)
         self.used = [0.0] * len(self.params)
         self.num_packed = 0

@@ -1,0 +1,168 @@
+"""Framework overhead with and without dear's native extension, against DDP.
+
+The model of benchmarks/overhead.py (500 x Linear(32, 32): 1000 parameter tensors, 2 MB of
+gradient), 2 ranks on loopback. Methods, interleaved round by round so drift hits all alike:
+`none` (one rank's forward + backward + SGD step, no communication: the floor), `ddp`,
+`dear-python` (DEAR_NATIVE=0) and `dear-native` (the C++ bookkeeping and pack of csrc/).
+Overhead = median iteration - `none`. With --profile, rank 0 also runs each DeAR variant under
+cProfile and reports where the time outside torch's own compute goes (hooks, pack, update).
+
+    python -m benchmarks.overhead_native [--layers 500] [--iters 40] [--rounds 5] [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import contextlib
+import dataclasses
+import io
+import os
+import pstats
+import statistics
+import sys
+import time
+from typing import Iterator
+
+import torch
+import torch.nn.functional as F
+
+import dear
+from benchmarks import results
+from benchmarks.launch import free_port, run_ranks
+from benchmarks.overhead import build
+from dear import native, runtime
+
+METHODS = ("none", "ddp", "dear-python", "dear-native")
+
+
+@contextlib.contextmanager
+def native_path(enabled: bool) -> Iterator[None]:
+    """Buckets built inside take the native (or Python) path: what DEAR_NATIVE=1/0 selects at
+    dear.init(), switched here without restarting the process group."""
+    saved = runtime._state.config
+    runtime._state.config = dataclasses.replace(saved, native=enabled)
+    try:
+        yield
+    finally:
+        runtime._state.config = saved
+
+
+def train(method: str, args: argparse.Namespace, iters: int) -> list[float]:
+    model = build(args.layers, args.width)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    net: torch.nn.Module = model
+    if method == "ddp":
+        net = torch.nn.parallel.DistributedDataParallel(model)
+    elif method.startswith("dear"):
+        opt = dear.DistributedOptimizer(opt, model=model)
+    x = torch.randn(args.batch, args.width)
+    times = []
+    with native_path(method == "dear-native"):
+        for _ in range(iters):
+            start = time.perf_counter()
+            opt.zero_grad()
+            F.mse_loss(net(x), x).backward()
+            opt.step()
+            times.append(time.perf_counter() - start)
+        if method.startswith("dear"):
+            opt.synchronize()
+            assert (opt._buckets[0]._ready is not None) == (method == "dear-native")
+    return times[iters // 4:]
+
+
+# (label, file suffix or "", function name or the text inside a built-in's name)
+_PROFILED = [
+    ("backward: autograd engine, hooks included", "", "run_backward"),
+    ("backward: gradient hooks (optimizer._on_grad)", "optimizer.py", "_on_grad"),
+    ("backward: Bucket.pack", "bucket.py", "pack"),
+    ("forward: pre-hooks (optimizer._pre_forward)", "optimizer.py", "_pre_forward"),
+    ("forward: Linear kernels", "", "torch._C._nn.linear"),
+    ("update: optimizer._apply (SGD step included)", "optimizer.py", "_apply"),
+    ("update: torch SGD arithmetic", "sgd.py", "_single_tensor_sgd"),
+    ("step(): reduce-scatter finish, all-gather start", "optimizer.py", "step"),
+    ("iteration (profiled)", "overhead_native.py", "train"),
+]
+
+
+def profile(method: str, args: argparse.Namespace) -> dict[str, float]:
+    """ms per iteration (cProfile's inflated clock, cumulative) in the functions that make the
+    overhead."""
+    prof = cProfile.Profile()
+    prof.enable()
+    train(method, args, args.profile_iters)
+    prof.disable()
+    stats = pstats.Stats(prof, stream=io.StringIO()).stats  # type: ignore[attr-defined]
+    out: dict[str, float] = {}
+    for (filename, _, name), (_, _, _, cumtime, _) in stats.items():
+        for label, suffix, wanted in _PROFILED:
+            builtin = filename == "~" and wanted in name
+            if builtin or (filename.endswith(suffix) and name == wanted and suffix):
+                out[label] = out.get(label, 0.0) + 1e3 * cumtime / args.profile_iters
+    return {label: round(out.get(label, 0.0), 2) for label, _, _ in _PROFILED}
+
+
+def rank_main(rank: int, args: argparse.Namespace, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(args.nproc), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    dear.init()
+    medians: dict[str, list[float]] = {m: [] for m in METHODS}
+    for _ in range(args.rounds):
+        for method in METHODS:
+            medians[method].append(statistics.median(train(method, args, args.iters)))
+    profiles = {}
+    if args.profile:
+        for method in ("dear-python", "dear-native"):
+            profiles[method] = profile(method, args)
+    if rank == 0:
+        ms = {m: 1e3 * statistics.median(v) for m, v in medians.items()}
+        rows = [[m, round(ms[m], 2), round(ms[m] - ms["none"], 2),
+                 round((ms[m] - ms["none"]) / max(ms["ddp"] - ms["none"], 1e-9), 2),
+                 round(ms[m] / ms["ddp"], 3)] for m in METHODS]
+        headers = ["method", "median iteration (ms)", "overhead vs none (ms)",
+                   "overhead / DDP's", "iteration / DDP's"]
+        table = results.markdown_table(headers, rows)
+        if profiles:
+            keys = [label for label, _, _ in _PROFILED]
+            table += "\n\ncProfile, rank 0, ms per iteration (cumulative; cProfile inflates " \
+                     "Python-heavy code):\n\n" + results.markdown_table(
+                         ["where", *profiles], [[k, *[p.get(k, "") for p in profiles.values()]]
+                                                for k in keys])
+        print(table)
+        results.write(args.name, "Framework overhead: DeAR with and without the native "
+                      "extension vs DDP", {"args": vars(args), "median_ms": ms,
+                                           "rounds_ms": {m: [1e3 * v for v in vals]
+                                                         for m, vals in medians.items()},
+                                           "profile_ms": profiles,
+                                           "native": native.build_info()}, table,
+                      f"{args.layers} x Linear({args.width},{args.width}) "
+                      f"({2 * args.layers} parameter tensors), batch {args.batch}, "
+                      f"{args.nproc} ranks on loopback (Gloo), torch.set_num_threads(1), SGD; "
+                      f"median over {args.rounds} rounds of the median of {args.iters} "
+                      "iterations (first quarter dropped). Methods are interleaved per round.")
+    dear.shutdown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--layers", type=int, default=500)
+    parser.add_argument("--width", type=int, default=32)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--iters", type=int, default=40)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--profile-iters", type=int, default=20)
+    parser.add_argument("--name", default="overhead_native")
+    parser.add_argument("--timeout", type=float, default=1200.0)
+    args = parser.parse_args(argv)
+    if not native.native_available():
+        print(f"error: the native extension is not built ({native.load_error()})",
+              file=sys.stderr)
+        return 1
+    return run_ranks(rank_main, args.nproc, (args, free_port()), timeout=args.timeout)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+#include "grad_ready.h"
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <utility>
+
+#include "pack.h"
+
+namespace dear {
+
+GradReady::GradReady(at::Tensor buffer, std::vector<int64_t> offsets, std::vector<int64_t> numels,
+                     int64_t flags_offset, bool sparse_as_dense)
+    : buffer_(std::move(buffer)),
+      layout_{std::move(offsets), std::move(numels), flags_offset},
+      sparse_as_dense_(sparse_as_dense),
+      recorded_(layout_.offsets.size(), 0),
+      used_(layout_.offsets.size(), 0.0),
+      grads_(layout_.offsets.size()) {
+  check_buffer(buffer_, layout_, "GradReady");
+}
+
+void GradReady::check_index(int64_t j) const {
+  TORCH_CHECK(j >= 0 && j < size(), "dear: parameter index ", j, " is outside this bucket of ",
+              size(), " parameters");
+}
+
+bool GradReady::record(int64_t j, const std::optional<at::Tensor>& grad) {
+  check_index(j);
+  if (recorded_[j]) return full();
+  if (grad.has_value() && grad->defined()) {
+    at::Tensor g = *grad;
+    if (g.is_sparse()) {
+      TORCH_CHECK(sparse_as_dense_,
+                  "dear.DistributedOptimizer got a sparse gradient; dear reduces dense buckets. "
+                  "Use a dense layer (nn.Embedding(sparse=False)) or pass sparse_as_dense=True.");
+      g = g.to_dense();
+    }
+    TORCH_CHECK(g.numel() == layout_.numels[j], "dear: the gradient of parameter ", j,
+                " of this bucket has ", g.numel(), " elements, but the parameter has ",
+                layout_.numels[j]);
+    grads_[j] = std::move(g);
+    used_[j] = 1.0;
+  }
+  recorded_[j] = 1;
+  ++num_recorded_;
+  if (full()) {
+    // Every gradient of the bucket is here: pack them all in one call and drop the references,
+    // so autograd may accumulate into .grad in place again.
+    pack_bucket(buffer_, layout_, grads_, used_);
+    for (auto& g : grads_) g = at::Tensor();
+  }
+  return full();
+}
+
+bool GradReady::recorded(int64_t j) const {
+  check_index(j);
+  return recorded_[j] != 0;
+}
+
+std::vector<int64_t> GradReady::missing() const {
+  std::vector<int64_t> out;
+  for (int64_t j = 0; j < size(); ++j) {
+    if (!recorded_[j]) out.push_back(j);
+  }
+  return out;
+}
+
+void GradReady::reset() {
+  std::fill(recorded_.begin(), recorded_.end(), 0);
+  std::fill(used_.begin(), used_.end(), 0.0);
+  for (auto& g : grads_) g = at::Tensor();
+  num_recorded_ = 0;
+}
+
+}  // namespace dear

@@ -1,0 +1,63 @@
+// Gradient-ready bookkeeping of one fusion bucket (the C++ side of dear/fusion/bucket.py).
+//
+// The backward hooks of the Python path pay one tensor op per parameter (a copy into the
+// bucket). Here a hook only records a reference to the gradient; when the last gradient of the
+// bucket arrives, every recorded gradient is copied into the flat buffer in one call, the usage
+// flags are written after them and the padding is zero-filled: the same bytes the Python path
+// writes, in a different order.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+namespace dear {
+
+// Layout of one bucket buffer: [gradients | one usage flag per parameter | padding].
+struct BucketLayout {
+  std::vector<int64_t> offsets;  // element offset of each parameter's gradient
+  std::vector<int64_t> numels;
+  int64_t flags_offset = 0;      // first usage flag
+
+  int64_t size() const { return static_cast<int64_t>(offsets.size()); }
+};
+
+class GradReady {
+ public:
+  // `buffer` is the bucket's flat buffer (kept for the bucket's life).
+  GradReady(at::Tensor buffer, std::vector<int64_t> offsets, std::vector<int64_t> numels,
+            int64_t flags_offset, bool sparse_as_dense);
+
+  // Record parameter j's gradient for this iteration (nullopt: this rank has none; it counts as
+  // zero with usage flag 0). A second record of j before reset() is ignored. When this record
+  // completes the bucket, the bucket is packed into the buffer at once. Returns full().
+  bool record(int64_t j, const std::optional<at::Tensor>& grad);
+
+  bool recorded(int64_t j) const;
+  bool full() const { return num_recorded_ == layout_.size(); }
+  int64_t num_recorded() const { return num_recorded_; }
+  int64_t size() const { return layout_.size(); }
+  const BucketLayout& layout() const { return layout_; }
+  // Parameters not recorded yet, in bucket order.
+  std::vector<int64_t> missing() const;
+  // 1.0 for each parameter recorded with a gradient, 0.0 otherwise.
+  const std::vector<double>& used() const { return used_; }
+
+  // Forget this iteration's records (after the bucket's update was applied).
+  void reset();
+
+ private:
+  void check_index(int64_t j) const;
+
+  at::Tensor buffer_;
+  BucketLayout layout_;
+  bool sparse_as_dense_;
+  std::vector<uint8_t> recorded_;
+  std::vector<double> used_;
+  std::vector<at::Tensor> grads_;  // undefined where the rank has no gradient
+  int64_t num_recorded_ = 0;
+};
+
+}  // namespace dear

@@ -1,0 +1,126 @@
+// Python bindings of dear's native path (imported as dear._native by dear/native.py).
+#include <torch/extension.h>
+
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "fused_sgd.h"
+#include "grad_ready.h"
+#include "pack.h"
+
+#ifdef DEAR_WITH_NCCL
+#include "cuda/nccl_communicator.h"
+#endif
+
+namespace py = pybind11;
+
+namespace {
+
+dear::BucketLayout make_layout(std::vector<int64_t> offsets, std::vector<int64_t> numels,
+                               int64_t flags_offset) {
+  return dear::BucketLayout{std::move(offsets), std::move(numels), flags_offset};
+}
+
+std::vector<at::Tensor> defined_or_empty(const std::vector<std::optional<at::Tensor>>& grads) {
+  std::vector<at::Tensor> out;
+  out.reserve(grads.size());
+  for (const auto& g : grads) out.push_back(g.has_value() ? *g : at::Tensor());
+  return out;
+}
+
+py::dict build_info() {
+  py::dict info;
+#ifdef DEAR_WITH_CUDA
+  info["cuda"] = true;
+#else
+  info["cuda"] = false;
+#endif
+#ifdef DEAR_WITH_NCCL
+  info["nccl"] = true;
+  info["nccl_version"] = dear::nccl_version();
+#else
+  info["nccl"] = false;
+#endif
+  info["torch"] = std::string(TORCH_VERSION);
+  return info;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "dear's native path: bucket bookkeeping, multi-tensor pack/unpack, NCCL";
+
+  py::class_<dear::GradReady>(m, "GradReady")
+      .def(py::init<at::Tensor, std::vector<int64_t>, std::vector<int64_t>, int64_t, bool>(),
+           py::arg("buffer"), py::arg("offsets"), py::arg("numels"), py::arg("flags_offset"),
+           py::arg("sparse_as_dense") = false)
+      .def("record", &dear::GradReady::record, py::arg("j"), py::arg("grad"),
+           "Record parameter j's gradient (None: none); packs the bucket when it completes it. "
+           "Returns whether the bucket is full.")
+      .def("recorded", &dear::GradReady::recorded, py::arg("j"))
+      .def("full", &dear::GradReady::full)
+      .def("num_recorded", &dear::GradReady::num_recorded)
+      .def("size", &dear::GradReady::size)
+      .def("missing", &dear::GradReady::missing)
+      .def("used", &dear::GradReady::used)
+      .def("reset", &dear::GradReady::reset);
+
+  m.def(
+      "pack_bucket",
+      [](const at::Tensor& buffer, std::vector<int64_t> offsets, std::vector<int64_t> numels,
+         int64_t flags_offset, const std::vector<std::optional<at::Tensor>>& grads,
+         const std::vector<double>& used) {
+        auto layout = make_layout(std::move(offsets), std::move(numels), flags_offset);
+        dear::check_buffer(buffer, layout, "pack_bucket");
+        dear::pack_bucket(buffer, layout, defined_or_empty(grads), used);
+      },
+      py::arg("buffer"), py::arg("offsets"), py::arg("numels"), py::arg("flags_offset"),
+      py::arg("grads"), py::arg("used"));
+  m.def("finalize_for_wire", &dear::finalize_for_wire, py::arg("buffer"), py::arg("wire"),
+        py::arg("prescale"));
+  m.def("unpack_bucket", &dear::unpack_bucket, py::arg("wire"), py::arg("buffer"),
+        py::arg("flags_offset"), py::arg("num_params"));
+  m.def(
+      "grad_views",
+      [](const at::Tensor& buffer, std::vector<int64_t> offsets, std::vector<int64_t> numels,
+         int64_t flags_offset, const std::vector<std::vector<int64_t>>& shapes) {
+        return dear::grad_views(
+            buffer, make_layout(std::move(offsets), std::move(numels), flags_offset), shapes);
+      },
+      py::arg("buffer"), py::arg("offsets"), py::arg("numels"), py::arg("flags_offset"),
+      py::arg("shapes"));
+  m.def(
+      "unpack_into",
+      [](const at::Tensor& buffer, std::vector<int64_t> offsets, std::vector<int64_t> numels,
+         int64_t flags_offset, const std::vector<at::Tensor>& outs) {
+        dear::unpack_into(buffer, make_layout(std::move(offsets), std::move(numels), flags_offset),
+                          outs);
+      },
+      py::arg("buffer"), py::arg("offsets"), py::arg("numels"), py::arg("flags_offset"),
+      py::arg("outs"));
+  m.def(
+      "fused_sgd_update",
+      [](const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& momentum_buffers,
+         const at::Tensor& buffer, const std::vector<int64_t>& offsets,
+         const std::vector<bool>& used, double lr, double momentum, double dampening,
+         double weight_decay, bool nesterov, bool maximize, bool first_step) {
+        dear::SgdHyper h;
+        h.lr = lr;
+        h.momentum = momentum;
+        h.dampening = dampening;
+        h.weight_decay = weight_decay;
+        h.nesterov = nesterov;
+        h.maximize = maximize;
+        dear::fused_sgd_update(params, momentum_buffers, buffer, offsets, used, h, first_step);
+      },
+      py::arg("params"), py::arg("momentum_buffers"), py::arg("buffer"), py::arg("offsets"),
+      py::arg("used"), py::kw_only(), py::arg("lr"), py::arg("momentum") = 0.0,
+      py::arg("dampening") = 0.0, py::arg("weight_decay") = 0.0, py::arg("nesterov") = false,
+      py::arg("maximize") = false, py::arg("first_step") = false);
+  m.def("build_info", &build_info, "What this build of the extension contains.");
+
+#ifdef DEAR_WITH_NCCL
+  dear::bind_nccl(m);
+#endif
+}
