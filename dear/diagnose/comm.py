@@ -106,14 +106,18 @@ class CompletionWatcher:
 
 
 class TracedWork(Work):
-    """The Work the optimizer gets back: its wait() is a traced span of the training thread."""
+    """The Work the optimizer gets back: its wait() is a traced span of the training thread,
+    filed under the iteration being recorded when it waits (dear waits for an all-gather in
+    the iteration after the one that issued it)."""
 
-    __slots__ = ("_inner", "_rec", "_recorder")
+    __slots__ = ("_inner", "_rec", "_recorder", "_active")
 
-    def __init__(self, inner: Work, rec: CollectiveRecord, recorder: Recorder) -> None:
+    def __init__(self, inner: Work, rec: CollectiveRecord, recorder: Recorder,
+                 active: Callable[[], Optional[int]]) -> None:
         self._inner = inner
         self._rec = rec
         self._recorder = recorder
+        self._active = active
 
     def wait(self) -> None:
         clock = self._recorder.clock
@@ -121,7 +125,9 @@ class TracedWork(Work):
         self._inner.wait()
         end = clock()
         rec = self._rec
-        self._recorder.events.append((Ev.WAIT, rec.iteration, start, end, rec.seq))
+        iteration = self._active()
+        if iteration is not None:
+            self._recorder.events.append((Ev.WAIT, iteration, start, end, rec.seq))
         rec.complete(end, "wait")
 
 
@@ -162,7 +168,7 @@ class TracingCommunicator(Communicator):
         rec = self._recorder.collective(kind, nbytes, self._bucket_of(buffer), iteration)
         work = issue()
         self._track(rec, work, buffer.is_cuda)
-        return TracedWork(work, rec, self._recorder)
+        return TracedWork(work, rec, self._recorder, self._active)
 
     def _track(self, rec: CollectiveRecord, work: Work, cuda: bool) -> None:
         inner = getattr(work, "_inner", None)           # dear.comm.base.CallbackWork

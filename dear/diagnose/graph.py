@@ -83,7 +83,7 @@ def _rank_profile(rank: RankTrace, iteration: int, comm: list[Interval]) -> Prof
             f"and {len(steps)} step(s) (gradient accumulation is not modelled yet)")
     root, step = roots[0], steps[0]
     updates = [(s.start, s.end) for s in spans if s.cat == "update"]
-    waits = [(s.start, s.end) for s in spans if s.cat == "wait"]
+    waits = [(s.start, s.end) for s in rank.spans if s.cat == "wait"]    # any iteration's
     not_compute = union(updates + waits)
 
     seen: set[int] = set()

@@ -84,7 +84,7 @@ def compute_intervals(rank: RankTrace, iteration: int) -> list[Interval]:
         after = [b.start for b in backward if b.start >= fwd.end]
         if after:
             busy.append((fwd.end, min(after)))
-    waits = [(s.start, s.end) for s in spans if s.cat == "wait"]
+    waits = [(s.start, s.end) for s in rank.spans if s.cat == "wait"]   # any iteration's
     return subtract(busy, waits)
 
 

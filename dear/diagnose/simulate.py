@@ -12,7 +12,8 @@ the last one measured so DeAR's all-gathers from the previous step are in it):
   module that needs it.
 - DDP: buckets in gradient order, a 1 MB first bucket then the threshold (torch's rule: a bucket
   closes once it reaches the cap); all-reduces in order as buckets fill; backward waits for all.
-- WFBP: as DDP with the same threshold for every bucket (Horovod's / the baseline's schedule).
+- WFBP: as DDP, but buckets never exceed the threshold (dear's planner rule, as Horovod's
+  fusion and benchmarks.baselines.WFBP) and there is no small first bucket.
 - ALLREDUCE: one all-reduce of every gradient after backward, then the update.
 """
 
@@ -69,9 +70,7 @@ def dear_buckets(model: Model, threshold: Optional[int], world_size: int
         if threshold is None:
             threshold = model.fusion_threshold if model.schedule == "dear" else None
         threshold = DEFAULT_THRESHOLD if threshold is None else threshold
-        fake = [torch.empty(n, device="meta", dtype=_dtype_of(b, n))
-                for b, n in zip(model.param_bytes, model.param_numel)]
-        specs = plan_buckets(fake, model.forward_order, threshold, world_size)
+        specs = plan_buckets(_fake_params(model), model.forward_order, threshold, world_size)
         groups = [list(s.params) for s in specs]
     out = []
     for g in groups:
@@ -86,15 +85,31 @@ def _dtype_of(nbytes: int, numel: int) -> torch.dtype:
     return {2: torch.float16, 8: torch.float64}.get(nbytes // max(numel, 1), torch.float32)
 
 
-def gradient_buckets(model: Model, threshold: int, first_bucket: Optional[int]
-                     ) -> list[tuple[list[int], int]]:
-    """DDP/WFBP: gradient order; a bucket closes once it holds at least its cap."""
+def _gradient_order(model: Model) -> list[int]:
+    seen = set(model.backward_order)
+    return model.backward_order + [p for p in range(len(model.param_bytes)) if p not in seen]
+
+
+def wfbp_buckets(model: Model, threshold: int) -> list[tuple[list[int], int]]:
+    """WFBP (Horovod-style, benchmarks.baselines.WFBP): gradient order, dear's planner rule (a
+    bucket never exceeds the threshold unless one parameter does), no padding."""
+    from ..fusion.planner import plan_buckets
+    specs = plan_buckets(_fake_params(model), _gradient_order(model), threshold, 1)
+    return [(list(s.params), sum(model.param_bytes[p] for p in s.params)) for s in specs]
+
+
+def _fake_params(model: Model) -> list[torch.Tensor]:
+    return [torch.empty(n, device="meta", dtype=_dtype_of(b, n))
+            for b, n in zip(model.param_bytes, model.param_numel)]
+
+
+def ddp_buckets(model: Model, threshold: int, first_bucket: Optional[int]
+                ) -> list[tuple[list[int], int]]:
+    """DDP: gradient order; a bucket closes once it holds at least its cap (torch's rule)."""
     out: list[tuple[list[int], int]] = []
     current: list[int] = []
     size = 0
-    order = model.backward_order + [p for p in range(len(model.param_bytes))
-                                    if p not in set(model.backward_order)]
-    for p in order:
+    for p in _gradient_order(model):
         current.append(p)
         size += model.param_bytes[p]
         cap = first_bucket if (first_bucket is not None and not out) else threshold
@@ -222,9 +237,10 @@ class Simulator:
         else:
             if schedule is Schedule.ALLREDUCE:
                 buckets = [(list(range(len(m.param_bytes))), sum(m.param_bytes))]
+            elif schedule is Schedule.DDP:
+                buckets = ddp_buckets(m, threshold, DDP_FIRST_BUCKET)
             else:
-                first = DDP_FIRST_BUCKET if schedule is Schedule.DDP else None
-                buckets = gradient_buckets(m, threshold, first)
+                buckets = wfbp_buckets(m, threshold)
             programs = [_allreduce_program(p, buckets, schedule is Schedule.ALLREDUCE)
                         for p in profiles]
             kinds = {"ar": "all_reduce"}

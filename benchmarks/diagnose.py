@@ -1,0 +1,331 @@
+"""dear.diagnose on the emulated cluster: tracing overhead, and replay validated against
+measurement.
+
+    python -m benchmarks.diagnose validate [--model resnet50 --image-size 64 --batch 8]
+        traces every method at --trace-bandwidth, measures it at --bandwidths too, predicts
+        each method at the other bandwidths from (a) its own trace, (b) DeAR's trace, and writes
+        benchmarks/results/diagnose_validation.{json,md}
+    python -m benchmarks.diagnose overhead   iteration time with and without the tracer,
+        alternating blocks -> benchmarks/results/diagnose_overhead.{json,md}
+    python -m benchmarks.diagnose paper --trace resnet50=DIR --trace bert_base=DIR
+        DeAR vs DDP vs WFBP at 16 and 64 workers, 10 and 100 Gbit/s, next to the DeAR paper
+    python -m benchmarks.diagnose run --out DIR ...   (one rank; what the others launch)
+
+Run timing commands alone on the machine (`flock -x /tmp/dear.lock ...`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_WORKDIR = "/tmp/dear-diagnose"
+METHODS = "dear,ddp,wfbp,allreduce"
+
+
+# ----------------------------------------------------------------------------- one rank
+def _step(net: Any, opt: Any, batch: Callable, loss_fn: Callable, step: int, rank: int) -> float:
+    x, y = batch(step, rank)
+    start = time.perf_counter()
+    opt.zero_grad()
+    loss_fn(net(x), y).backward()
+    opt.step()
+    return time.perf_counter() - start
+
+
+def _slowest_median(times: list[float]) -> float:
+    t = torch.tensor([statistics.median(times)])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def run(args: argparse.Namespace) -> int:
+    """Per method: warm-up, untraced timed iterations, then a traced window (own directory);
+    with --overhead-rounds, alternating untraced and traced blocks of --iters iterations."""
+    import dear
+    from benchmarks import baselines
+    from benchmarks.train import make_sgd, workload
+    from dear import diagnose
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    dear.init(backend="torch")
+    rank = dist.get_rank()
+    build, blocks, batch, loss_fn = workload(args)
+    out: dict[str, Any] = {"bandwidth_measured_bps":
+                           float(os.environ.get("DEAR_CLUSTER_BANDWIDTH_MEASURED", 0)) or None,
+                           "methods": {}}
+    step = 0
+    for method in args.methods.split(","):
+        net, opt = baselines.prepare(method, build(), make_sgd, blocks)
+        for _ in range(args.warmup):
+            _step(net, opt, batch, loss_fn, step, rank)
+            step += 1
+        dist.barrier()
+        plain, traced = [], []
+        for round_ in range(max(args.overhead_rounds, 1)):
+            for _ in range(args.iters):
+                plain.append(_step(net, opt, batch, loss_fn, step, rank))
+                step += 1
+            if args.overhead_rounds:
+                where = os.path.join(args.out, "overhead", f"{method}-{round_}")
+                with diagnose.trace(net, opt, out=where, iterations=range(0, args.iters)):
+                    for _ in range(args.iters):
+                        traced.append(_step(net, opt, batch, loss_fn, step, rank))
+                        step += 1
+                dist.barrier()
+        res: dict[str, Any] = {"median_s": _slowest_median(plain), "times": plain}
+        if traced:
+            res["traced_median_s"] = _slowest_median(traced)
+            res["traced_times"] = traced
+        if args.trace_iters:
+            where = os.path.join(args.out, method)
+            with diagnose.trace(net, opt, out=where, iterations=range(1, 1 + args.trace_iters)):
+                for _ in range(args.trace_iters + 2):
+                    _step(net, opt, batch, loss_fn, step, rank)
+                    step += 1
+        if method in ("dear", "dear-hvd"):
+            opt.flush_updates()
+        out["methods"][method] = res
+        dist.barrier()
+    dear.shutdown()
+    dist.destroy_process_group()
+    if rank == 0:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "measured.json"), "w") as fh:
+            json.dump(out, fh, indent=1)
+    return 0
+
+
+# ------------------------------------------------------------------------------- driver
+def _launch(args: argparse.Namespace, bandwidth: str, out: str, extra: list[str]) -> dict:
+    cmd = [sys.executable, "-m", "benchmarks.cluster", "--nproc", "2", "--bandwidth", bandwidth,
+           "--timeout", str(args.timeout), "--", sys.executable, "-m", "benchmarks.diagnose",
+           "run", "--out", out, "--model", args.model, "--batch", str(args.batch),
+           "--warmup", str(args.warmup), "--iters", str(args.iters)] + _knob_args(args) + extra
+    print("$", " ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True)
+    with open(os.path.join(out, "measured.json")) as fh:
+        return json.load(fh)
+
+
+def _knob_args(args: argparse.Namespace) -> list[str]:
+    out = []
+    if args.image_size:
+        out += ["--image-size", str(args.image_size)]
+    if args.seq_len:
+        out += ["--seq-len", str(args.seq_len)]
+    return out
+
+
+def validate(args: argparse.Namespace) -> int:
+    from benchmarks import results
+    from dear.diagnose import Simulator
+    bandwidths = [args.trace_bandwidth] + [b for b in args.bandwidths.split(",") if b]
+    measured: dict[str, dict] = {}
+    for bw in bandwidths:
+        out = os.path.join(args.workdir, f"validate-{args.model}-{bw}")
+        trace_iters = args.trace_iters if bw == args.trace_bandwidth else args.trace_iters
+        measured[bw] = _launch(args, bw, out, ["--methods", args.methods,
+                                               "--trace-iters", str(trace_iters)])
+    base = os.path.join(args.workdir, f"validate-{args.model}-{args.trace_bandwidth}")
+    link0 = measured[args.trace_bandwidth]["bandwidth_measured_bps"]
+    sims = {m: Simulator(os.path.join(base, m)) for m in args.methods.split(",")}
+    rows, data = [], []
+    for bw in bandwidths:
+        link = measured[bw]["bandwidth_measured_bps"]
+        for method in args.methods.split(","):
+            real = measured[bw]["methods"][method]["median_s"]
+            own = sims[method].predict(method, bandwidth_bps=link, traced_bandwidth_bps=link0)
+            from_dear = sims["dear"].predict(method, bandwidth_bps=link,
+                                             traced_bandwidth_bps=link0)
+            # The same iteration replayed from each bandwidth's own trace: the model's error
+            # with a cost model fitted at that bandwidth (no extrapolation).
+            at_bw = Simulator(os.path.join(args.workdir, f"validate-{args.model}-{bw}", method)
+                              ).predict(method)
+            err = lambda p: (p - real) / real  # noqa: E731
+            rows.append([bw, f"{link / 1e9:.2f}", method, round(real * 1e3, 1),
+                         round(own.iteration_time * 1e3, 1), f"{err(own.iteration_time):+.1%}",
+                         round(from_dear.iteration_time * 1e3, 1),
+                         f"{err(from_dear.iteration_time):+.1%}",
+                         round(at_bw.iteration_time * 1e3, 1), f"{err(at_bw.iteration_time):+.1%}",
+                         f"{own.overlap:.0%}" if own.overlap is not None else "-"])
+            data.append({"bandwidth": bw, "link_bps": link, "method": method, "measured_s": real,
+                         "predicted_own_trace_s": own.iteration_time,
+                         "predicted_from_dear_trace_s": from_dear.iteration_time,
+                         "replayed_at_this_bandwidth_s": at_bw.iteration_time,
+                         "predicted_overlap": own.overlap})
+    headers = ["bandwidth (tc)", "link (Gbit/s, TCP)", "method", "measured (ms)",
+               f"predicted from own trace at {args.trace_bandwidth} (ms)", "error",
+               f"predicted from DeAR's trace at {args.trace_bandwidth} (ms)", "error",
+               "replayed from a trace at this bandwidth (ms)", "error", "predicted overlap"]
+    table = results.markdown_table(headers, rows)
+    own_errs = [abs(d["predicted_own_trace_s"] / d["measured_s"] - 1) for d in data
+                if d["bandwidth"] != args.trace_bandwidth]
+    dear_errs = [abs(d["predicted_from_dear_trace_s"] / d["measured_s"] - 1) for d in data
+                 if d["bandwidth"] != args.trace_bandwidth]
+    notes = (f"Model {args.model} (batch {args.batch}, knobs {_knob_args(args)}), 2 ranks on the "
+             f"emulated cluster, one core each. Traced at {args.trace_bandwidth}; predictions "
+             f"at other bandwidths keep each collective kind's fitted efficiency "
+             f"(fitted rate / traced link rate). Mean |error| at the other bandwidths: own trace "
+             f"{statistics.mean(own_errs):.1%} (max {max(own_errs):.1%}), from DeAR's trace "
+             f"{statistics.mean(dear_errs):.1%} (max {max(dear_errs):.1%}). Measured = median of "
+             f"{args.iters} untraced iterations (slowest rank); predicted = replay of 4 "
+             f"iterations, the last one measured.")
+    print(table)
+    print(notes)
+    results.write(args.name or "diagnose_validation", "dear.diagnose: replay vs measurement",
+                  {"args": vars(args), "rows": data, "measured": measured}, table, notes)
+    return 0
+
+
+def overhead(args: argparse.Namespace) -> int:
+    from benchmarks import results
+    out = os.path.join(args.workdir, f"overhead-{args.model}-{args.trace_bandwidth}")
+    measured = _launch(args, args.trace_bandwidth, out,
+                       ["--methods", args.methods, "--trace-iters", "0",
+                        "--overhead-rounds", str(args.rounds)])
+    rows, data = [], {}
+    for method, res in measured["methods"].items():
+        plain, traced = res["median_s"], res["traced_median_s"]
+        rows.append([method, round(plain * 1e3, 1), round(traced * 1e3, 1),
+                     f"{traced / plain - 1:+.2%}"])
+        data[method] = {"untraced_median_s": plain, "traced_median_s": traced,
+                        "overhead": traced / plain - 1}
+    sizes = []
+    for d, _, files in os.walk(os.path.join(out, "overhead")):
+        sizes += [os.path.getsize(os.path.join(d, f)) for f in files if f.endswith(".json")]
+    table = results.markdown_table(["method", "untraced (ms)", "traced (ms)", "overhead"], rows)
+    notes = (f"Model {args.model} (batch {args.batch}, {_knob_args(args)}), 2 ranks on the "
+             f"emulated cluster at {args.trace_bandwidth}; {args.rounds} rounds of {args.iters} "
+             f"untraced then {args.iters} traced iterations (medians over all rounds, slowest "
+             f"rank). Trace size: {statistics.mean(sizes) / 1e3:.0f} kB per rank for "
+             f"{args.iters} iterations.")
+    print(table)
+    print(notes)
+    results.write(args.name or "diagnose_overhead", "dear.diagnose: tracing overhead",
+                  {"args": vars(args), "methods": data, "measured": measured}, table, notes)
+    return 0
+
+
+def profile(args: argparse.Namespace) -> int:
+    """One process, plain SGD, no network: a compute profile for `paper` (seconds per layer)."""
+    from benchmarks.train import make_sgd, workload
+    from dear import diagnose
+    torch.set_num_threads(args.threads)
+    build, _, batch, loss_fn = workload(args)
+    model = build()
+    opt = make_sgd(model.parameters())
+    with diagnose.trace(model, opt, out=args.out, iterations=range(1, 1 + args.trace_iters)):
+        for step in range(args.trace_iters + 1):
+            x, y = batch(step, 0)
+            opt.zero_grad()
+            loss_fn(model(x), y).backward()
+            opt.step()
+    print(f"profile of {args.model}: {args.out}")
+    return 0
+
+
+# What the DeAR paper's GPUs spend computing one iteration (assumed, see the notes).
+PAPER_COMPUTE_S = {"resnet50": 0.22, "bert_base": 0.35}
+PAPER_LATENCY_S = {10e9: 30e-6, 100e9: 5e-6}
+
+
+def paper(args: argparse.Namespace) -> int:
+    from benchmarks import results
+    from dear.diagnose import Schedule, Simulator
+    traces = dict(t.split("=", 1) for t in args.trace)
+    targets = {**PAPER_COMPUTE_S, **{k: float(v) for k, v in
+                                     (t.split("=", 1) for t in args.compute_time)}}
+    rows, data = [], []
+    for name, path in traces.items():
+        sim = Simulator(path)
+        prof = sim.model.profiles[0]
+        busy = (sum(s.duration for s in prof.forward + prof.backward) + prof.loss
+                + prof.backward_tail + prof.update)
+        scale = targets[name] / busy
+        for bw in (10e9, 100e9):
+            for n in (16, 64):
+                pred = {s: sim.predict(s, bandwidth_bps=bw, latency_s=PAPER_LATENCY_S[bw],
+                                       world_size=n, compute_scale=scale,
+                                       fusion_threshold=args.fusion_threshold)
+                        for s in (Schedule.DEAR, Schedule.DDP, Schedule.WFBP)}
+                t = {s.value: p.iteration_time for s, p in pred.items()}
+                rows.append([name, f"{bw / 1e9:g}", n, round(t["dear"] * 1e3, 1),
+                             round(t["ddp"] * 1e3, 1), round(t["wfbp"] * 1e3, 1),
+                             f"{t['ddp'] / t['dear'] - 1:+.0%}", f"{t['wfbp'] / t['dear'] - 1:+.0%}",
+                             f"{pred[Schedule.DEAR].overlap:.0%}"])
+                data.append({"model": name, "bandwidth_bps": bw, "world_size": n,
+                             "iteration_s": t, "compute_scale": scale,
+                             "overlap_dear": pred[Schedule.DEAR].overlap})
+    headers = ["model", "Gbit/s", "workers", "DeAR (ms)", "DDP (ms)", "WFBP (ms)",
+               "DeAR gain vs DDP", "DeAR gain vs WFBP", "DeAR overlap"]
+    table = results.markdown_table(headers, rows)
+    notes = (f"Compute profiles traced on this CPU ({traces}), each scaled so one iteration's "
+             f"compute is {targets} s (assumed for the paper's GPUs); ideal ring collectives at "
+             f"the link rate with {PAPER_LATENCY_S} s per ring step; fusion threshold "
+             f"{args.fusion_threshold or '25 MB (default)'}. The DeAR paper (ANCHORS.md) reports "
+             f"up to 83% speedup over the best baseline on 64 GPUs with 10 Gb/s Ethernet and up "
+             f"to 15% with 100 Gb/s InfiniBand.")
+    print(table)
+    print(notes)
+    results.write(args.name or "diagnose_paper", "dear.diagnose: DeAR vs DDP vs WFBP at scale "
+                  "(predicted)", {"args": vars(args), "rows": data}, table, notes)
+    return 0
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="resnet50")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--image-size", type=int, default=0)
+    p.add_argument("--seq-len", type=int, default=0)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--iters", type=int, default=6)
+    p.add_argument("--methods", default=METHODS)
+    p.add_argument("--workdir", default=DEFAULT_WORKDIR, help="where traces go")
+    p.add_argument("--trace-bandwidth", default="1gbit")
+    p.add_argument("--timeout", type=float, default=3000)
+    p.add_argument("--name", default="", help="results file name")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("run")
+    _common(r)
+    r.add_argument("--out", required=True)
+    r.add_argument("--trace-iters", type=int, default=5)
+    r.add_argument("--overhead-rounds", type=int, default=0)
+    v = sub.add_parser("validate")
+    _common(v)
+    v.add_argument("--bandwidths", default="500mbit,2gbit", help="where to compare")
+    v.add_argument("--trace-iters", type=int, default=5)
+    o = sub.add_parser("overhead")
+    _common(o)
+    o.add_argument("--rounds", type=int, default=4)
+    pr = sub.add_parser("profile")
+    _common(pr)
+    pr.add_argument("--out", required=True)
+    pr.add_argument("--trace-iters", type=int, default=3)
+    pr.add_argument("--threads", type=int, default=1)
+    pa = sub.add_parser("paper")
+    pa.add_argument("--trace", action="append", default=[], help="MODEL=TRACE_DIR")
+    pa.add_argument("--compute-time", action="append", default=[],
+                    help="MODEL=SECONDS of compute per iteration on the target GPU")
+    pa.add_argument("--fusion-threshold", type=int, default=None)
+    pa.add_argument("--name", default="")
+    args = parser.parse_args(argv)
+    return {"run": run, "validate": validate, "overhead": overhead, "profile": profile,
+            "paper": paper}[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
