@@ -3,6 +3,7 @@
 from .checkpoint import atomic_save
 from .comm.base import ReduceOp
 from .compression import Compression
+from . import diagnose  # the dear.diagnose subpackage: trace, report, simulate
 from .kfac import KFAC
 from .native import native_available
 from .optimizer import DistributedOptimizer
