@@ -82,3 +82,12 @@ def unscale_averaged_grads(scaler: Any, optimizer: torch.optim.Optimizer) -> boo
     if not unscaled_by_user(scaler, optimizer):
         scaler.unscale_(optimizer)
     return bool(sum(v.item() for v in scaler._found_inf_per_device(optimizer).values()))
+
+
+def check_contract(optimizer: torch.optim.Optimizer, grad_scaler: Any) -> None:
+    """A GradScaler that sets optimizer.found_inf instead of passing itself (the protocol torch
+    announces) would bypass dear's check of the reduced gradient: refuse rather than mis-step."""
+    if grad_scaler is None and getattr(optimizer, "found_inf", None) is not None:
+        raise RuntimeError("this torch's GradScaler no longer passes itself to optimizer.step("
+                           "grad_scaler=...); dear's GradScaler support (dear/amp.py) must be "
+                           "updated for it")

@@ -141,6 +141,7 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
         if closure is not None:
             raise ValueError("dear.DistributedOptimizer.step() does not take a closure: the "
                              "update is applied later, in the next forward pass")
+        amp.check_contract(self, grad_scaler)
         if self._synchronized:                 # Horovod loop: .grad already holds the average
             if not self._skip_sync:
                 warnings.warn("optimizer.step() after optimizer.synchronize() without "

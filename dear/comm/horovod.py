@@ -8,10 +8,16 @@ Horovod returns new tensors, so results are copied into the caller's buffers whe
 completes. Buffers are flat and padded to a multiple of the
 world size, so Horovod's uneven split (lower ranks get one more row) never applies. Every op is
 named from a counter that advances identically on every rank, which is how Horovod matches them.
+
+Horovod waits forever for a rank that stalls (its stall check only warns), so `wait()` polls the
+handle against a deadline (DEAR_TIMEOUT) instead of blocking in hvd.synchronize: the backoff
+starts at 20 us and stops growing at 1 ms, Horovod's own cycle time. A rank that dies makes
+Horovod shut down, and the wait raises at once.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any, Callable, Optional
 
 import torch
@@ -34,15 +40,25 @@ def _hvd() -> Any:
 
 
 class HorovodWork(Work):
-    def __init__(self, handle: Any, finish: Optional[Callable[[Any], None]] = None) -> None:
+    def __init__(self, handle: Any, finish: Optional[Callable[[Any], None]] = None,
+                 timeout: float = 300.0) -> None:
         self._handle = handle
         self._finish = finish
+        self._timeout = timeout
         self._done = False
 
     def wait(self) -> None:
         if self._done:
             return
-        result = _hvd().synchronize(self._handle)
+        hvd = _hvd()
+        deadline, delay = time.monotonic() + self._timeout, 2e-5
+        while not hvd.poll(self._handle):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"Horovod collective not complete after {self._timeout:g} s "
+                                   "(DEAR_TIMEOUT): another rank stalled or died")
+            time.sleep(delay)
+            delay = min(2 * delay, 1e-3)
+        result = hvd.synchronize(self._handle)
         if self._finish is not None:
             self._finish(result)
         self._done = True
@@ -53,8 +69,9 @@ class HorovodCommunicator(Communicator):
 
     name = "horovod"
 
-    def __init__(self) -> None:
+    def __init__(self, timeout: float = 300.0) -> None:
         self._hvd = _hvd()
+        self._timeout = timeout                # seconds a wait may take (DEAR_TIMEOUT)
         self._owns = not self._hvd.is_initialized()
         if self._owns:
             self._hvd.init()
@@ -94,25 +111,25 @@ class HorovodCommunicator(Communicator):
             received = res[0] if isinstance(res, tuple) else res
             torch.sum(received.view(n, -1), dim=0, out=output)   # rank order: deterministic
 
-        return HorovodWork(handle, finish)
+        return HorovodWork(handle, finish, self._timeout)
 
     def all_gather(self, input: torch.Tensor, output: torch.Tensor) -> Work:
         check_shard_sizes(output, input, self.size)
         self._check_dtype(input)
         handle = self._hvd.allgather_async(input, name=self._name("ag"))
-        return HorovodWork(handle, lambda res: output.copy_(res.view(-1)))
+        return HorovodWork(handle, lambda res: output.copy_(res.view(-1)), self._timeout)
 
     def all_reduce(self, tensor: torch.Tensor) -> Work:
         self._check_dtype(tensor)
         handle = self._hvd.allreduce_async_(tensor, name=self._name("ar"), op=self._hvd.Sum)
-        return HorovodWork(handle)
+        return HorovodWork(handle, timeout=self._timeout)
 
     def broadcast(self, tensor: torch.Tensor, root: int) -> Work:
         if not 0 <= root < self.size:
             raise ValueError(f"root rank {root} does not exist in a world of size {self.size}")
         self._check_dtype(tensor)
         handle = self._hvd.broadcast_async_(tensor, root, name=self._name("bc"))
-        return HorovodWork(handle)
+        return HorovodWork(handle, timeout=self._timeout)
 
     def broadcast_object(self, obj: Any, root: int) -> Any:
         # An explicit name: Horovod's default comes from the object's type, which may differ

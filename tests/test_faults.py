@@ -1,0 +1,211 @@
+"""Checkpoints and faults.
+
+- Kill every rank at a random step after a checkpoint, resume from it: the parameters and the
+  optimizer state end bit-identical to an uninterrupted run (AMP, clipping, LR schedule, dropout).
+- A checkpoint write that dies half-way leaves the previous checkpoint intact.
+- A rank that dies or stalls: the other rank raises an error naming the collective and the bucket,
+  within DEAR_TIMEOUT, on the torch (Gloo) backend and on the Horovod backend; time to error is
+  measured from the moment the rank died or stalled.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import signal
+import sys
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import dear
+from tests.distributed import run_distributed
+from tests.horovod_launch import run_horovod
+from tests.subprocesses import BIN, run
+from tests.workloads import batch, make_net, state_of
+
+TOTAL, EVERY = 12, 3                           # steps; a checkpoint after every 3rd
+OVERFLOW_AT = 7                                # rank 1 overflows: a skipped step after resuming
+TIMEOUT = 3.0                                  # DEAR_TIMEOUT in the fault tests
+
+
+# ------------------------------------------------------------------ checkpoint, kill, resume
+def real_loop(ckpt_dir: str, kill_at: int = -1) -> dict:
+    """Adam + GradScaler + clipping + StepLR + dropout, checkpointing every EVERY steps with
+    dear.atomic_save; resumes from this rank's checkpoint if there is one."""
+    dear.init()
+    rank, world = dear.rank(), dear.size()
+    model = make_net()
+    opt = dear.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01), model=model,
+                                    fusion_threshold=2048)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.5)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=3)
+    torch.manual_seed(100 + rank)              # dropout differs per rank, as in real training
+    path = os.path.join(ckpt_dir, f"rank{rank}.pt")
+    start = 0
+    if os.path.exists(path):
+        ckpt = torch.load(path, weights_only=False)
+        model.load_state_dict(ckpt["model"])
+        opt.load_state_dict(ckpt["optimizer"])
+        scaler.load_state_dict(ckpt["scaler"])
+        sched.load_state_dict(ckpt["scheduler"])
+        torch.set_rng_state(ckpt["rng"])
+        start = ckpt["step"]
+    for step in range(start, TOTAL):
+        opt.zero_grad()
+        x, y = batch(step, world, rank)
+        loss = F.mse_loss(model(F.dropout(x, 0.2)), y)
+        if step == OVERFLOW_AT and rank == 1:
+            loss = loss + math.inf * model.fc1.bias[0]
+        scaler.scale(loss).backward()
+        opt.clip_grad_norm_(1.0, grad_scaler=scaler)
+        scaler.step(opt)
+        scaler.update()
+        sched.step()
+        if step == kill_at:                    # updates pending, all-gathers in flight
+            os.kill(os.getpid(), signal.SIGKILL)
+        if (step + 1) % EVERY == 0:
+            dear.atomic_save({"model": model.state_dict(), "optimizer": opt.state_dict(),
+                              "scaler": scaler.state_dict(), "scheduler": sched.state_dict(),
+                              "rng": torch.get_rng_state(), "step": step + 1}, path)
+    state = {f"opt.{i}.{k}": v for i, s in opt.state_dict()["state"].items()
+             for k, v in s.items()}
+    result = {"params": state_of(model), "opt": state, "start": start,
+              "scale": scaler.get_scale()}
+    dear.shutdown()
+    return result
+
+
+def test_kill_every_rank_after_a_checkpoint_and_resume_bit_identically(tmp_path) -> None:
+    kill_at = random.randrange(EVERY, TOTAL - 1)       # after the first checkpoint
+    (tmp_path / "straight").mkdir()
+    (tmp_path / "killed").mkdir()
+    straight = run_distributed(real_loop, 2, str(tmp_path / "straight"), timeout=120)
+    outcomes = run_distributed(real_loop, 2, str(tmp_path / "killed"), kill_at, timeout=120,
+                               expect_failure=True)
+    assert all(isinstance(o, str) for o in outcomes), f"a rank survived kill_at={kill_at}"
+    resumed = run_distributed(real_loop, 2, str(tmp_path / "killed"), timeout=120)
+    for rank in range(2):
+        want, got = straight[rank], resumed[rank]
+        assert got["start"] == kill_at // EVERY * EVERY, f"kill_at={kill_at}"
+        assert got["scale"] == want["scale"]
+        for what in ("params", "opt"):
+            assert got[what].keys() == want[what].keys()
+            for k in want[what]:
+                assert torch.equal(got[what][k], want[what][k]), \
+                    f"rank {rank}: {k} differs after resuming (killed at step {kill_at})"
+
+
+class _DiesWhilePickled:
+    def __reduce__(self):                      # the process dies half-way through torch.save
+        os._exit(9)
+
+
+class _FailsWhilePickled:
+    def __reduce__(self):
+        raise RuntimeError("disk full")
+
+
+def test_a_checkpoint_write_that_dies_leaves_the_previous_one(tmp_path) -> None:
+    path = tmp_path / "ckpt.pt"
+    dear.atomic_save({"step": 1, "w": torch.arange(4.0)}, path)
+    with pytest.raises(RuntimeError, match="disk full"):
+        dear.atomic_save({"w": torch.zeros(1 << 16), "bad": _FailsWhilePickled()}, path)
+    assert os.listdir(tmp_path) == ["ckpt.pt"]         # the temporary file was removed
+    code = ("import torch, dear, tests.test_faults as t\n"
+            f"dear.atomic_save({{'w': torch.zeros(1 << 20), 'bad': t._DiesWhilePickled()}}, "
+            f"{str(path)!r})\n")
+    res = run([os.path.join(BIN, "python"), "-c", code], timeout=60)
+    assert res.returncode == 9, res.stdout
+    ckpt = torch.load(path)
+    assert ckpt["step"] == 1 and torch.equal(ckpt["w"], torch.arange(4.0))
+
+
+# --------------------------------------------------------------------- dead or stalled rank
+def _faulty_training(fault: str, marker: str) -> dict:
+    """Rank 1 dies (SIGKILL) or stalls at step 3; rank 0 reports its error and how long after
+    the fault (rank 1 writes the time to `marker`) it came."""
+    rank = dear.rank()
+    model = make_net()
+    opt = dear.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model,
+                                    fusion_threshold=2048)
+    try:
+        for step in range(20):
+            if step == 3 and rank == 1:
+                stalled = time.time()
+                with open(marker, "w") as fh:
+                    fh.write(repr(stalled))
+                if fault == "dies":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                while not os.path.exists(marker + ".seen") and time.time() < stalled + 30:
+                    time.sleep(0.05)           # stalls until rank 0 has given up on it
+                os._exit(0)
+            opt.zero_grad()
+            x, y = batch(step, 2, rank)
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+    except Exception as exc:
+        failed = time.time()
+        open(marker + ".seen", "w").close()
+        with open(marker) as fh:
+            return {"error": str(exc), "after": failed - float(fh.read())}
+    return {"error": None}
+
+
+def _torch_fault(fault: str, marker: str) -> dict:
+    dear.init()
+    return _faulty_training(fault, marker)
+
+
+def _check_fault(result: dict, fault: str) -> None:
+    assert result["error"] is not None, "rank 0 trained on although rank 1 was gone"
+    assert "dear: " in result["error"] and "of bucket" in result["error"], result["error"]
+    assert "reduce-scatter" in result["error"] or "all-gather" in result["error"]
+    if fault == "stalls":
+        assert TIMEOUT - 0.5 < result["after"] < TIMEOUT + 2.0, result
+    else:
+        assert result["after"] < TIMEOUT, result
+
+
+@pytest.mark.parametrize("fault", ["dies", "stalls"])
+def test_torch_backend_fails_within_the_timeout(fault: str, tmp_path) -> None:
+    marker = str(tmp_path / "fault")
+    outcomes = run_distributed(_torch_fault, 2, fault, marker, timeout=60, expect_failure=True,
+                               env={"DEAR_TIMEOUT": str(TIMEOUT)})
+    print(f"torch backend, rank 1 {fault}: rank 0 failed {outcomes[0]['after']:.2f} s later")
+    _check_fault(outcomes[0], fault)
+
+
+@pytest.mark.parametrize("fault", ["dies", "stalls"])
+def test_horovod_backend_fails_within_the_timeout(fault: str, tmp_path) -> None:
+    out, marker = str(tmp_path / "result.json"), str(tmp_path / "fault")
+    os.environ["DEAR_TIMEOUT"] = str(TIMEOUT)
+    try:
+        run_horovod(["-m", "tests.test_faults", fault, marker, out], np=2, timeout=90)
+    except AssertionError as exc:              # rank 1's SIGKILL; rank 0 must not have hung
+        assert fault == "dies" and "rank 1 failed (exit -9)" in str(exc), str(exc)
+    finally:
+        del os.environ["DEAR_TIMEOUT"]
+    with open(out) as fh:
+        result = json.load(fh)
+    print(f"Horovod backend, rank 1 {fault}: rank 0 failed {result['after']:.2f} s later")
+    _check_fault(result, fault)
+
+
+def _horovod_main(fault: str, marker: str, out: str) -> None:
+    import horovod.torch as hvd
+    hvd.init()
+    dear.init()
+    result = _faulty_training(fault, marker)
+    if hvd.rank() == 0:
+        with open(out, "w") as fh:
+            json.dump(result, fh)
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    _horovod_main(*sys.argv[1:4])
