@@ -102,6 +102,36 @@ def profile(method: str, args: argparse.Namespace) -> dict[str, float]:
     return {label: round(out.get(label, 0.0), 2) for label, _, _ in _PROFILED}
 
 
+def micro(args: argparse.Namespace) -> dict[str, float]:
+    """One process, one bucket holding the model's 1000 gradients: pack them as the hooks do,
+    reduce-scatter and all-gather on a world of one, unpack. Isolates what the extension
+    replaces from the hooks and the model; median microseconds per iteration."""
+    from dear.comm.local import LocalCommunicator
+    from dear.fusion.bucket import Bucket
+    from dear.fusion.planner import plan_buckets
+    torch.set_num_threads(1)
+    params = list(build(args.layers, args.width).parameters())
+    grads = [torch.randn_like(p) for p in params]
+    spec, = plan_buckets(params, list(range(len(params))), 1 << 30, 1)
+    comm, out = LocalCommunicator(), {}
+    for label, use_native in (("python", False), ("native", True)):
+        bucket = Bucket(spec, params, native=use_native)
+        times = []
+        for _ in range(args.micro_reps):
+            start = time.perf_counter()
+            for j in reversed(range(len(params))):
+                bucket.pack(j, grads[j])
+                assert not bucket.full or j == 0
+            bucket.start_reduce_scatter(comm, 1.0)
+            bucket.finish_reduce_scatter(1.0)
+            bucket.start_all_gather(comm)
+            bucket.finish_all_gather()
+            bucket.reset()
+            times.append(time.perf_counter() - start)
+        out[label] = 1e6 * statistics.median(times)
+    return out
+
+
 def rank_main(rank: int, args: argparse.Namespace, port: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(args.nproc), LOCAL_RANK=str(rank))
@@ -112,6 +142,7 @@ def rank_main(rank: int, args: argparse.Namespace, port: int) -> None:
         for method in METHODS:
             medians[method].append(statistics.median(train(method, args, args.iters)))
     profiles = {}
+    micro_us = micro(args) if rank == 0 else {}
     if args.profile:
         for method in ("dear-python", "dear-native"):
             profiles[method] = profile(method, args)
@@ -129,12 +160,18 @@ def rank_main(rank: int, args: argparse.Namespace, port: int) -> None:
                      "Python-heavy code):\n\n" + results.markdown_table(
                          ["where", *profiles], [[k, *[p.get(k, "") for p in profiles.values()]]
                                                 for k in keys])
+        n = 2 * args.layers
+        table += (f"\n\nOne bucket of {n} gradients, pack + collectives on a world of one + "
+                  f"unpack, one process, median of {args.micro_reps}: Python path "
+                  f"{micro_us['python']:.0f} us ({micro_us['python'] / n:.2f} us/gradient), "
+                  f"native {micro_us['native']:.0f} us ({micro_us['native'] / n:.2f} "
+                  f"us/gradient), ratio {micro_us['native'] / micro_us['python']:.2f}.")
         print(table)
         results.write(args.name, "Framework overhead: DeAR with and without the native "
                       "extension vs DDP", {"args": vars(args), "median_ms": ms,
                                            "rounds_ms": {m: [1e3 * v for v in vals]
                                                          for m, vals in medians.items()},
-                                           "profile_ms": profiles,
+                                           "profile_ms": profiles, "micro_us": micro_us,
                                            "native": native.build_info()}, table,
                       f"{args.layers} x Linear({args.width},{args.width}) "
                       f"({2 * args.layers} parameter tensors), batch {args.batch}, "
@@ -154,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--profile-iters", type=int, default=20)
+    parser.add_argument("--micro-reps", type=int, default=200)
     parser.add_argument("--name", default="overhead_native")
     parser.add_argument("--timeout", type=float, default=1200.0)
     args = parser.parse_args(argv)

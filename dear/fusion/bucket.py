@@ -55,6 +55,8 @@ class Bucket:
         self._ready = (_native.grad_ready(self.buffer, spec.offsets, spec.numels,
                                           spec.flags_offset, sparse_as_dense)
                        if use_native else None)
+        if self._ready is not None:        # the hooks call C++ directly: no Python frame
+            self.pack = self._ready.record  # type: ignore[method-assign]
 
     @property
     def full(self) -> bool:
