@@ -9,6 +9,7 @@ measurement.
         alternating blocks -> benchmarks/results/diagnose_overhead.{json,md}
     python -m benchmarks.diagnose paper --trace resnet50=DIR --trace bert_base=DIR
         DeAR vs DDP vs WFBP at 16 and 64 workers, 10 and 100 Gbit/s, next to the DeAR paper
+    python -m benchmarks.diagnose precision   how late the watcher stamps a completion
     python -m benchmarks.diagnose run --out DIR ...   (one rank; what the others launch)
 
 Run timing commands alone on the machine (`flock -x /tmp/dear.lock ...`).
@@ -107,6 +108,10 @@ def run(args: argparse.Namespace) -> int:
 
 # ------------------------------------------------------------------------------- driver
 def _launch(args: argparse.Namespace, bandwidth: str, out: str, extra: list[str]) -> dict:
+    if getattr(args, "reuse", False) and os.path.exists(os.path.join(out, "measured.json")):
+        print(f"reusing {out}", flush=True)
+        with open(os.path.join(out, "measured.json")) as fh:
+            return json.load(fh)
     cmd = [sys.executable, "-m", "benchmarks.cluster", "--nproc", "2", "--bandwidth", bandwidth,
            "--timeout", str(args.timeout), "--", sys.executable, "-m", "benchmarks.diagnose",
            "run", "--out", out, "--model", args.model, "--batch", str(args.batch),
@@ -128,14 +133,13 @@ def _knob_args(args: argparse.Namespace) -> list[str]:
 
 def validate(args: argparse.Namespace) -> int:
     from benchmarks import results
-    from dear.diagnose import Simulator
+    from dear.diagnose import Simulator, build_report
     bandwidths = [args.trace_bandwidth] + [b for b in args.bandwidths.split(",") if b]
     measured: dict[str, dict] = {}
     for bw in bandwidths:
         out = os.path.join(args.workdir, f"validate-{args.model}-{bw}")
-        trace_iters = args.trace_iters if bw == args.trace_bandwidth else args.trace_iters
         measured[bw] = _launch(args, bw, out, ["--methods", args.methods,
-                                               "--trace-iters", str(trace_iters)])
+                                               "--trace-iters", str(args.trace_iters)])
     base = os.path.join(args.workdir, f"validate-{args.model}-{args.trace_bandwidth}")
     link0 = measured[args.trace_bandwidth]["bandwidth_measured_bps"]
     sims = {m: Simulator(os.path.join(base, m)) for m in args.methods.split(",")}
@@ -147,27 +151,43 @@ def validate(args: argparse.Namespace) -> int:
             own = sims[method].predict(method, bandwidth_bps=link, traced_bandwidth_bps=link0)
             from_dear = sims["dear"].predict(method, bandwidth_bps=link,
                                              traced_bandwidth_bps=link0)
-            # The same iteration replayed from each bandwidth's own trace: the model's error
-            # with a cost model fitted at that bandwidth (no extrapolation).
-            at_bw = Simulator(os.path.join(args.workdir, f"validate-{args.model}-{bw}", method)
-                              ).predict(method)
-            err = lambda p: (p - real) / real  # noqa: E731
+            # Each bandwidth's own trace replayed as it is: the replay's error on the very
+            # iterations it was built from (no extrapolation, no run-to-run noise).
+            here = os.path.join(args.workdir, f"validate-{args.model}-{bw}", method)
+            at_bw = Simulator(here).predict(method)
+            window = statistics.median(s.time for s in build_report(here).iterations())
+            # This bandwidth's iterations (their compute) with the network extrapolated from
+            # the traced bandwidth: the cost model's error alone, without run-to-run noise.
+            net_only = Simulator(here, cost=sims[method].cost_model(
+                link, None, None, link0)).predict(method)
+            err = lambda p, ref=real: (p - ref) / ref  # noqa: E731
             rows.append([bw, f"{link / 1e9:.2f}", method, round(real * 1e3, 1),
                          round(own.iteration_time * 1e3, 1), f"{err(own.iteration_time):+.1%}",
                          round(from_dear.iteration_time * 1e3, 1),
-                         f"{err(from_dear.iteration_time):+.1%}",
-                         round(at_bw.iteration_time * 1e3, 1), f"{err(at_bw.iteration_time):+.1%}",
+                         f"{err(from_dear.iteration_time):+.1%}", round(window * 1e3, 1),
+                         round(at_bw.iteration_time * 1e3, 1),
+                         f"{err(at_bw.iteration_time, window):+.1%}",
+                         round(net_only.iteration_time * 1e3, 1),
+                         f"{err(net_only.iteration_time, window):+.1%}",
                          f"{own.overlap:.0%}" if own.overlap is not None else "-"])
             data.append({"bandwidth": bw, "link_bps": link, "method": method, "measured_s": real,
                          "predicted_own_trace_s": own.iteration_time,
                          "predicted_from_dear_trace_s": from_dear.iteration_time,
+                         "traced_window_median_s": window,
                          "replayed_at_this_bandwidth_s": at_bw.iteration_time,
+                         "network_extrapolated_s": net_only.iteration_time,
                          "predicted_overlap": own.overlap})
     headers = ["bandwidth (tc)", "link (Gbit/s, TCP)", "method", "measured (ms)",
                f"predicted from own trace at {args.trace_bandwidth} (ms)", "error",
                f"predicted from DeAR's trace at {args.trace_bandwidth} (ms)", "error",
-               "replayed from a trace at this bandwidth (ms)", "error", "predicted overlap"]
+               "traced iterations here (ms)", "their replay (ms)", "error",
+               f"their replay, network from {args.trace_bandwidth} (ms)", "error",
+               "predicted overlap"]
     table = results.markdown_table(headers, rows)
+    replay_errs = [abs(d["replayed_at_this_bandwidth_s"] / d["traced_window_median_s"] - 1)
+                   for d in data]
+    net_errs = [abs(d["network_extrapolated_s"] / d["traced_window_median_s"] - 1)
+                for d in data if d["bandwidth"] != args.trace_bandwidth]
     own_errs = [abs(d["predicted_own_trace_s"] / d["measured_s"] - 1) for d in data
                 if d["bandwidth"] != args.trace_bandwidth]
     dear_errs = [abs(d["predicted_from_dear_trace_s"] / d["measured_s"] - 1) for d in data
@@ -175,7 +195,11 @@ def validate(args: argparse.Namespace) -> int:
     notes = (f"Model {args.model} (batch {args.batch}, knobs {_knob_args(args)}), 2 ranks on the "
              f"emulated cluster, one core each. Traced at {args.trace_bandwidth}; predictions "
              f"at other bandwidths keep each collective kind's fitted efficiency "
-             f"(fitted rate / traced link rate). Mean |error| at the other bandwidths: own trace "
+             f"(fitted rate / traced link rate). Replay of the traced iterations themselves: "
+             f"mean |error| {statistics.mean(replay_errs):.1%} (max {max(replay_errs):.1%}); "
+             f"the same with the network extrapolated from {args.trace_bandwidth}: "
+             f"{statistics.mean(net_errs):.1%} (max {max(net_errs):.1%}). "
+             f"Mean |error| against measurement at the other bandwidths: own trace "
              f"{statistics.mean(own_errs):.1%} (max {max(own_errs):.1%}), from DeAR's trace "
              f"{statistics.mean(dear_errs):.1%} (max {max(dear_errs):.1%}). Measured = median of "
              f"{args.iters} untraced iterations (slowest rank); predicted = replay of 4 "
@@ -231,6 +255,70 @@ def profile(args: argparse.Namespace) -> int:
             loss_fn(model(x), y).backward()
             opt.step()
     print(f"profile of {args.model}: {args.out}")
+    return 0
+
+
+def _precision_rank(rank: int, port: int, rounds: int, out: str) -> None:
+    """Rank 1 sends a small message at a known time; rank 0 has the watcher wait for it while
+    its training thread sleeps, runs torch kernels (GIL released) or pure Python (GIL held)."""
+    from dear.diagnose.comm import CompletionWatcher, _Relay
+    from dear.diagnose.recorder import CollectiveKind, CollectiveRecord
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE="2")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    clock = time.perf_counter_ns                  # one host: the same CLOCK_MONOTONIC
+    watcher = CompletionWatcher(clock)
+    a, b = torch.randn(256, 256), torch.randn(256, 256)
+    loads = {"sleep": lambda: time.sleep(0.2),
+             "torch kernels": lambda: [a @ b for _ in range(400)],
+             "pure Python": lambda: sum(i * i for i in range(3_000_000))}
+    lags: dict[str, list[float]] = {k: [] for k in loads}
+    sent = torch.zeros(1, dtype=torch.int64)
+    for name, load in loads.items():
+        for k in range(rounds):
+            dist.barrier()
+            if rank == 0:
+                buf = torch.zeros(1, dtype=torch.int64)
+                rec = CollectiveRecord(k, CollectiveKind.BROADCAST, 8, None, 0, clock())
+                relay = _Relay()
+                watcher.wait_for(rec, [dist.irecv(buf, 1, tag=7)], [relay])
+                load()
+                relay.wait()
+                lags[name].append((rec.end_ns - int(buf.item())) / 1e6)
+            else:
+                time.sleep(0.05 + 0.1 * (k % 3) / 3)
+                sent[0] = clock()
+                dist.send(sent, 0, tag=7)
+    watcher.close()
+    if rank == 0:
+        with open(out, "w") as fh:
+            json.dump(lags, fh)
+    dist.destroy_process_group()
+
+
+def precision(args: argparse.Namespace) -> int:
+    """How late the watcher stamps a completion, by what the training thread is doing."""
+    from benchmarks import results
+    from benchmarks.launch import free_port, run_ranks
+    out = os.path.join(args.workdir, "precision.json")
+    os.makedirs(args.workdir, exist_ok=True)
+    if run_ranks(_precision_rank, 2, (free_port(), args.rounds, out), timeout=600):
+        return 1
+    with open(out) as fh:
+        lags = json.load(fh)
+    rows = [[name, round(statistics.median(v), 3), round(sorted(v)[int(0.95 * (len(v) - 1))], 3),
+             round(max(v), 3)] for name, v in lags.items()]
+    table = results.markdown_table(["training thread meanwhile", "median lag (ms)",
+                                    "p95 lag (ms)", "max lag (ms)"], rows)
+    notes = (f"Lag = the watcher's completion stamp minus the time the peer sent an 8-byte "
+             f"message (Gloo, 2 ranks on loopback, {args.rounds} rounds each), so it includes "
+             f"the message's own latency: an upper bound on how late a collective's end is "
+             f"stamped. Python's GIL switch interval is 5 ms.")
+    print(table)
+    print(notes)
+    results.write(args.name or "diagnose_precision", "dear.diagnose: completion-stamp lag",
+                  {"args": vars(args), "lags_ms": lags}, table, notes)
     return 0
 
 
@@ -308,6 +396,8 @@ def main(argv: list[str] | None = None) -> int:
     _common(v)
     v.add_argument("--bandwidths", default="500mbit,2gbit", help="where to compare")
     v.add_argument("--trace-iters", type=int, default=5)
+    v.add_argument("--reuse", action="store_true",
+                   help="use the runs already in --workdir instead of launching them again")
     o = sub.add_parser("overhead")
     _common(o)
     o.add_argument("--rounds", type=int, default=4)
@@ -322,9 +412,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="MODEL=SECONDS of compute per iteration on the target GPU")
     pa.add_argument("--fusion-threshold", type=int, default=None)
     pa.add_argument("--name", default="")
+    pc = sub.add_parser("precision")
+    pc.add_argument("--rounds", type=int, default=20)
+    pc.add_argument("--workdir", default=DEFAULT_WORKDIR)
+    pc.add_argument("--name", default="")
     args = parser.parse_args(argv)
     return {"run": run, "validate": validate, "overhead": overhead, "profile": profile,
-            "paper": paper}[args.command](args)
+            "paper": paper, "precision": precision}[args.command](args)
 
 
 if __name__ == "__main__":

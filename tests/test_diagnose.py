@@ -281,3 +281,46 @@ def test_report_cli_and_png(tmp_path):
     assert main(["report", path, "--png", png]) == 0
     with open(png, "rb") as fh:
         assert fh.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+HOROVOD_SCRIPT = '''
+import sys
+import torch
+import horovod.torch as hvd
+from dear import diagnose
+from tests.test_diagnose import _model
+
+hvd.init()
+torch.set_num_threads(1)
+model = _model()
+opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                               named_parameters=model.named_parameters())
+with diagnose.trace(model, opt, out=sys.argv[1], iterations=range(1, 3)):
+    for step in range(4):
+        g = torch.Generator().manual_seed(step * 10 + hvd.rank())
+        x, y = torch.randn(16, 64, generator=g), torch.randint(10, (16,), generator=g)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+hvd.shutdown()
+'''
+
+
+def test_trace_of_horovod_run(tmp_path):
+    from tests.horovod_launch import horovod_available, run_horovod
+    if not horovod_available():
+        pytest.skip("Horovod with its torch extension is not installed (make horovod)")
+    script = tmp_path / "hvd_trace.py"
+    script.write_text(HOROVOD_SCRIPT)
+    out = str(tmp_path / "trace")
+    run_horovod([str(script), out], np=2, timeout=120)
+    trace = load_trace(out)
+    assert len(trace.ranks) == 2
+    for rank in trace.ranks:
+        assert rank.meta["schedule"] == "horovod" and rank.meta["world_size"] == 2
+        assert sorted(rank.iterations) == [1, 2]
+        comm = rank.of("comm")
+        assert len(comm) == 2 * 6 and {s.args["kind"] for s in comm} == {"all_reduce"}
+        assert all(s.args["end_source"] in ("watcher", "wait") for s in comm)
+        assert rank.of("forward", 1) and rank.of("backward", 2) and rank.of("step", 2)
+    assert build_report(out).per_rank

@@ -222,3 +222,21 @@ def test_simulate_cli(tmp_path, capsys):
     out = capsys.readouterr().out
     assert out.count("| dear |") == 2 and out.count("| ddp |") == 2
     assert main(["simulate", str(tmp_path / "nowhere")]) == 2
+
+
+def test_concurrent_collectives_share_the_link(tmp_path):
+    """Gloo runs some all-reduces at once: 0-10 ms alone, 10-30 ms shared by two, 30-40 ms the
+    second alone. Each gets half of the shared time; the kind's total is the busy time, 40 ms,
+    so the fitted rate is total bytes over 40 ms."""
+    from dear.diagnose.chrome import Trace, parse_rank
+    comm = dict(end_source="callback", kind="all_reduce")
+    events = [_span("iteration", 0, 50), _span("comm", 0, 30, bytes=MB, seq=1, **comm),
+              _span("comm", 10, 40, bytes=3 * MB, seq=2, **comm)]
+    doc = {"traceEvents": events, "dear": {"version": FORMAT_VERSION, "rank": 0,
+                                           "world_size": 2, "params": []}}
+    samples = collective_samples(Trace("t", [parse_rank(doc)]))
+    assert [round(s["seconds"], 6) for s in samples] == [0.020, 0.020]
+    assert [s["alone"] for s in samples] == [False, False]
+    fitted = CostModel.fit(samples, world_size=2)
+    assert fitted.alpha["all_reduce"] == 0.0
+    assert fitted.rate["all_reduce"] == pytest.approx(4 * MB / 0.040)   # volume = bytes at N=2

@@ -90,8 +90,8 @@ class CompletionWatcher:
                     while not what():
                         time.sleep(_POLL_S)
                     rec.complete(self._clock(), "watcher")
-                except Exception:       # the training thread's own wait() reports the failure
-                    pass
+                except Exception:       # the handle was already synchronized (consumed):
+                    rec.complete(self._clock(), "wait")     # it ended before, an upper bound
                 continue
             error: Optional[BaseException] = None
             for handle, relay in zip(what, relays):

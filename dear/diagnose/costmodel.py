@@ -57,14 +57,24 @@ class CostModel:
 
     @classmethod
     def fit(cls, samples: list[dict], world_size: int) -> "CostModel":
-        """From collective_samples(trace): per kind least squares of seconds on bytes sent."""
+        """From collective_samples(trace), per kind: the latency from a line through the
+        collectives that had the link to themselves (concurrent ones share time, which blurs
+        their own durations), then the rate that keeps the kind's total time on the link."""
         alpha: dict[str, float] = {}
         rate: dict[str, float] = {}
         for kind in KINDS:
-            pts = [(volume(kind, s["bytes"], world_size), s["seconds"])
-                   for s in samples if s["kind"] == kind]
-            if pts:
-                alpha[kind], rate[kind] = _fit_line(pts, latency_steps(kind, world_size))
+            mine = [s for s in samples if s["kind"] == kind]
+            if not mine:
+                continue
+            steps = latency_steps(kind, world_size)
+            alone = [(volume(kind, s["bytes"], world_size), s["seconds"])
+                     for s in mine if s.get("alone", True)]
+            a = _intercept(alone) / steps if steps > 0 and alone else 0.0
+            sent = sum(volume(kind, s["bytes"], world_size) for s in mine)
+            busy = sum(s["seconds"] for s in mine)
+            if busy - len(mine) * steps * a <= 0:
+                a = 0.0
+            alpha[kind], rate[kind] = a, sent / (busy - len(mine) * steps * a)
         if not rate:
             raise ValueError("the trace has no completed collective to fit a cost model on; "
                              "give --bandwidth (and --latency)")
@@ -100,19 +110,16 @@ def _check_positive(value: float, what: str) -> None:
         raise ValueError(f"{what} must be > 0, got {value}")
 
 
-def _fit_line(pts: list[tuple[float, float]], steps: float) -> tuple[float, float]:
-    """(alpha, rate) with seconds = steps * alpha + bytes / rate, alpha >= 0."""
+def _intercept(pts: list[tuple[float, float]]) -> float:
+    """Intercept of the least-squares line of seconds on bytes; 0 without two sizes or when
+    the line is not physical (negative intercept or slope)."""
     xs = [x for x, _ in pts]
-    ys = [y for _, y in pts]
-    if len(set(xs)) >= 2 and steps > 0:
-        mx, my = statistics.mean(xs), statistics.mean(ys)
-        sxx = sum((x - mx) ** 2 for x in xs)
-        slope = sum((x - mx) * (y - my) for x, y in pts) / sxx
-        intercept = my - slope * mx
-        if slope > 0 and intercept >= 0:
-            return intercept / steps, 1.0 / slope
-    # One size, or a negative intercept: no latency term, the aggregate rate.
-    return 0.0, sum(xs) / sum(ys)
+    if len(set(xs)) < 2:
+        return 0.0
+    mx, my = statistics.mean(xs), statistics.mean(y for _, y in pts)
+    slope = sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x in xs)
+    intercept = my - slope * mx
+    return intercept if slope > 0 and intercept > 0 else 0.0
 
 
 def _derive_missing(alpha: dict[str, float], rate: dict[str, float]) -> None:

@@ -63,7 +63,9 @@ class Model:
     buckets: list[list[int]]              # traced buckets (dear), forward order
     fusion_threshold: Optional[int]
     world_size: int
-    profiles: list[Profile]               # one per traced rank
+    profiles: list[Profile]               # one per traced rank: median over iterations
+    #: per traced iteration, every rank's profile of it (replayed one by one when given)
+    iterations: list[list[Profile]] = dataclasses.field(default_factory=list)
 
 
 def _minus(span: Interval, holes: list[Interval]) -> float:
@@ -145,16 +147,20 @@ def build_model(trace: Trace, iterations: Optional[Sequence[int]] = None) -> Mod
     chosen = list(iterations) if iterations is not None else trace.common_iterations()
     if not chosen:
         raise ValueError(f"{trace.path}: no iteration was traced on every rank")
-    profiles = []
+    profiles, per_rank = [], []
     for rank in trace.ranks:
         comm = union((s.start, s.end) for s in rank.spans if s.cat == "comm")
         per_it = [_rank_profile(rank, it, comm) for it in chosen]
+        per_rank.append(per_it)
         same = all(p.structure() == per_it[0].structure() for p in per_it)
         if same:
             profiles.append(_median_profile(per_it))
         else:                                  # take the iteration of median length
             times = sorted((rank.iterations[it].duration, k) for k, it in enumerate(chosen))
             profiles.append(per_it[times[len(times) // 2][1]])
+    shape = profiles[0].structure()
+    iterations = [[per_it[k] for per_it in per_rank] for k in range(len(chosen))]
+    iterations = [ps for ps in iterations if all(p.structure() == shape for p in ps)]
     meta = trace.meta
     params = meta.get("params", [])
     if not params:
@@ -170,26 +176,33 @@ def build_model(trace: Trace, iterations: Optional[Sequence[int]] = None) -> Mod
                  schedule=str(meta.get("schedule", "unknown")),
                  buckets=[list(b) for b in meta.get("buckets", [])],
                  fusion_threshold=meta.get("fusion_threshold"),
-                 world_size=trace.world_size, profiles=profiles)
+                 world_size=trace.world_size, profiles=profiles, iterations=iterations)
 
 
 def collective_samples(trace: Trace) -> list[dict[str, Any]]:
-    """Each traced collective once: kind, bytes, and its service time on a FIFO link (from the
-    last rank's issue, or the previous collective's end, to the last rank's completion)."""
+    """Each traced collective once: kind, bytes, and its share of the link's busy time.
+
+    A collective is on the link from the last rank's issue to the last rank's completion; while
+    several are (Gloo runs some concurrently, dear queues its own), each gets an equal share of
+    that time. The shares of a kind add up to the time the link spent on that kind, however the
+    backend interleaved them."""
     by_seq: dict[int, list[Span]] = {}
     for rank in trace.ranks:
         for s in rank.of("comm"):
             if s.args.get("end_source") in ("watcher", "callback", "wait"):
                 by_seq.setdefault(int(s.args["seq"]), []).append(s)
-    out, prev_end = [], float("-inf")
+    items = []
     for seq in sorted(by_seq):
         spans = by_seq[seq]
-        if len(spans) != len(trace.ranks):
-            continue
-        issue, end = max(s.start for s in spans), max(s.end for s in spans)
-        begin = max(issue, prev_end)
-        prev_end = max(prev_end, end)
-        if end > begin:
-            out.append({"kind": spans[0].args["kind"], "bytes": int(spans[0].args["bytes"]),
-                        "seconds": end - begin, "seq": seq})
-    return out
+        if len(spans) == len(trace.ranks):
+            begin, end = max(s.start for s in spans), max(s.end for s in spans)
+            items.append({"kind": spans[0].args["kind"], "bytes": int(spans[0].args["bytes"]),
+                          "seconds": 0.0, "seq": seq, "begin": begin, "end": end})
+    cuts = sorted({t for it in items for t in (it["begin"], it["end"])})
+    for lo, hi in zip(cuts, cuts[1:]):
+        active = [it for it in items if it["begin"] <= lo and it["end"] >= hi]
+        for it in active:
+            it["seconds"] += (hi - lo) / len(active)
+    for it in items:                           # alone on the link: a clean sample
+        it["alone"] = it["seconds"] >= (it["end"] - it["begin"]) * (1 - 1e-9)
+    return [it for it in items if it["seconds"] > 0]

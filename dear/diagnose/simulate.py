@@ -226,9 +226,19 @@ class Simulator:
         if not compute_scale > 0:
             raise ValueError(f"compute_scale must be > 0, got {compute_scale}")
         cost = self.cost_model(bandwidth_bps, latency_s, world_size, traced_bandwidth_bps)
+        # Each traced iteration replayed on its own; the median one is the prediction (the
+        # median of iterations, as measured, rather than an iteration of medians).
+        runs = [self._replay(ps, schedule, fusion_threshold, cost, compute_scale)
+                for ps in (self.model.iterations or [self.model.profiles])]
+        runs.sort(key=lambda p: p.iteration_time)
+        return runs[len(runs) // 2]
+
+    def _replay(self, profiles: list[Profile], schedule: Schedule,
+                fusion_threshold: Optional[int], cost: CostModel,
+                compute_scale: float) -> Prediction:
         n = cost.world_size
         m = self.model
-        profiles = [_scaled(p, compute_scale) for p in m.profiles]
+        profiles = [_scaled(p, compute_scale) for p in profiles]
         threshold = DEFAULT_THRESHOLD if fusion_threshold is None else fusion_threshold
         if schedule is Schedule.DEAR:
             buckets = dear_buckets(m, fusion_threshold, n)

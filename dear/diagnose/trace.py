@@ -24,7 +24,8 @@ import torch
 
 from .align import clock_offset, current_group
 from .comm import CompletionWatcher, TracingCommunicator, ddp_comm_hook
-from .recorder import Clock, Ev, Recorder
+from .recorder import Clock, CollectiveKind, Ev, Recorder
+from .targets import collect_params, describe
 
 log = logging.getLogger("dear")
 
@@ -75,7 +76,8 @@ class Tracer:
         self._ddp_slot: Optional[list] = None
         self._bucket_map: tuple[Any, dict[int, int]] = (None, {})
         self._started = self._stopped = False
-        self._seen_forward = self._wrapped_step = False
+        self._seen_forward = False
+        self._patched: list[str] = []
         self.path: Optional[str] = None
         self.meta: dict[str, Any] = {}
 
@@ -109,7 +111,8 @@ class Tracer:
         offset, origin = clock_offset(group, clock)
         self.meta.update(rank=group.rank, world_size=group.size, clock_offset_ns=offset,
                          origin_ns=origin, backend=comm.name if comm is not None else None)
-        self._params = self._collect_params()
+        self._params = collect_params(self.model, self.optimizer)
+        self._param_index = {id(p): i for i, (_, p) in enumerate(self._params)}
         if self.model is not None:
             self._hook_model(self.model)
         self._hook_params()
@@ -131,10 +134,9 @@ class Tracer:
         self._handles.clear()
         if self._ddp_slot is not None:
             self._ddp_slot[0] = None
-        if self.optimizer is not None and "_apply" in vars(self.optimizer):
-            del self.optimizer._apply
-        if self._wrapped_step:
-            del self.optimizer.step
+        for name in self._patched:              # our instance attributes over its methods
+            delattr(self.optimizer, name)
+        self._patched.clear()
         self._uninstall_comm()
         assert self._watcher is not None
         if not self._watcher.close():
@@ -184,26 +186,6 @@ class Tracer:
         self._set_count(self._count + 1, self.recorder.clock())
 
     # ------------------------------------------------------------------------------ hooks
-    def _collect_params(self) -> list[tuple[str, torch.nn.Parameter]]:
-        named: list[tuple[str, torch.nn.Parameter]] = []
-        seen: set[int] = set()
-        if self.model is not None:
-            for name, p in self.model.named_parameters():
-                if p.requires_grad and id(p) not in seen:
-                    seen.add(id(p))
-                    named.append((name, p))
-        opt_names = getattr(self.optimizer, "_names", None)
-        for group in getattr(self.optimizer, "param_groups", ()):
-            for p in group["params"]:
-                if p.requires_grad and id(p) not in seen:
-                    seen.add(id(p))
-                    named.append((f"param{len(named)}", p))
-        if opt_names is not None:              # dear's own names when no model was given
-            by_id = {id(p): n for n, p in zip(opt_names, self.optimizer._params)}
-            named = [(by_id.get(id(p), n) if n.startswith("param") else n, p) for n, p in named]
-        self._param_index = {id(p): i for i, (_, p) in enumerate(named)}
-        return named
-
     def _hook_model(self, model: torch.nn.Module) -> None:
         self._modules = list(model.named_modules())
         self._handles.append(model.register_forward_pre_hook(self._root_forward))
@@ -248,7 +230,11 @@ class Tracer:
                 finally:
                     self._step_post()
             optimizer.step = traced_step
-            self._wrapped_step = True
+            self._patched.append("step")
+        allreduce = getattr(optimizer, "_allreduce_grad_async", None)
+        if callable(allreduce) and hasattr(optimizer, "_handles"):  # horovod.torch's optimizer
+            optimizer._allreduce_grad_async = self._traced_horovod(allreduce)
+            self._patched.append("_allreduce_grad_async")
         apply = getattr(optimizer, "_apply", None)
         if callable(apply) and hasattr(optimizer, "_buckets"):   # dear: per-bucket updates
             def traced_apply(bucket: Any) -> Any:
@@ -262,6 +248,26 @@ class Tracer:
                     self.recorder.events.append((Ev.UPDATE, it, start, self.recorder.clock(),
                                                  bucket.spec.index))
             optimizer._apply = traced_apply
+            self._patched.append("_apply")
+
+    def _traced_horovod(self, allreduce: Any) -> Any:
+        """Record each of Horovod's per-tensor all-reduces; the watcher polls its handle."""
+        from .comm import _horovod_poll
+
+        def traced(p: torch.Tensor) -> Any:
+            it = self._recording
+            if it is None or p.grad is None:
+                return allreduce(p)
+            grad = p.grad
+            rec = self.recorder.collective(CollectiveKind.ALL_REDUCE,
+                                           grad.numel() * grad.element_size(),
+                                           self._param_index.get(id(p)), it)
+            out = allreduce(p)
+            poll = _horovod_poll(out[0] if isinstance(out, tuple) else out)
+            if poll is not None and self._watcher is not None:
+                self._watcher.poll_for(rec, poll)
+            return out
+        return traced
 
     def _root_forward(self, module: torch.nn.Module, args: Any) -> None:
         if not module.training:
@@ -329,21 +335,9 @@ class Tracer:
 
     # ------------------------------------------------------------------------------ output
     def describe(self) -> dict[str, Any]:
-        """What the trace needs besides events: parameters, modules, buckets, schedule."""
-        opt = self.optimizer
-        buckets = []
-        for b in getattr(opt, "_buckets", None) or ():
-            buckets.append([self._param_index.get(id(p), -1) for p in b.params])
-        modules = [{"name": name or "<root>", "leaf": next(m.children(), None) is None,
-                    "params": [self._param_index[id(p)] for p in m.parameters(recurse=False)
-                               if id(p) in self._param_index]}
-                   for name, m in getattr(self, "_modules", [])]
-        return {**self.meta, "version": 1, "schedule": _schedule_of(self.model, opt),
-                "iterations": [self.iterations.start, self.iterations.stop],
-                "params": [{"name": n, "numel": p.numel(), "bytes": p.numel() * p.element_size()}
-                           for n, p in self._params],
-                "modules": modules, "buckets": buckets,
-                "fusion_threshold": getattr(opt, "_threshold", None)}
+        return {**self.meta, **describe(self.model, self.optimizer, self._params,
+                                        getattr(self, "_modules", [])),
+                "iterations": [self.iterations.start, self.iterations.stop]}
 
     def write(self) -> str:
         from .chrome import build_trace
@@ -364,14 +358,6 @@ def _first_grad_tensor(output: Any) -> Optional[torch.Tensor]:
             if found is not None:
                 return found
     return None
-
-
-def _schedule_of(model: Any, optimizer: Any) -> str:
-    if optimizer is not None and hasattr(optimizer, "_buckets") and hasattr(optimizer, "_apply"):
-        return "dear"
-    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
-        return "ddp"
-    return type(optimizer).__name__.lower() if optimizer is not None else "unknown"
 
 
 def trace(model: Optional[torch.nn.Module] = None, optimizer: Any = None, out: str = "traces",

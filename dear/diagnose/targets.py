@@ -1,0 +1,57 @@
+"""What is being traced: the parameters (named, indexed), modules, buckets and the schedule."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+
+def collect_params(model: Optional[torch.nn.Module], optimizer: Any
+                   ) -> list[tuple[str, torch.nn.Parameter]]:
+    """Trainable parameters, the model's in registration order, then any other the optimizer
+    holds (named by dear's optimizer when it knows the names)."""
+    named: list[tuple[str, torch.nn.Parameter]] = []
+    seen: set[int] = set()
+    if model is not None:
+        for name, p in model.named_parameters():
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                named.append((name, p))
+    for group in getattr(optimizer, "param_groups", ()):
+        for p in group["params"]:
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                named.append((f"param{len(named)}", p))
+    opt_names = getattr(optimizer, "_names", None)
+    if opt_names is not None:
+        by_id = {id(p): n for n, p in zip(opt_names, optimizer._params)}
+        named = [(by_id.get(id(p), n) if n.startswith("param") else n, p) for n, p in named]
+    return named
+
+
+def describe(model: Optional[torch.nn.Module], optimizer: Any,
+             params: list[tuple[str, torch.nn.Parameter]],
+             modules: list[tuple[str, torch.nn.Module]]) -> dict[str, Any]:
+    """The trace's `dear` metadata besides the events: parameters, modules, buckets, schedule."""
+    index = {id(p): i for i, (_, p) in enumerate(params)}
+    buckets = [[index.get(id(p), -1) for p in b.params]
+               for b in getattr(optimizer, "_buckets", None) or ()]
+    table = [{"name": name or "<root>", "leaf": next(m.children(), None) is None,
+              "params": [index[id(p)] for p in m.parameters(recurse=False) if id(p) in index]}
+             for name, m in modules]
+    return {"version": 1, "schedule": schedule_of(model, optimizer),
+            "params": [{"name": n, "numel": p.numel(), "bytes": p.numel() * p.element_size()}
+                       for n, p in params],
+            "modules": table, "buckets": buckets,
+            "fusion_threshold": getattr(optimizer, "_threshold", None)}
+
+
+def schedule_of(model: Any, optimizer: Any) -> str:
+    if optimizer is not None and hasattr(optimizer, "_buckets") and hasattr(optimizer, "_apply"):
+        return "dear"
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return "ddp"
+    if hasattr(optimizer, "_allreduce_grad_async"):
+        return "horovod"
+    return type(optimizer).__name__.lower() if optimizer is not None else "unknown"
