@@ -61,7 +61,9 @@ def main() -> int:
     nat = info["native"]
     if nat["available"]:
         parts = ["C++"] + [p for p in ("cuda", "nccl") if nat.get(p)]
-        status = f"built ({', '.join(parts)})" + ("" if nat["enabled"] else ", disabled by DEAR_NATIVE=0")
+        status = f"built ({', '.join(parts)})"
+        if not nat["enabled"]:
+            status += ", disabled by DEAR_NATIVE=0"
     else:
         status = f"not built, using the pure-Python path ({nat['error']})"
     backends = info["backends"]

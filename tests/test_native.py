@@ -318,3 +318,26 @@ def test_nccl_backend_needs_cuda() -> None:
     with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
         dear.init(backend="nccl")
     assert not dear.is_initialized()
+
+
+def test_without_the_extension_dear_falls_back_to_python() -> None:
+    """As on a machine where csrc/ did not build: dear imports, reports why, and trains."""
+    code = """
+import sys
+sys.modules["dear._native"] = None          # import of the extension now fails
+import torch, dear
+from dear import native
+assert not dear.native_available() and "ImportError" in native.load_error()
+dear.init(backend="local")
+model = torch.nn.Linear(4, 2)
+opt = dear.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model)
+model(torch.ones(3, 4)).sum().backward()
+opt.step()
+opt.synchronize()
+assert opt._buckets[0]._ready is None
+dear.shutdown()
+print("fallback ok")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and "fallback ok" in out.stdout, out.stderr
