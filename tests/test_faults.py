@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import random
@@ -26,7 +25,7 @@ import dear
 from tests.distributed import run_distributed
 from tests.horovod_launch import run_horovod
 from tests.subprocesses import BIN, run
-from tests.workloads import batch, make_net, state_of
+from tests.workloads import batch, make_net, max_diff, state_of
 
 TOTAL, EVERY = 12, 3                           # steps; a checkpoint after every 3rd
 OVERFLOW_AT = 7                                # rank 1 overflows: a skipped step after resuming
@@ -128,11 +127,14 @@ def test_a_checkpoint_write_that_dies_leaves_the_previous_one(tmp_path) -> None:
 # --------------------------------------------------------------------- dead or stalled rank
 def _faulty_training(fault: str, marker: str) -> dict:
     """Rank 1 dies (SIGKILL) or stalls at step 3; rank 0 reports its error and how long after
-    the fault (rank 1 writes the time to `marker`) it came."""
+    the fault (rank 1 writes the time to `marker`) it came, and its parameters after the 3 good
+    steps (AMP and clipping: the same bits on both backends)."""
     rank = dear.rank()
     model = make_net()
     opt = dear.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model,
                                     fusion_threshold=2048)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    good = None
     try:
         for step in range(20):
             if step == 3 and rank == 1:
@@ -146,19 +148,41 @@ def _faulty_training(fault: str, marker: str) -> dict:
                 os._exit(0)
             opt.zero_grad()
             x, y = batch(step, 2, rank)
-            F.mse_loss(model(x), y).backward()
-            opt.step()
+            scaler.scale(F.mse_loss(model(x), y)).backward()
+            opt.clip_grad_norm_(0.5, grad_scaler=scaler)
+            scaler.step(opt)
+            scaler.update()
+            if step == 2:
+                opt.flush_updates()
+                good = state_of(model)
     except Exception as exc:
         failed = time.time()
         open(marker + ".seen", "w").close()
         with open(marker) as fh:
-            return {"error": str(exc), "after": failed - float(fh.read())}
+            return {"error": str(exc), "after": failed - float(fh.read()), "params": good}
     return {"error": None}
 
 
 def _torch_fault(fault: str, marker: str) -> dict:
     dear.init()
     return _faulty_training(fault, marker)
+
+
+def _three_good_steps() -> dict:
+    """The reference for the steps before the fault: one process, the global batch, torch's
+    GradScaler and clip_grad_norm_."""
+    model = make_net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    for step in range(3):
+        opt.zero_grad()
+        x, y = batch(step, 2)
+        scaler.scale(F.mse_loss(model(x), y)).backward()
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        scaler.step(opt)
+        scaler.update()
+    return state_of(model)
 
 
 def _check_fault(result: dict, fault: str) -> None:
@@ -178,11 +202,12 @@ def test_torch_backend_fails_within_the_timeout(fault: str, tmp_path) -> None:
                                env={"DEAR_TIMEOUT": str(TIMEOUT)})
     print(f"torch backend, rank 1 {fault}: rank 0 failed {outcomes[0]['after']:.2f} s later")
     _check_fault(outcomes[0], fault)
+    assert max_diff(outcomes[0]["params"], _three_good_steps()) < 1e-6
 
 
 @pytest.mark.parametrize("fault", ["dies", "stalls"])
 def test_horovod_backend_fails_within_the_timeout(fault: str, tmp_path) -> None:
-    out, marker = str(tmp_path / "result.json"), str(tmp_path / "fault")
+    out, marker = str(tmp_path / "result.pt"), str(tmp_path / "fault")
     os.environ["DEAR_TIMEOUT"] = str(TIMEOUT)
     try:
         run_horovod(["-m", "tests.test_faults", fault, marker, out], np=2, timeout=90)
@@ -190,10 +215,10 @@ def test_horovod_backend_fails_within_the_timeout(fault: str, tmp_path) -> None:
         assert fault == "dies" and "rank 1 failed (exit -9)" in str(exc), str(exc)
     finally:
         del os.environ["DEAR_TIMEOUT"]
-    with open(out) as fh:
-        result = json.load(fh)
+    result = torch.load(out)
     print(f"Horovod backend, rank 1 {fault}: rank 0 failed {result['after']:.2f} s later")
     _check_fault(result, fault)
+    assert max_diff(result["params"], _three_good_steps()) < 1e-6   # AMP + clip on Horovod
 
 
 def _horovod_main(fault: str, marker: str, out: str) -> None:
@@ -202,8 +227,7 @@ def _horovod_main(fault: str, marker: str, out: str) -> None:
     dear.init()
     result = _faulty_training(fault, marker)
     if hvd.rank() == 0:
-        with open(out, "w") as fh:
-            json.dump(result, fh)
+        torch.save(result, out)
     sys.exit(0)
 
 
