@@ -9,7 +9,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-.venv/bin/python}
 : "${NCCL_HOME:?set NCCL_HOME to a directory with include/nccl.h}"
-CUDA_HOME=${CUDA_HOME:-$(dirname "$(dirname "$(command -v nvcc)")")}
+if [ -z "${CUDA_HOME:-}" ]; then
+  for d in /usr/local/cuda /usr/local/cuda-*; do
+    if [ -f "$d/include/cuda_runtime_api.h" ]; then CUDA_HOME=$d; break; fi
+  done
+fi
+: "${CUDA_HOME:?set CUDA_HOME to the CUDA toolkit}"
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 mkdir -p "$out/stub/c10/cuda/impl"
