@@ -85,8 +85,9 @@ def rank_main(rank: int, args: argparse.Namespace, port: int, method: str, out: 
     began = time.monotonic()
     for it in range(1, args.iters + 1):
         g = torch.Generator().manual_seed(it)
-        x = torch.randn(world * args.batch, 64, generator=g)[rank * args.batch:][:args.batch]
-        y = torch.randint(0, 10, (world * args.batch,), generator=g)[rank * args.batch:][:args.batch]
+        mine = slice(rank * args.batch, (rank + 1) * args.batch)
+        x = torch.randn(world * args.batch, 64, generator=g)[mine]
+        y = torch.randint(0, 10, (world * args.batch,), generator=g)[mine]
         opt.zero_grad()
         scaler.scale(F.cross_entropy(net(x), y)).backward()
         if method == "dear":
@@ -177,7 +178,8 @@ def write(args: argparse.Namespace, runs: dict[str, dict]) -> None:
              f"torch.nn.utils.clip_grad_norm_), StepLR, dropout, an eval forward every "
              f"{args.eval_every} and dear.atomic_save every {args.ckpt_every} iterations. "
              f"Parameter hashes (sha256 of every parameter's bytes) compared across ranks every "
-             f"{args.every} iterations. Steady state (growth, slope by least squares): from iteration "
+             f"{args.every} iterations. Steady state (growth, slope by least squares): from "
+             f"iteration "
              f"{max(args.ckpt_every, args.eval_every, args.every)}, once every code path (eval "
              f"forward, checkpoint) has run.\n\nSamples of the first method:\n\n{samples}")
     print(table)
