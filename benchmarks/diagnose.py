@@ -325,6 +325,7 @@ def precision(args: argparse.Namespace) -> int:
 # What the DeAR paper's GPUs spend computing one iteration (assumed, see the notes).
 PAPER_COMPUTE_S = {"resnet50": 0.22, "bert_base": 0.35}
 PAPER_LATENCY_S = {10e9: 30e-6, 100e9: 5e-6}
+TUNE_MB = (1, 2, 4, 8, 16, 25, 32, 64, 128)
 
 
 def paper(args: argparse.Namespace) -> int:
@@ -344,23 +345,40 @@ def paper(args: argparse.Namespace) -> int:
             for n in (16, 64):
                 pred = {s: sim.predict(s, bandwidth_bps=bw, latency_s=PAPER_LATENCY_S[bw],
                                        world_size=n, compute_scale=scale,
-                                       fusion_threshold=args.fusion_threshold)
+                                       fusion_threshold=args.fusion_threshold,
+                                       unclaimed_first=args.unclaimed_first)
                         for s in (Schedule.DEAR, Schedule.DDP, Schedule.WFBP)}
+                best = args.fusion_threshold
+                if args.tune:                  # DeAR with its best threshold, as predicted
+                    tried = {mb: sim.predict(Schedule.DEAR, bandwidth_bps=bw,
+                                             latency_s=PAPER_LATENCY_S[bw], world_size=n,
+                                             compute_scale=scale, fusion_threshold=mb << 20,
+                                             unclaimed_first=args.unclaimed_first)
+                             for mb in TUNE_MB}
+                    best = min(tried, key=lambda mb: tried[mb].iteration_time)
+                    pred[Schedule.DEAR] = tried[best]
+                    best <<= 20
                 t = {s.value: p.iteration_time for s, p in pred.items()}
                 rows.append([name, f"{bw / 1e9:g}", n, round(t["dear"] * 1e3, 1),
                              round(t["ddp"] * 1e3, 1), round(t["wfbp"] * 1e3, 1),
-                             f"{t['ddp'] / t['dear'] - 1:+.0%}", f"{t['wfbp'] / t['dear'] - 1:+.0%}",
-                             f"{pred[Schedule.DEAR].overlap:.0%}"])
+                             f"{t['ddp'] / t['dear'] - 1:+.0%}",
+                             f"{t['wfbp'] / t['dear'] - 1:+.0%}",
+                             f"{pred[Schedule.DEAR].overlap:.0%}",
+                             f"{(best or 25 << 20) >> 20} MB"])
                 data.append({"model": name, "bandwidth_bps": bw, "world_size": n,
                              "iteration_s": t, "compute_scale": scale,
-                             "overlap_dear": pred[Schedule.DEAR].overlap})
+                             "overlap_dear": pred[Schedule.DEAR].overlap,
+                             "dear_fusion_threshold": best or 25 << 20})
     headers = ["model", "Gbit/s", "workers", "DeAR (ms)", "DDP (ms)", "WFBP (ms)",
-               "DeAR gain vs DDP", "DeAR gain vs WFBP", "DeAR overlap"]
+               "DeAR gain vs DDP", "DeAR gain vs WFBP", "DeAR overlap", "DeAR threshold"]
     table = results.markdown_table(headers, rows)
     notes = (f"Compute profiles traced on this CPU ({traces}), each scaled so one iteration's "
              f"compute is {targets} s (assumed for the paper's GPUs); ideal ring collectives at "
-             f"the link rate with {PAPER_LATENCY_S} s per ring step; fusion threshold "
-             f"{args.fusion_threshold or '25 MB (default)'}. The DeAR paper (ANCHORS.md) reports "
+             f"the link rate with {PAPER_LATENCY_S} s per ring step; DeAR's fusion threshold "
+             f"{'the best predicted of %s MB' % (TUNE_MB,) if args.tune else args.fusion_threshold or '25 MB'}"
+             f", DDP's and WFBP's 25 MB"
+             f"{'; parameters no module claims first in DeAR forward order' if args.unclaimed_first else ''}"
+             f". The DeAR paper (ANCHORS.md) reports "
              f"up to 83% speedup over the best baseline on 64 GPUs with 10 Gb/s Ethernet and up "
              f"to 15% with 100 Gb/s InfiniBand.")
     print(table)
@@ -411,6 +429,10 @@ def main(argv: list[str] | None = None) -> int:
     pa.add_argument("--compute-time", action="append", default=[],
                     help="MODEL=SECONDS of compute per iteration on the target GPU")
     pa.add_argument("--fusion-threshold", type=int, default=None)
+    pa.add_argument("--tune", action="store_true",
+                    help=f"DeAR at its best predicted threshold among {TUNE_MB} MB")
+    pa.add_argument("--unclaimed-first", action="store_true",
+                    help="DeAR buckets with parameters no module claims first in forward order")
     pa.add_argument("--name", default="")
     pc = sub.add_parser("precision")
     pc.add_argument("--rounds", type=int, default=20)

@@ -3,10 +3,11 @@
 - `trace(model, optimizer, out=..., iterations=range(10, 20))`: a context manager recording per
   rank a Chrome trace (Perfetto, chrome://tracing) of module forward/backward spans, updates,
   step and every collective, rank clocks aligned (also DEAR_TRACE=dir for dear's optimizer).
-- `build_report(path)`: per iteration compute, communication, exposed communication, overlap ratio,
-  idle gaps, slowest layers, buckets and rank; `plot_timeline` draws the lanes (PNG).
-- `Simulator(path).predict(...)` / `predict_iteration_time(path, ...)`: replay the traced iteration's
-  dependency graph under another schedule, bandwidth, latency, world size or fusion threshold.
+- `build_report(path)`: per iteration compute, communication, exposed communication, overlap
+  ratio, idle gaps, slowest layers, buckets and rank; `plot_timeline` draws the lanes (PNG).
+- `Simulator(path).predict(...)` / `predict_iteration_time(path, ...)`: replay the traced
+  iteration's dependency graph under another schedule, bandwidth, latency, world size or
+  fusion threshold.
 Command line: `python -m dear.diagnose report|simulate TRACE_DIR ...`.
 """
 

@@ -57,13 +57,16 @@ class Model:
 
     param_bytes: list[int]
     param_numel: list[int]
-    forward_order: list[int]              # parameters by first use in forward
+    #: parameters by first use in forward; those no module claims (used directly by a parent,
+    #: e.g. `self.emb.weight[0]`) last, as dear's optimizer orders them
+    forward_order: list[int]
     backward_order: list[int]             # parameters by gradient arrival
     schedule: str
     buckets: list[list[int]]              # traced buckets (dear), forward order
     fusion_threshold: Optional[int]
     world_size: int
     profiles: list[Profile]               # one per traced rank: median over iterations
+    unclaimed: list[int] = dataclasses.field(default_factory=list)  # end of forward_order
     #: per traced iteration, every rank's profile of it (replayed one by one when given)
     iterations: list[list[Profile]] = dataclasses.field(default_factory=list)
 
@@ -88,7 +91,10 @@ def _rank_profile(rank: RankTrace, iteration: int, comm: list[Interval]) -> Prof
     waits = [(s.start, s.end) for s in rank.spans if s.cat == "wait"]    # any iteration's
     not_compute = union(updates + waits)
 
-    seen: set[int] = set()
+    # The root's own parameters (e.g. a position embedding used in its forward) are needed
+    # from the start, as dear's optimizer orders them.
+    first = tuple(modules[0].get("params", [])) if modules else ()
+    seen: set[int] = set(first)
     cuts: list[tuple[float, tuple[int, ...]]] = []
     for s in sorted((s for s in spans if s.cat == "forward" and s.args.get("module")),
                     key=lambda s: s.start):
@@ -97,7 +103,7 @@ def _rank_profile(rank: RankTrace, iteration: int, comm: list[Interval]) -> Prof
             seen.update(fresh)
             cuts.append((s.start, fresh))
     bounds = [root.start] + [t for t, _ in cuts] + [root.end]
-    needs = [()] + [n for _, n in cuts]
+    needs = [first] + [n for _, n in cuts]
     forward = [Segment(_minus((a, b), not_compute), n)
                for a, b, n in zip(bounds, bounds[1:], needs)]
 
@@ -171,7 +177,7 @@ def build_model(trace: Trace, iterations: Optional[Sequence[int]] = None) -> Mod
     missing = [i for i in range(len(params)) if i not in set(forward_order)]
     return Model(param_bytes=[int(p["bytes"]) for p in params],
                  param_numel=[int(p["numel"]) for p in params],
-                 forward_order=forward_order + missing,
+                 forward_order=forward_order + missing, unclaimed=missing,
                  backward_order=backward_order,
                  schedule=str(meta.get("schedule", "unknown")),
                  buckets=[list(b) for b in meta.get("buckets", [])],

@@ -59,18 +59,25 @@ class Prediction:
         return (self.comm - self.exposed) / self.comm if self.comm > 0 else None
 
 
-def dear_buckets(model: Model, threshold: Optional[int], world_size: int
-                 ) -> list[tuple[list[int], int]]:
-    """(parameters, wire bytes) per bucket, as dear.fusion.planner lays them out."""
+def dear_buckets(model: Model, threshold: Optional[int], world_size: int,
+                 unclaimed_first: bool = False) -> list[tuple[list[int], int]]:
+    """(parameters, wire bytes) per bucket, as dear.fusion.planner lays them out.
+
+    `unclaimed_first`: put the parameters no module claims first in forward order (where dear
+    updates them: before the root's forward) instead of last (where dear's planner puts them,
+    so their late gradients hold back the last bucket's reduce-scatter until backward ends)."""
     from ..fusion.planner import plan_buckets
+    order = model.forward_order
+    if unclaimed_first and model.unclaimed:
+        order = model.unclaimed + [p for p in order if p not in set(model.unclaimed)]
     if threshold is None and model.buckets and model.schedule == "dear" \
-            and world_size == model.world_size:
+            and world_size == model.world_size and not unclaimed_first:
         groups = model.buckets
     else:
         if threshold is None:
             threshold = model.fusion_threshold if model.schedule == "dear" else None
         threshold = DEFAULT_THRESHOLD if threshold is None else threshold
-        specs = plan_buckets(_fake_params(model), model.forward_order, threshold, world_size)
+        specs = plan_buckets(_fake_params(model), order, threshold, world_size)
         groups = [list(s.params) for s in specs]
     out = []
     for g in groups:
@@ -219,7 +226,7 @@ class Simulator:
                 fusion_threshold: Optional[int] = None, bandwidth_bps: Optional[float] = None,
                 latency_s: Optional[float] = None, world_size: Optional[int] = None,
                 traced_bandwidth_bps: Optional[float] = None,
-                compute_scale: float = 1.0) -> Prediction:
+                compute_scale: float = 1.0, unclaimed_first: bool = False) -> Prediction:
         schedule = Schedule(schedule)
         if fusion_threshold is not None and fusion_threshold < 0:
             raise ValueError(f"fusion_threshold must be >= 0 bytes, got {fusion_threshold}")
@@ -228,20 +235,21 @@ class Simulator:
         cost = self.cost_model(bandwidth_bps, latency_s, world_size, traced_bandwidth_bps)
         # Each traced iteration replayed on its own; the median one is the prediction (the
         # median of iterations, as measured, rather than an iteration of medians).
-        runs = [self._replay(ps, schedule, fusion_threshold, cost, compute_scale)
+        runs = [self._replay(ps, schedule, fusion_threshold, cost, compute_scale,
+                             unclaimed_first)
                 for ps in (self.model.iterations or [self.model.profiles])]
         runs.sort(key=lambda p: p.iteration_time)
         return runs[len(runs) // 2]
 
     def _replay(self, profiles: list[Profile], schedule: Schedule,
                 fusion_threshold: Optional[int], cost: CostModel,
-                compute_scale: float) -> Prediction:
+                compute_scale: float, unclaimed_first: bool) -> Prediction:
         n = cost.world_size
         m = self.model
         profiles = [_scaled(p, compute_scale) for p in profiles]
         threshold = DEFAULT_THRESHOLD if fusion_threshold is None else fusion_threshold
         if schedule is Schedule.DEAR:
-            buckets = dear_buckets(m, fusion_threshold, n)
+            buckets = dear_buckets(m, fusion_threshold, n, unclaimed_first)
             programs = [_dear_program(p, buckets, m.param_numel) for p in profiles]
             kinds = {"rs": "reduce_scatter", "ag": "all_gather"}
         else:
