@@ -132,6 +132,68 @@ def micro(args: argparse.Namespace) -> dict[str, float]:
     return out
 
 
+def hook_costs(args: argparse.Namespace) -> dict[str, float]:
+    """What a Python-hook design pays before doing any work: forward + backward of the model
+    bare, with a no-op Python post-accumulate-grad hook on every parameter (what dear's
+    gradient hooks ride on), and with a no-op forward pre-hook on every module (what its
+    deferred update rides on). Median ms, one process, interleaved."""
+    torch.set_num_threads(1)
+    x = torch.randn(args.batch, args.width)
+    variants = {"bare": build(args.layers, args.width)}
+    grad_hooked = build(args.layers, args.width)
+    for p in grad_hooked.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: None)
+    variants["no-op gradient hooks"] = grad_hooked
+    fwd_hooked = build(args.layers, args.width)
+    for m in fwd_hooked:
+        m.register_forward_pre_hook(lambda m, a: None)
+    variants["no-op forward pre-hooks"] = fwd_hooked
+    times: dict[str, list[float]] = {k: [] for k in variants}
+    for _ in range(args.micro_reps // 4):
+        for name, model in variants.items():
+            start = time.perf_counter()
+            F.mse_loss(model(x), x).backward()
+            times[name].append(time.perf_counter() - start)
+            model.zero_grad()
+    return {k: 1e3 * statistics.median(v) for k, v in times.items()}
+
+
+def phases(args: argparse.Namespace) -> dict[str, dict[str, float]]:
+    """Where the time goes, without a profiler's inflation: one process, world of one (the
+    collectives are local copies), median ms of each phase of an iteration. For DeAR, forward
+    includes the deferred update of the previous step, backward the gradient hooks and packing,
+    step() the end of the reduce-scatters and the start of the all-gathers."""
+    torch.set_num_threads(1)
+    dear.init(backend="local")
+    x = torch.randn(args.batch, args.width)
+    out: dict[str, dict[str, float]] = {}
+    try:
+        for method in ("plain", "dear-python", "dear-native"):
+            model = build(args.layers, args.width)
+            opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+            if method != "plain":
+                opt = dear.DistributedOptimizer(opt, model=model)
+            t: dict[str, list[float]] = {"forward": [], "backward": [], "step": []}
+            with native_path(method == "dear-native"):
+                for it in range(args.micro_reps // 4 + 5):
+                    opt.zero_grad()
+                    t0 = time.perf_counter()
+                    loss = F.mse_loss(model(x), x)
+                    t1 = time.perf_counter()
+                    loss.backward()
+                    t2 = time.perf_counter()
+                    opt.step()
+                    t3 = time.perf_counter()
+                    if it >= 5:
+                        for k, v in zip(t, (t1 - t0, t2 - t1, t3 - t2)):
+                            t[k].append(v)
+            out[method] = {k: round(1e3 * statistics.median(v), 2) for k, v in t.items()}
+            out[method]["total"] = round(sum(out[method].values()), 2)
+    finally:
+        dear.shutdown()
+    return out
+
+
 def rank_main(rank: int, args: argparse.Namespace, port: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(args.nproc), LOCAL_RANK=str(rank))
@@ -142,7 +204,7 @@ def rank_main(rank: int, args: argparse.Namespace, port: int) -> None:
         for method in METHODS:
             medians[method].append(statistics.median(train(method, args, args.iters)))
     profiles = {}
-    micro_us = micro(args) if rank == 0 else {}
+    micro_us, hooks_ms, phase_ms = args.single_process
     if args.profile:
         for method in ("dear-python", "dear-native"):
             profiles[method] = profile(method, args)
@@ -166,12 +228,21 @@ def rank_main(rank: int, args: argparse.Namespace, port: int) -> None:
                   f"{micro_us['python']:.0f} us ({micro_us['python'] / n:.2f} us/gradient), "
                   f"native {micro_us['native']:.0f} us ({micro_us['native'] / n:.2f} "
                   f"us/gradient), ratio {micro_us['native'] / micro_us['python']:.2f}.")
+        bare = hooks_ms["bare"]
+        table += ("\n\nForward + backward, one process, median ms: " + ", ".join(
+            f"{k} {v:.2f}" + ("" if k == "bare" else f" (+{v - bare:.2f})")
+            for k, v in hooks_ms.items()) + ".")
+        table += ("\n\nPhases of one iteration, one process, world of one (plain torch: "
+                  "SGD in step(); DeAR: the update runs in the next forward), median ms:\n\n"
+                  + results.markdown_table(["method", "forward", "backward", "step", "total"],
+                                           [[m, *v.values()] for m, v in phase_ms.items()]))
         print(table)
         results.write(args.name, "Framework overhead: DeAR with and without the native "
                       "extension vs DDP", {"args": vars(args), "median_ms": ms,
                                            "rounds_ms": {m: [1e3 * v for v in vals]
                                                          for m, vals in medians.items()},
                                            "profile_ms": profiles, "micro_us": micro_us,
+                                           "hook_costs_ms": hooks_ms, "phases_ms": phase_ms,
                                            "native": native.build_info()}, table,
                       f"{args.layers} x Linear({args.width},{args.width}) "
                       f"({2 * args.layers} parameter tensors), batch {args.batch}, "
@@ -199,6 +270,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: the native extension is not built ({native.load_error()})",
               file=sys.stderr)
         return 1
+    # Single-process measurements first, in this process, with nothing else running.
+    args.single_process = (micro(args), hook_costs(args), phases(args))
     return run_ranks(rank_main, args.nproc, (args, free_port()), timeout=args.timeout)
 
 
