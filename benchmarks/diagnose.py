@@ -204,6 +204,9 @@ def validate(args: argparse.Namespace) -> int:
              f"{statistics.mean(dear_errs):.1%} (max {max(dear_errs):.1%}). Measured = median of "
              f"{args.iters} untraced iterations (slowest rank); predicted = replay of 4 "
              f"iterations, the last one measured.")
+    if args.reuse:
+        notes += (f" (--reuse: figures recomputed from the runs already in {args.workdir}, made "
+                  f"earlier by this command without --reuse.)")
     print(table)
     print(notes)
     results.write(args.name or "diagnose_validation", "dear.diagnose: replay vs measurement",
