@@ -7,7 +7,9 @@ or DEAR_TRACE=traces/ (DEAR_TRACE_ITERATIONS=10:20) for a dear.DistributedOptimi
 iteration ends when `optimizer.step()` returns (without an optimizer: when the model's next
 training forward starts); iteration 0 is the first one that starts after the tracer does. Hooks
 stay installed while the tracer is attached but only record inside `iterations`, so the trace
-holds those iterations and nothing else. Each rank writes `<out>/rank<r>.json` (Chrome trace).
+holds those iterations and nothing else. Each rank writes `<out>/rank<r>.json` (Chrome trace)
+when the tracer stops: on leaving the `with` block, or with DEAR_TRACE at the first forward one
+iteration after the range (at exit if the optimizer was given no model=).
 """
 
 from __future__ import annotations
