@@ -185,13 +185,15 @@ def build_model(trace: Trace, iterations: Optional[Sequence[int]] = None) -> Mod
                  world_size=trace.world_size, profiles=profiles, iterations=iterations)
 
 
-def collective_samples(trace: Trace) -> list[dict[str, Any]]:
+def collective_samples(trace: Trace, queued: bool = False) -> list[dict[str, Any]]:
     """Each traced collective once: kind, bytes, and its share of the link's busy time.
 
     A collective is on the link from the last rank's issue to the last rank's completion; while
     several are (Gloo runs some concurrently, dear queues its own), each gets an equal share of
     that time. The shares of a kind add up to the time the link spent on that kind, however the
-    backend interleaved them."""
+    backend interleaved them. `queued`: a collective that ends after an earlier-issued one is
+    taken to start when that one ended (a FIFO such as dear's; per-collective times then exclude
+    queueing; the total is the same)."""
     by_seq: dict[int, list[Span]] = {}
     for rank in trace.ranks:
         for s in rank.of("comm"):
@@ -204,6 +206,12 @@ def collective_samples(trace: Trace) -> list[dict[str, Any]]:
             begin, end = max(s.start for s in spans), max(s.end for s in spans)
             items.append({"kind": spans[0].args["kind"], "bytes": int(spans[0].args["bytes"]),
                           "seconds": 0.0, "seq": seq, "begin": begin, "end": end})
+    if queued:
+        latest = float("-inf")
+        for it in items:                       # in issue (sequence) order
+            if latest < it["end"]:
+                it["begin"] = max(it["begin"], latest)
+            latest = max(latest, it["end"])
     cuts = sorted({t for it in items for t in (it["begin"], it["end"])})
     for lo, hi in zip(cuts, cuts[1:]):
         active = [it for it in items if it["begin"] <= lo and it["end"] >= hi]

@@ -136,11 +136,14 @@ def _slowest_layers(trace: Trace, iterations: list[int], top: int
 
 
 def _slowest_buckets(trace: Trace, top: int) -> list[dict[str, Any]]:
-    """Per (bucket, kind): mean time from issue to completion, bytes and effective rate."""
+    """Per (bucket, kind): mean time on the link (from the last rank's issue or the end of the
+    collective before it, whichever is later), bytes and the rate."""
+    from .graph import collective_samples
+    bucket_of = {int(s.args["seq"]): s.args.get("bucket") for s in trace.ranks[0].of("comm")}
     rows: dict[tuple[Any, str], list[tuple[float, int]]] = defaultdict(list)
-    for rank in trace.ranks:
-        for s in rank.of("comm"):
-            rows[(s.args.get("bucket"), s.args["kind"])].append((s.duration, s.args["bytes"]))
+    for sample in collective_samples(trace, queued=True):
+        rows[(bucket_of.get(sample["seq"]), sample["kind"])].append(
+            (sample["seconds"], sample["bytes"]))
     out = []
     for (bucket, kind), samples in rows.items():
         mean = statistics.mean(d for d, _ in samples)
@@ -176,9 +179,9 @@ def format_report(rep: Report) -> str:
         lines += ["", "Slowest layers (ms per iteration): " + ", ".join(
             f"{name} {_ms(f)} fwd + {_ms(b)} bwd" for name, f, b in rep.layers)]
     if rep.buckets:
-        lines += ["", "Slowest collectives (issue to completion, mean): " + ", ".join(
+        lines += ["", "Slowest collectives (mean time on the link): " + ", ".join(
             f"{b['kind']} bucket {b['bucket']} {_ms(b['seconds'])} ms for "
-            f"{b['bytes'] / 2**20:.1f} MB ({b['gbit_per_s'] or 0:.2f} Gbit/s)"
+            f"{b['bytes'] / 2**20:.1f} MB ({b['gbit_per_s'] or 0:.2f} Gbit/s of buffer)"
             for b in rep.buckets)]
     if len(rep.rank_compute) > 1:
         slow = rep.slowest_rank
