@@ -31,7 +31,10 @@ from .comm.base import ReduceOp, resolve_op
 from .compression import Compression, Compressor
 from .compression import resolve as resolve_compression
 from .fusion.bucket import Bucket, Stage
-from .fusion.planner import plan_buckets
+from .fusion import fusion_config as fusion_file
+from .fusion.fusion_config import FusionConfig
+from .fusion.layout import GatherGroup, build_layout
+from .fusion.tuner import FusionTuner, OnlineAutotuner
 from .reduced import ReducedGradientMixin
 from .validation import check_optimizer, check_same_across_ranks, named_params_of
 
@@ -45,8 +48,9 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
     def _dear_setup(self, named: list[tuple[str, torch.nn.Parameter]],
                     model: Optional[torch.nn.Module], backward_passes_per_step: int,
                     op: ReduceOp, gradient_predivide_factor: float,
-                    fusion_threshold: Optional[int], overlap_allgather: bool,
-                    compression: Compressor, groups: Any, sparse_as_dense: bool) -> None:
+                    fusion: FusionConfig, overlap_allgather: bool,
+                    compression: Compressor, groups: Any, sparse_as_dense: bool,
+                    autotune: bool) -> None:
         comm = runtime.communicator()
         self._comm = comm
         step = super(_DistributedOptimizer, type(self)).step
@@ -61,8 +65,7 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
         self._prescale = 1.0 / gradient_predivide_factor
         self._postscale = (gradient_predivide_factor / comm.size
                            if op is ReduceOp.Average else 1.0)
-        cfg = runtime.config()
-        self._threshold = cfg.fusion_threshold if fusion_threshold is None else fusion_threshold
+        self._fusion = fusion
         self._model = model
         self._compression = compression
         self._sparse_as_dense = sparse_as_dense
@@ -72,6 +75,9 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
             log.info("dear: no model= given, so all-gathers complete inside step(); pass "
                      "model= to overlap them with the next forward pass")
         self._buckets: Optional[list[Bucket]] = None
+        self._gather_groups: list[GatherGroup] = []
+        self._order: list[int] = []            # rank 0's parameter order, for re-layouts
+        self._autotuner = self._make_autotuner(named) if autotune else None
         self._provisional = False              # plan built before any forward: thrown away
         self._where: list[tuple[Bucket, int]] = []
         self._next_launch = 0                  # position in reduce order (last bucket first)
@@ -158,6 +164,11 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
         if not self._overlap or self._provisional:
             self.flush_updates()
         self._discard_provisional_plan()
+        if self._autotuner is not None and self._buckets is not None:
+            switch = self._autotuner.on_step()
+            if switch is not None:             # same step() on every rank
+                self.flush_updates()           # no bucket may be in flight while re-planned
+                self._relayout(switch)
 
     def _communicate(self, grad_scaler: Optional[Any] = None) -> None:
         """Finish averaging, run GradScaler's check on the reduced shards, and start the
@@ -166,8 +177,8 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
         buckets = self._buckets
         assert buckets is not None
         if grad_scaler is None or not self._amp_skips(grad_scaler):
-            for bucket in buckets:             # forward order: bucket 0 is needed first
-                bucket.start_all_gather(self._comm)
+            for group in self._gather_groups:  # forward order: bucket 0 is needed first
+                group.start(self._comm)
             # The update runs later, after e.g. an LR scheduler has moved on: it must use the
             # hyperparameters that were in force when step() was called.
             self._hyper_at_step = [_hyperparameters(g) for g in self.param_groups]
@@ -286,31 +297,46 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
         provisional = self._overlap and not self._forward_order
         # Ranks may have run different branches: everyone adopts rank 0's decision.
         order, self._provisional = self._comm.broadcast_object((order, provisional), 0)
-        explicit = self._groups
-        if isinstance(explicit, int):          # Horovod: N groups of consecutive parameters
-            size = -(-len(order) // explicit)
-            explicit = [order[k:k + size] for k in range(0, len(order), size)]
-        specs = plan_buckets(self._params, order, self._threshold, self._comm.size, explicit)
-        self._buckets = [Bucket(s, [self._params[i] for i in s.params],
-                                self._compression.wire_dtype(s.dtype), self._sparse_as_dense)
-                         for s in specs]
-        self._where = [(self._buckets[0], 0)] * len(self._params)
-        for bucket in self._buckets:
-            for j, i in enumerate(bucket.spec.params):
-                self._where[i] = (bucket, j)
+        self._order = order
+        self._relayout(self._fusion)
         for i, p in enumerate(self._params):
             if self._passes[i] > 0 or p.grad is not None:
                 bucket, j = self._where[i]
                 bucket.pack(j, p.grad)
+
+    def _relayout(self, fusion: FusionConfig) -> None:
+        """(Re)build buckets and all-gather groups from rank 0's order; nothing may be in
+        flight. Deterministic given the order, so every rank builds the same layout."""
+        explicit = self._groups
+        order = self._order
+        if isinstance(explicit, int):          # Horovod: N groups of consecutive parameters
+            size = -(-len(order) // explicit)
+            explicit = [order[k:k + size] for k in range(0, len(order), size)]
+        layout = build_layout(self._params, order, fusion, self._comm.size, explicit,
+                              self._compression, self._sparse_as_dense)
+        self._fusion = fusion
+        self._layout = layout
+        self._buckets, self._where = layout.buckets, layout.where
+        self._gather_groups = layout.gather_groups
+        self._triggers = {}
         if self._model is not None:
             self._map_triggers(self._model)
-        log.info("dear: %d buckets, sizes (MB) %s", len(self._buckets),
-                 [round(b.buffer.numel() * b.buffer.element_size() / 2**20, 2)
-                  for b in self._buckets])
+        log.info("dear: %s (%s)", layout.describe(), fusion.describe())
+
+    def _make_autotuner(self, named: list[tuple[str, torch.nn.Parameter]]) -> OnlineAutotuner:
+        cfg = runtime.config()
+        model_bytes = sum(p.numel() * p.element_size() for _, p in named)
+        tuner = FusionTuner(model_bytes, budget=cfg.autotune_trials, initial=self._fusion)
+        return OnlineAutotuner(tuner, self._comm, self._fusion,
+                               fingerprint=fusion_file.model_fingerprint(named),
+                               settle=cfg.autotune_settle, window=cfg.autotune_window,
+                               log_path=cfg.autotune_log or None,
+                               out_path=cfg.autotune_out or None)
 
     def _discard_provisional_plan(self) -> None:
         if self._provisional:
             self._buckets, self._where, self._triggers = None, [], {}
+            self._gather_groups = []
             self._grad_order = []
 
     def _explicit_groups(self, groups: Any) -> Any:
@@ -340,6 +366,10 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
             lambda *args, **kwargs: self.flush_updates()))
 
     def _pre_forward(self, module: torch.nn.Module, args: Any) -> None:
+        tuner = self._autotuner
+        if tuner is not None and tuner.samples_per_iteration is None and module is self._model:
+            first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+            tuner.samples_per_iteration = 0 if first is None else first.shape[0] * self._comm.size
         if module is self._model and not module.training:
             self.flush_updates()               # evaluation reads every parameter
         elif self._num_pending:
@@ -384,6 +414,30 @@ def _hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
             for k, v in group.items() if k != "params"}
 
 
+def _fusion_settings(named: list[tuple[str, torch.nn.Parameter]],
+                     fusion_threshold: Optional[int], autotune: Optional[bool],
+                     fusion_config: Any, groups: Any) -> tuple[FusionConfig, bool]:
+    """The starting layout and whether to tune it: a saved config (argument, then
+    DEAR_FUSION_CONFIG) wins and skips tuning; else the threshold (argument, then
+    DEAR_FUSION_THRESHOLD) for both collectives."""
+    cfg = runtime.config()
+    tune = cfg.autotune if autotune is None else bool(autotune)
+    if isinstance(fusion_config, FusionConfig):
+        return fusion_config, False
+    path = fusion_config if fusion_config is not None else (cfg.fusion_config or None)
+    if path:
+        loaded = fusion_file.load(str(path), fusion_file.model_fingerprint(named))
+        if tune:
+            log.warning("dear: using the tuned layout in %s (%s); autotune skipped",
+                        path, loaded.describe())
+        return loaded, False
+    threshold = cfg.fusion_threshold if fusion_threshold is None else fusion_threshold
+    if tune and groups is not None:
+        raise ValueError("autotune=True tunes the bucket layout, but groups= fixes it; "
+                         "pass one or the other")
+    return FusionConfig.single(threshold), tune
+
+
 def _horovod_is_initialized() -> bool:
     hvd = sys.modules.get("horovod.torch")
     try:
@@ -400,7 +454,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          groups: Optional[Any] = None, sparse_as_dense: bool = False,
                          process_set: Any = None, *, model: Optional[torch.nn.Module] = None,
                          fusion_threshold: Optional[int] = None,
-                         overlap_allgather: bool = True) -> torch.optim.Optimizer:
+                         overlap_allgather: bool = True, autotune: Optional[bool] = None,
+                         fusion_config: Optional[Any] = None) -> torch.optim.Optimizer:
     """Wrap `optimizer` so its gradients are averaged with DeAR's decoupled all-reduce.
 
     Accepts everything hvd.DistributedOptimizer accepts, in the same positions. Returns an
@@ -430,8 +485,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     cls = type(optimizer.__class__.__name__, (_DistributedOptimizer, optimizer.__class__), {})
     wrapped = cls.__new__(cls)
     wrapped.__dict__.update(optimizer.__dict__)
+    fusion, tune = _fusion_settings(named, fusion_threshold, autotune, fusion_config, groups)
     wrapped._dear_setup(named, model, backward_passes_per_step, op, gradient_predivide_factor,
-                        fusion_threshold, overlap_allgather, compressor, groups, sparse_as_dense)
+                        fusion, overlap_allgather, compressor, groups, sparse_as_dense, tune)
     if getattr(runtime.config(), "trace", ""):  # DEAR_TRACE=dir: dear.diagnose records the run
         from .diagnose.trace import attach_from_config
         attach_from_config(wrapped, model)

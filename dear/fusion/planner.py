@@ -38,13 +38,14 @@ def _padded(numel: int, world_size: int) -> int:
 
 
 def plan_buckets(params: Sequence[torch.Tensor], order: Sequence[int], threshold_bytes: int,
-                 world_size: int, explicit: Optional[Sequence[Sequence[int]]] = None
-                 ) -> list[BucketSpec]:
+                 world_size: int, explicit: Optional[Sequence[Sequence[int]]] = None,
+                 first_bucket_bytes: Optional[int] = None) -> list[BucketSpec]:
     """Group `params` (visited in `order`) into buckets of at most `threshold_bytes` of gradient.
 
     A bucket never mixes dtypes or devices; a parameter larger than the threshold gets a bucket
     of its own; a threshold of 0 gives one bucket per parameter. `explicit` groups (Horovod's
     `groups=`) become one bucket each, placed where their first member comes in `order`.
+    `first_bucket_bytes`, if given, is the threshold of the first bucket instead.
     """
     if sorted(order) != list(range(len(params))):
         raise ValueError("order must be a permutation of the parameter indices")
@@ -70,7 +71,9 @@ def plan_buckets(params: Sequence[torch.Tensor], order: Sequence[int], threshold
         nbytes = p.numel() * p.element_size()
         same_kind = bool(current) and (params[current[0]].dtype == p.dtype
                                        and params[current[0]].device == p.device)
-        if current and (not same_kind or current_bytes + nbytes > threshold_bytes):
+        limit = (first_bucket_bytes if first_bucket_bytes is not None and not groups
+                 else threshold_bytes)
+        if current and (not same_kind or current_bytes + nbytes > limit):
             groups.append(current)
             current, current_bytes = [], 0
         current.append(idx)
@@ -91,3 +94,27 @@ def plan_buckets(params: Sequence[torch.Tensor], order: Sequence[int], threshold
             flags_offset=flags_offset, padded_numel=_padded(flags_offset + len(members), world_size),
             dtype=params[members[0]].dtype, device=params[members[0]].device, world_size=world_size))
     return specs
+
+
+def plan_gather_groups(specs: Sequence[BucketSpec], threshold_bytes: int,
+                       first_alone: bool = False) -> list[list[int]]:
+    """Consecutive buckets (forward order) all-gathered together, up to `threshold_bytes` of
+    buffer per group; one dtype and device per group. `first_alone`: bucket 0 is gathered on
+    its own (its size was chosen for the critical path)."""
+    groups: list[list[int]] = []
+    current: list[int] = []
+    size = 0
+    for spec in specs:
+        nbytes = spec.padded_numel * spec.dtype.itemsize
+        same_kind = bool(current) and (specs[current[0]].dtype == spec.dtype
+                                       and specs[current[0]].device == spec.device)
+        close = current and (not same_kind or size + nbytes > threshold_bytes
+                             or (first_alone and current == [0]))
+        if close:
+            groups.append(current)
+            current, size = [], 0
+        current.append(spec.index)
+        size += nbytes
+    if current:
+        groups.append(current)
+    return groups

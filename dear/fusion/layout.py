@@ -1,0 +1,50 @@
+"""From a parameter order and a FusionConfig to live buckets and all-gather groups."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Sequence
+
+import torch
+
+from ..compression import Compressor
+from .bucket import Bucket
+from .fusion_config import FusionConfig
+from .gather import GatherGroup, make_groups
+from .planner import plan_buckets, plan_gather_groups
+
+
+@dataclasses.dataclass
+class Layout:
+    buckets: list[Bucket]                      # forward order
+    where: list[tuple[Bucket, int]]            # parameter index -> (its bucket, slot)
+    gather_groups: list[GatherGroup]           # forward order
+
+    def describe(self) -> str:
+        sizes = [round(b.buffer.numel() * b.buffer.element_size() / 2**20, 2)
+                 for b in self.buckets]
+        return (f"{len(self.buckets)} buckets (MB) {sizes}, "
+                f"{len(self.gather_groups)} all-gathers")
+
+    def signature(self) -> list[list[int]]:
+        """Parameter indices per bucket and bucket indices per all-gather: compared across
+        ranks by tests (every rank must hold the same layout)."""
+        return ([list(b.spec.params) for b in self.buckets]
+                + [[-1 - b.spec.index for b in g.buckets] for g in self.gather_groups])
+
+
+def build_layout(params: Sequence[torch.nn.Parameter], order: Sequence[int],
+                 fusion: FusionConfig, world_size: int,
+                 explicit: Optional[Sequence[Sequence[int]]], compression: Compressor,
+                 sparse_as_dense: bool) -> Layout:
+    specs = plan_buckets(params, order, fusion.rs_threshold, world_size, explicit,
+                         first_bucket_bytes=fusion.first_bucket)
+    buckets = [Bucket(s, [params[i] for i in s.params], compression.wire_dtype(s.dtype),
+                      sparse_as_dense) for s in specs]
+    where = [(buckets[0], 0)] * len(params)
+    for bucket in buckets:
+        for j, i in enumerate(bucket.spec.params):
+            where[i] = (bucket, j)
+    plan = plan_gather_groups(specs, fusion.ag_threshold,
+                              first_alone=fusion.first_bucket is not None)
+    return Layout(buckets, where, make_groups(buckets, plan, world_size))

