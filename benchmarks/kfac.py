@@ -1,0 +1,325 @@
+"""dear.KFAC benchmarks: iteration time of distributed K-FAC variants, and convergence on digits.
+
+    make kfac-bench      # all of it: emulated 2-node cluster (root; else loopback) + digits
+    python -m benchmarks.cluster --nproc 2 --bandwidth 1gbit -- \
+        python -m benchmarks.kfac iteration --model resnet --inv-freqs 1,10 --name kfac
+    python -m benchmarks.kfac convergence        # one process, sklearn's digits
+    python -m benchmarks.cluster --nproc 2 --bandwidth 1gbit -- \
+        python -m benchmarks.kfac collectives    # reduce-to-owner implementations
+
+Iteration methods (gradients averaged by torch DDP in every method, SGD with momentum):
+  sgd     no preconditioning
+  naive   D-KFAC: full factors all-reduced after backward, each factor decomposed by one rank
+          (LPT, no redundancy) and the decompositions broadcast; every rank preconditions all
+  spd     SPD-KFAC: factors all-reduced from the hooks as buckets fill, upper triangles only,
+          LPT with small factors decomposed redundantly, decompositions broadcast (comm-opt)
+  pad     PAD-KFAC: factors (upper triangles, from the hooks) REDUCED to the layer's owner,
+          owners are contiguous blocks (DP); owners precondition and broadcast the gradient
+  mem-opt factors all-reduced, LPT owners precondition and broadcast (KAISA's MEM-OPT)
+Timing: mean over whole inverse intervals (a median would skip the inverse steps).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from benchmarks import models as bench_models
+from benchmarks import results
+
+KFAC_ARGS = dict(lr=0.1, damping=0.003, factor_decay=0.95, kl_clip=0.001)
+METHODS: dict[str, dict[str, Any]] = {
+    "naive": dict(strategy="comm-opt", pipeline_factors=False, symmetry_aware=False,
+                  redundancy=False),
+    "spd": dict(strategy="comm-opt"),
+    "pad": dict(strategy="pad"),
+    "mem-opt": dict(strategy="mem-opt"),
+}
+
+
+# ----------------------------------------------------------------- digits (convergence)
+
+def digits() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """sklearn's bundled digits (no download): 1437 train / 360 test, fixed permutation."""
+    from sklearn.datasets import load_digits
+    data = load_digits()
+    x = torch.tensor(data.data, dtype=torch.float32) / 16.0
+    y = torch.tensor(data.target)
+    perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(0))
+    x, y = x[perm], y[perm]
+    return x[360:], y[360:], x[:360], y[:360]
+
+
+def digits_model(arch: str) -> nn.Module:
+    if arch == "mlp":
+        return nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+    return nn.Sequential(nn.Unflatten(1, (1, 8, 8)), nn.Conv2d(1, 8, 3, padding=1), nn.ReLU(),
+                         nn.Conv2d(8, 16, 3, stride=2, padding=1), nn.ReLU(), nn.Flatten(),
+                         nn.Linear(256, 10))
+
+
+def train_digits(arch: str, kfac: bool, lr: float = 0.05, batch: int = 256, epochs: int = 30,
+                 seed: int = 0, target: float = 0.97, stop_at_target: bool = True,
+                 **kfac_args: Any) -> dict[str, Any]:
+    """SGD (momentum 0.9, cosine lr over `epochs`) with or without dear.KFAC (whose lr follows
+    the same schedule). Returns the first epoch reaching `target` test accuracy (None if not
+    reached), the wall time to it, and the accuracy after each epoch."""
+    from dear.kfac import KFAC
+    xtr, ytr, xte, yte = digits()
+    torch.manual_seed(seed)
+    model = digits_model(arch)
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, epochs * -(-len(ytr) // batch))
+    args = {**KFAC_ARGS, "inv_update_freq": 10, **kfac_args}
+    precond = KFAC(model, **{**args, "lr": lambda step: sched.get_last_lr()[0]}) if kfac else None
+    hit, accs, start = None, [], time.perf_counter()
+    for epoch in range(epochs):
+        order = torch.randperm(len(ytr), generator=torch.Generator().manual_seed(epoch))
+        model.train()
+        for i in range(0, len(ytr), batch):
+            idx = order[i:i + batch]
+            opt.zero_grad()
+            F.cross_entropy(model(xtr[idx]), ytr[idx]).backward()
+            if precond is not None:
+                precond.step()
+            opt.step()
+            sched.step()
+        model.eval()
+        with torch.no_grad():
+            accs.append((model(xte).argmax(1) == yte).float().mean().item())
+        if hit is None and accs[-1] >= target:
+            hit = (epoch + 1, time.perf_counter() - start)
+            if stop_at_target:
+                break
+    return {"epochs": hit[0] if hit else None, "seconds": hit[1] if hit else None,
+            "accuracy": accs, "total_seconds": time.perf_counter() - start}
+
+
+def convergence(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="benchmarks.kfac convergence")
+    p.add_argument("--seeds", default="0,1,2,3")
+    p.add_argument("--batches", default="64,256")
+    p.add_argument("--lrs", default="0.05,0.1")
+    p.add_argument("--name", default="kfac.convergence")
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    rows, data = [], []
+    for arch in ("mlp", "cnn"):
+        for batch in map(int, args.batches.split(",")):
+            for lr in map(float, args.lrs.split(",")):
+                for seed in map(int, args.seeds.split(",")):
+                    sgd = train_digits(arch, False, lr, batch, seed=seed)
+                    kfac = train_digits(arch, True, lr, batch, seed=seed, damping=0.03)
+                    data.append({"arch": arch, "batch": batch, "lr": lr, "seed": seed,
+                                 "sgd": sgd, "kfac": kfac})
+                    fmt = lambda r: (f"{r['epochs']} ({r['seconds']:.2f} s)"  # noqa: E731
+                                     if r["epochs"] else "not in 30")
+                    rows.append([arch, batch, lr, seed, fmt(sgd), fmt(kfac)])
+                    print(rows[-1], flush=True)
+    table = results.markdown_table(
+        ["model", "batch", "lr (cosine, 30 epochs)", "seed", "SGD: epochs to 97% (wall)",
+         "K-FAC: epochs to 97% (wall)"], rows)
+    notes = ("SGD momentum 0.9; K-FAC damping 0.03, kl_clip 0.001, factor_decay 0.95, "
+             "inv_update_freq 10, its lr following the same cosine schedule. One thread.")
+    results.write(args.name, "K-FAC vs SGD on sklearn digits", {"runs": data}, table, notes)
+    print(table)
+    return 0
+
+
+# ----------------------------------------------------------------- iteration time
+
+def bench_model(name: str) -> tuple[Callable[[], nn.Module], Callable[[int, int], Any]]:
+    """CPU-sized ResNet-50 layout (width 16) and BERT (4 layers, hidden 256)."""
+    if name == "resnet":
+        make = lambda: bench_models.ResNet([3, 4, 6, 3], num_classes=100, width=16)  # noqa: E731
+        sample = bench_models._images(32, 100)
+        batch = 16
+    elif name == "bert":
+        cfg = bench_models.BertConfig(vocab_size=4096, hidden=256, layers=4, heads=4, ffn=1024,
+                                      max_positions=128, num_labels=2, dropout=0.0)
+        make = lambda: bench_models.Bert(cfg)  # noqa: E731
+        sample = bench_models._tokens(64, cfg.vocab_size, 2)
+        batch = 8
+    else:
+        raise ValueError(f"unknown model {name!r}: resnet or bert")
+    return make, lambda step, rank: sample(batch, torch.Generator().manual_seed(1000 * step + rank))
+
+
+def _time_method(method: str, inv_freq: int, make: Callable[[], nn.Module],
+                 batch: Callable[[int, int], Any], warmup: int, intervals: int) -> dict[str, Any]:
+    from dear.kfac import KFAC
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = nn.parallel.DistributedDataParallel(make())
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    precond = None
+    if method != "sgd":
+        precond = KFAC(model, inv_update_freq=inv_freq, **KFAC_ARGS, **METHODS[method])
+    iters = intervals * inv_freq if inv_freq > 1 else intervals
+    times, pre_times, losses = [], [], []
+    for step in range(warmup + iters):
+        x, y = batch(step, rank)
+        if step == warmup:
+            dist.barrier()
+        start = time.perf_counter()
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        mid = time.perf_counter()
+        if precond is not None:
+            precond.step()
+        pre_times.append(time.perf_counter() - mid)
+        opt.step()
+        times.append(time.perf_counter() - start)
+        losses.append(loss.item())
+    timed = times[warmup:]
+    slowest = torch.tensor([statistics.mean(timed)])
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    out = {"mean_s": slowest.item(), "median_s": statistics.median(timed),
+           "precond_mean_s": statistics.mean(pre_times[warmup:]), "losses": losses}
+    if precond is not None:
+        out["plan"] = {"strategy": precond.plan.strategy.value,
+                       "estimates": precond.plan.estimates,
+                       "owners": list(precond.plan.layer_owner)}
+    return out
+
+
+def iteration(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="benchmarks.kfac iteration")
+    p.add_argument("--model", default="resnet")
+    p.add_argument("--methods", default="sgd,naive,spd,pad")
+    p.add_argument("--inv-freqs", default="1,10")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--intervals", type=int, default=4,
+                   help="timed iterations: this many (freq 1) or this many inverse intervals")
+    p.add_argument("--name", default="")
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    make, batch = bench_model(args.model)
+    report: dict[str, dict[str, Any]] = {}
+    for freq in map(int, args.inv_freqs.split(",")):
+        for method in args.methods.split(","):
+            if method == "sgd" and "sgd" in report:
+                continue
+            res = _time_method(method, freq, make, batch, args.warmup, args.intervals)
+            key = method if method == "sgd" else f"{method}@{freq}"
+            report[key] = res
+            if rank == 0:
+                print(f"{args.model} {key}: {res['mean_s'] * 1e3:.0f} ms/iteration "
+                      f"(precond.step {res['precond_mean_s'] * 1e3:.0f} ms)", flush=True)
+    if rank == 0:
+        rows = []
+        for key, res in report.items():
+            freq = key.split("@")[1] if "@" in key else "-"
+            naive = report.get(f"naive@{freq}")
+            speedup = naive["mean_s"] / res["mean_s"] if naive else None
+            rows.append([args.model, key.split("@")[0], freq, round(res["mean_s"] * 1e3, 1),
+                         round(res["precond_mean_s"] * 1e3, 1),
+                         round(speedup, 3) if speedup else "-",
+                         round(report["sgd"]["mean_s"] / res["mean_s"], 3) if "sgd" in report
+                         else "-"])
+        table = results.markdown_table(
+            ["model", "method", "inv_update_freq", "mean iteration (ms)", "precond.step (ms)",
+             "speed-up vs naive", "speed vs SGD"], rows)
+        print(table)
+        if args.name:
+            bw = os.environ.get("DEAR_CLUSTER_BANDWIDTH_MEASURED")
+            results.write(args.name, f"dear.KFAC iteration time, {args.model}", {
+                "args": vars(args), "world": dist.get_world_size(), "kfac_args": KFAC_ARGS,
+                "bandwidth_measured_bps": float(bw) if bw else None, "methods": report},
+                table, "Mean over the timed iterations of the slowest rank; factor updates "
+                "every iteration. Gradients averaged by torch DDP in every method.")
+    dist.destroy_process_group()
+    return 0
+
+
+# ----------------------------------------------------------------- reduce implementations
+
+def collectives(argv: list[str]) -> int:
+    """Two 10 MB reduces to different roots (what PAD does on 2 ranks): Gloo's dist.reduce vs
+    dear.kfac's direct sends, next to one 20 MB all-reduce and a 10 MB each-way exchange."""
+    from dear.kfac.comm import Transport
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    transport = Transport.from_environment()
+    numel = 10 * 2**18
+    halves = [torch.ones(numel), torch.ones(numel)]
+    full = torch.ones(2 * numel)
+
+    def timed(fn: Callable[[], None], reps: int = 5) -> float:
+        fn()
+        out = []
+        for _ in range(reps):
+            dist.barrier()
+            start = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - start)
+        return statistics.median(out)
+
+    def gloo_reduce() -> None:
+        for w in [dist.reduce(halves[r], dst=r, async_op=True) for r in range(2)]:
+            w.wait()
+
+    def kfac_reduce() -> None:
+        for w in [transport.reduce(halves[r], r) for r in range(2)]:
+            w.wait()
+
+    figures = {"all_reduce 20 MB": timed(lambda: dist.all_reduce(full)),
+               "2 x dist.reduce 10 MB (roots 0, 1)": timed(gloo_reduce),
+               "2 x dear.kfac reduce 10 MB (roots 0, 1)": timed(kfac_reduce),
+               "2 x broadcast 10 MB (roots 0, 1)": timed(
+                   lambda: [w.wait() for w in [transport.broadcast(halves[r], r)
+                                                for r in range(2)]])}
+    if dist.get_rank() == 0:
+        table = results.markdown_table(["collective (2 ranks, fp32)", "median s"],
+                                       [[k, round(v, 4)] for k, v in figures.items()])
+        print(table)
+        results.write("kfac.collectives", "Reduce to owners: Gloo's reduce vs direct sends",
+                      {"seconds": figures}, table)
+    dist.destroy_process_group()
+    return 0
+
+
+# ----------------------------------------------------------------- make kfac-bench
+
+def everything(argv: list[str]) -> int:
+    """Iteration time of both models on the emulated cluster (loopback without root), then
+    convergence on digits; each writes its own results file."""
+    p = argparse.ArgumentParser(prog="benchmarks.kfac")
+    p.add_argument("--bandwidth", default="1gbit")
+    p.add_argument("--no-shaping", action="store_true")
+    args = p.parse_args(argv)
+    shaping = [] if not args.no_shaping and os.geteuid() == 0 else ["--no-shaping"]
+    status = 0
+    for extra in (["collectives"], ["iteration", "--model", "resnet", "--name", "kfac"],
+                  ["iteration", "--model", "bert", "--name", "kfac.bert"]):
+        cmd = [sys.executable, "-m", "benchmarks.cluster", "--nproc", "2", "--bandwidth",
+               args.bandwidth, *shaping, "--timeout", "3000", "--",
+               sys.executable, "-m", "benchmarks.kfac", *extra]
+        print("+", " ".join(cmd), flush=True)
+        status |= subprocess.call(cmd)
+    return status | convergence([])
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    commands = {"iteration": iteration, "convergence": convergence, "collectives": collectives}
+    if argv and argv[0] in commands:
+        return commands[argv[0]](argv[1:])
+    return everything(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
