@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check -q
 TORCH  ?= torch==2.13.0
 
-.PHONY: setup horovod demo test bench clean
+.PHONY: setup horovod demo test bench kfac-bench clean
 
 setup: $(VENV)/.installed
 
@@ -33,6 +33,10 @@ test: setup
 # DeAR vs DDP/FSDP2/Horovod/WFBP on an emulated cluster (root for network namespaces).
 bench: setup
 	$(PY) -m benchmarks.bench
+
+# dear.KFAC: naive D-KFAC vs SPD vs PAD vs SGD on the emulated cluster, and digits convergence.
+kfac-bench: setup
+	$(PY) -m benchmarks.kfac
 
 clean:
 	rm -rf $(VENV) build *.egg-info
