@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check -q
 TORCH  ?= torch==2.13.0
 
-.PHONY: setup horovod demo test bench kfac-bench clean
+.PHONY: setup horovod demo test bench kfac-bench autotune clean
 
 setup: $(VENV)/.installed
 
@@ -37,6 +37,10 @@ bench: setup
 # dear.KFAC: naive D-KFAC vs SPD vs PAD vs SGD on the emulated cluster, and digits convergence.
 kfac-bench: setup
 	$(PY) -m benchmarks.kfac
+
+# Fusion autotuner vs grid search on the emulated cluster (root for network namespaces).
+autotune: setup
+	$(PY) -m benchmarks.autotune
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,240 @@
+"""Fusion autotuner against ground truth, on the emulated cluster.
+
+In one run per model (2 ranks, shaped link): a grid search over (reduce-scatter threshold,
+all-gather threshold, first bucket) measured directly, the default 25 MB, then dear's online
+tuner from scratch (autotune=True) and a confirmation run of the layout it chose. Reports the
+tuner's choice and its iteration time relative to the grid's best, its trials and the training
+iterations it spent; writes benchmarks/results/autotune_<model>.{json,md} and a PNG of the
+trial trajectory and of the grid.
+
+    python -m benchmarks.autotune [--models resnet50,bert_base] [--no-shaping]   (make autotune)
+
+Each rank runs `python -m benchmarks.autotune --rank-main ...` inside benchmarks.cluster.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+import dear
+from benchmarks import results
+from benchmarks.bench import CONFIGS
+from benchmarks.train import make_sgd, workload
+from dear.fusion.fusion_config import FusionConfig
+
+MB = 1 << 20
+GRID_RS = (2, 8, 25, 64)                       # MB
+GRID_AG_FACTOR = (1, 4)                        # all-gather threshold = factor x rs
+GRID_FIRST = (None, 2)                         # MB
+
+
+def _grid() -> list[FusionConfig]:
+    out = []
+    for rs in GRID_RS:
+        for factor in GRID_AG_FACTOR:
+            for first in GRID_FIRST:
+                if first is not None and first >= rs:
+                    continue
+                out.append(FusionConfig(rs * MB, rs * factor * MB,
+                                        None if first is None else first * MB))
+    return out
+
+
+def _iterate(model: torch.nn.Module, opt: Any, batch: Any, loss_fn: Any, steps: int,
+             start: int = 0) -> list[float]:
+    rank, times = dist.get_rank(), []
+    for step in range(start, start + steps):
+        x, y = batch(step, rank)
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()
+        opt.step()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def _slowest_median(times: list[float]) -> float:
+    t = torch.tensor([statistics.median(times)])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def measure_config(args: argparse.Namespace, fusion: FusionConfig, parts: tuple) -> float:
+    build, _, batch, loss_fn = parts
+    model = build()
+    opt = dear.DistributedOptimizer(make_sgd(model.parameters()), model=model,
+                                    fusion_config=fusion)
+    times = _iterate(model, opt, batch, loss_fn, args.warmup + args.iters)
+    opt.synchronize()
+    return _slowest_median(times[args.warmup:])
+
+
+def run_tuner(args: argparse.Namespace, parts: tuple, out_dir: str) -> dict[str, Any]:
+    build, _, batch, loss_fn = parts
+    model = build()
+    opt = dear.DistributedOptimizer(make_sgd(model.parameters()), model=model, autotune=True)
+    tuner = opt._autotuner
+    iterations = 0
+    wall = time.perf_counter()
+    while not tuner.finished:
+        _iterate(model, opt, batch, loss_fn, 1, start=iterations)
+        iterations += 1
+    wall = time.perf_counter() - wall
+    opt.synchronize()
+    trials = []
+    if dist.get_rank() == 0:
+        with open(os.path.join(out_dir, "trials.jsonl")) as f:
+            trials = [json.loads(line) for line in f]
+    return {"chosen": tuner.current, "iterations": iterations, "wall_s": wall,
+            "trials": trials}
+
+
+def rank_main(args: argparse.Namespace) -> None:
+    torch.set_num_threads(1)
+    out_dir = tempfile.mkdtemp(prefix="dear-autotune-")
+    os.environ.update(DEAR_AUTOTUNE_LOG=os.path.join(out_dir, "trials.jsonl"),
+                      DEAR_AUTOTUNE_OUT=os.path.join(out_dir, "fusion.json"),
+                      DEAR_AUTOTUNE_WINDOW=str(args.window),
+                      DEAR_AUTOTUNE_SETTLE=str(args.settle))
+    dear.init()                                # reads the DEAR_* settings above
+    parts = workload(args)
+    grid = {}
+    for fusion in _grid():
+        grid[fusion] = measure_config(args, fusion, parts)
+        if dist.get_rank() == 0:
+            print(f"grid {fusion.describe()}: {grid[fusion]:.4f} s", flush=True)
+    default = measure_config(args, FusionConfig.single(25 * MB), parts)
+    tuned = run_tuner(args, parts, out_dir)
+    confirm = measure_config(args, tuned["chosen"], parts)
+    if dist.get_rank() == 0:
+        report(args, grid, default, tuned, confirm)
+    dear.shutdown()
+
+
+def _mb(v: Optional[int]) -> Optional[float]:
+    return None if v is None else round(v / MB, 2)
+
+
+def report(args: argparse.Namespace, grid: dict, default: float, tuned: dict,
+           confirm: float) -> None:
+    best_cfg = min(grid, key=grid.get)
+    best = grid[best_cfg]
+    rows = [[_mb(c.rs_threshold), _mb(c.ag_threshold), _mb(c.first_bucket), round(t, 4),
+             round(t / best, 3)] for c, t in sorted(grid.items(), key=lambda kv: kv[1])]
+    table = results.markdown_table(["rs (MB)", "ag (MB)", "first (MB)", "iteration (s)",
+                                    "/ grid best"], rows)
+    chosen = tuned["chosen"]
+    ratio = confirm / best
+    summary = (f"Grid best: {best_cfg.describe()} at {best:.4f} s. Default (25 MB): "
+               f"{default:.4f} s ({default / best:.3f} x grid best). Tuner: "
+               f"{len(tuned['trials'])} trials, {tuned['iterations']} training iterations "
+               f"({tuned['wall_s']:.1f} s), chose {chosen.describe()}; confirmation run "
+               f"{confirm:.4f} s = {ratio:.3f} x grid best "
+               f"({'meets' if ratio <= 1.05 else 'MISSES'} the within-5% target).")
+    print(table + "\n\n" + summary)
+    trial_rows = [[t["trial"], t["rs_threshold_mb"], t["ag_threshold_mb"], t["first_bucket_mb"],
+                   t["iteration_time_s"], t["samples_per_s"], t["best_so_far_s"]]
+                  for t in tuned["trials"]]
+    trials_table = results.markdown_table(
+        ["trial", "rs (MB)", "ag (MB)", "first (MB)", "iteration (s)", "samples/s",
+         "best so far (s)"], trial_rows)
+    name = f"autotune_{args.model}{args.suffix}"
+    notes = (summary + f"\n\nGrid points: {args.warmup} warm-up + {args.iters} timed "
+             f"iterations each (slowest rank's median). Tuner: settle {args.settle} + window "
+             f"{args.window} iterations per trial, budget 12. Bandwidth {args.bandwidth}. "
+             f"Load average {os.getloadavg()[0]:.2f} at the end: the machine may be shared, "
+             f"compare ratios within this run.\n\n## Tuner trials\n\n" + trials_table)
+    results.write(name, f"Fusion autotuner vs grid search: {args.model}", {
+        "model": args.model, "bandwidth": args.bandwidth,
+        "grid": [{"rs_mb": _mb(c.rs_threshold), "ag_mb": _mb(c.ag_threshold),
+                  "first_mb": _mb(c.first_bucket), "iteration_s": t} for c, t in grid.items()],
+        "grid_best": {"config": best_cfg.describe(), "iteration_s": best},
+        "default_25mb_s": default, "tuner": {
+            "chosen": chosen.describe(), "trials": tuned["trials"],
+            "iterations": tuned["iterations"], "wall_s": tuned["wall_s"],
+            "confirmation_s": confirm, "ratio_to_grid_best": ratio}}, table, notes)
+    plot(name, grid, best, tuned["trials"])
+
+
+def plot(name: str, grid: dict, best: float, trials: list[dict]) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    ks = [t["trial"] for t in trials]
+    a.plot(ks, [t["iteration_time_s"] for t in trials], "o-", label="trial")
+    a.plot(ks, [t["best_so_far_s"] for t in trials], "s--", label="best so far")
+    a.axhline(best, color="black", linestyle=":", label="grid best")
+    a.set_xlabel("trial")
+    a.set_ylabel("iteration time (s)")
+    a.set_title("tuner trajectory")
+    a.legend()
+    labels = [f"{_mb(c.rs_threshold)}/{_mb(c.ag_threshold)}/{_mb(c.first_bucket) or '-'}"
+              for c in grid]
+    b.bar(range(len(grid)), list(grid.values()), color="tab:gray")
+    b.set_xticks(range(len(grid)), labels, rotation=70, fontsize=7)
+    b.set_ylabel("iteration time (s)")
+    b.set_title("grid: rs / ag / first (MB)")
+    fig.tight_layout()
+    fig.savefig(os.path.join(results.RESULTS_DIR, f"{name}.png"), dpi=100)
+
+
+def parse(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", default="resnet50,bert_base")
+    p.add_argument("--model", default="resnet50", help="(per rank)")
+    p.add_argument("--no-shaping", action="store_true")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--window", type=int, default=5)
+    p.add_argument("--settle", type=int, default=2)
+    p.add_argument("--suffix", default="")
+    p.add_argument("--timeout", type=float, default=1800.0)
+    p.add_argument("--rank-main", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--bandwidth", default="", help=argparse.SUPPRESS)
+    p.add_argument("--batch", type=int, default=8, help=argparse.SUPPRESS)
+    p.add_argument("--image-size", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--seq-len", type=int, default=0, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse(argv)
+    if args.rank_main:
+        rank_main(args)
+        return 0
+    from benchmarks.cluster import EmulatedCluster, check_can_shape
+    shaping = not args.no_shaping
+    if shaping:
+        problem = check_can_shape()
+        if problem:
+            print(f"autotune: {problem}; running on loopback (--no-shaping)")
+            shaping = False
+    for model in args.models.split(","):
+        cfg = CONFIGS[model]
+        cmd = [sys.executable, "-m", "benchmarks.autotune", "--rank-main", "--model", model,
+               "--bandwidth", cfg["bandwidth"] if shaping else "loopback",
+               "--warmup", str(args.warmup), "--iters", str(args.iters),
+               "--window", str(args.window), "--settle", str(args.settle),
+               "--suffix", args.suffix, *cfg["args"]]
+        with EmulatedCluster(2, cfg["bandwidth"], shaping=shaping) as cluster:
+            code = cluster.run(cmd, timeout=args.timeout)
+        if code != 0:
+            print(f"autotune: {model} failed (exit {code})")
+            return code
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
