@@ -332,6 +332,10 @@ class Tracer:
             for b in buckets:
                 for t in (b.wire, b.wire_shard):
                     table[t.data_ptr()] = b.spec.index
+            for g in getattr(self.optimizer, "_gather_groups", ()):  # fused all-gathers:
+                send = getattr(g, "_send", None)                     # named by first bucket
+                if send is not None:
+                    table[send.data_ptr()] = g.buckets[0].spec.index
             self._bucket_map = (buckets, table)
         return table.get(tensor.data_ptr())
 
