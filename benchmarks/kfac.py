@@ -155,6 +155,17 @@ def bench_model(name: str) -> tuple[Callable[[], nn.Module], Callable[[int, int]
     return make, lambda step, rank: sample(batch, torch.Generator().manual_seed(1000 * step + rank))
 
 
+def _launcher_note() -> str:
+    """How the ranks were started (results.command() only sees this rank's argv)."""
+    requested = os.environ.get("DEAR_CLUSTER_BANDWIDTH_REQUESTED")
+    measured = os.environ.get("DEAR_CLUSTER_BANDWIDTH_MEASURED")
+    if requested:
+        return (f"Ranks started by `python -m benchmarks.cluster --nproc {dist.get_world_size()} "
+                f"--bandwidth {float(requested) / 1e9:g}gbit -- <command>`; link measured "
+                f"{float(measured or 0) / 1e9:.3g} Gbit/s one way (TCP).")
+    return f"{dist.get_world_size()} ranks on loopback (no shaping)."
+
+
 def _time_method(method: str, inv_freq: int, make: Callable[[], nn.Module],
                  batch: Callable[[int, int], Any], warmup: int, intervals: int) -> dict[str, Any]:
     from dear.kfac import KFAC
@@ -240,7 +251,8 @@ def iteration(argv: list[str]) -> int:
                 "args": vars(args), "world": dist.get_world_size(), "kfac_args": KFAC_ARGS,
                 "bandwidth_measured_bps": float(bw) if bw else None, "methods": report},
                 table, "Mean over the timed iterations of the slowest rank; factor updates "
-                "every iteration. Gradients averaged by torch DDP in every method.")
+                "every iteration. Gradients averaged by torch DDP in every method. "
+                + _launcher_note())
     dist.destroy_process_group()
     return 0
 
@@ -287,7 +299,7 @@ def collectives(argv: list[str]) -> int:
                                        [[k, round(v, 4)] for k, v in figures.items()])
         print(table)
         results.write("kfac.collectives", "Reduce to owners: Gloo's reduce vs direct sends",
-                      {"seconds": figures}, table)
+                      {"seconds": figures}, table, _launcher_note())
     dist.destroy_process_group()
     return 0
 
