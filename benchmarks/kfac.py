@@ -27,7 +27,8 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -122,7 +123,7 @@ def convergence(argv: list[str]) -> int:
                     kfac = train_digits(arch, True, lr, batch, seed=seed, damping=0.03)
                     data.append({"arch": arch, "batch": batch, "lr": lr, "seed": seed,
                                  "sgd": sgd, "kfac": kfac})
-                    fmt = lambda r: (f"{r['epochs']} ({r['seconds']:.2f} s)"  # noqa: E731
+                    fmt = lambda r: (f"{r['epochs']} ({r['seconds']:.2f} s)"
                                      if r["epochs"] else "not in 30")
                     rows.append([arch, batch, lr, seed, fmt(sgd), fmt(kfac)])
                     print(rows[-1], flush=True)
@@ -141,13 +142,13 @@ def convergence(argv: list[str]) -> int:
 def bench_model(name: str) -> tuple[Callable[[], nn.Module], Callable[[int, int], Any]]:
     """CPU-sized ResNet-50 layout (width 16) and BERT (4 layers, hidden 256)."""
     if name == "resnet":
-        make = lambda: bench_models.ResNet([3, 4, 6, 3], num_classes=100, width=16)  # noqa: E731
+        make = lambda: bench_models.ResNet([3, 4, 6, 3], num_classes=100, width=16)
         sample = bench_models._images(32, 100)
         batch = 16
     elif name == "bert":
         cfg = bench_models.BertConfig(vocab_size=4096, hidden=256, layers=4, heads=4, ffn=1024,
                                       max_positions=128, num_labels=2, dropout=0.0)
-        make = lambda: bench_models.Bert(cfg)  # noqa: E731
+        make = lambda: bench_models.Bert(cfg)
         sample = bench_models._tokens(64, cfg.vocab_size, 2)
         batch = 8
     else:
@@ -325,7 +326,7 @@ def everything(argv: list[str]) -> int:
     return status | convergence([])
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     commands = {"iteration": iteration, "convergence": convergence, "collectives": collectives}
     if argv and argv[0] in commands:

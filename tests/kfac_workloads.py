@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import math
 import sys
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -70,7 +71,7 @@ def make_model(name: str, dtype: torch.dtype = DTYPE) -> nn.Module:
     return MODELS[name]().to(dtype)
 
 
-def batch(name: str, step: int, world: int, rank: Optional[int] = None,
+def batch(name: str, step: int, world: int, rank: int | None = None,
           dtype: torch.dtype = DTYPE) -> tuple[Tensor, Tensor]:
     """Step `step`'s global batch (world * PER_RANK samples), or rank `rank`'s shard of it."""
     g = torch.Generator().manual_seed(100 + step)
@@ -156,7 +157,7 @@ class ReferenceKFAC:
     """K-FAC from the definitions, on shards averaged as data parallelism averages them."""
 
     def __init__(self, model: nn.Module, lr: float = 0.1, damping: float = 0.001,
-                 factor_decay: float = 0.95, kl_clip: Optional[float] = 0.001,
+                 factor_decay: float = 0.95, kl_clip: float | None = 0.001,
                  factor_update_freq: int = 1, inv_update_freq: int = 10,
                  method: str = "eigen") -> None:
         self.model, self.lr, self.damping, self.decay = model, lr, damping, factor_decay
@@ -203,7 +204,8 @@ class ReferenceKFAC:
         if self.steps % self._at(self.ffreq) == 0:
             for name, _ in self.layers:
                 a, g = self.batch[name]
-                eye_a, eye_g = torch.eye(a.shape[0], dtype=a.dtype), torch.eye(g.shape[0], dtype=g.dtype)
+                eye_a = torch.eye(a.shape[0], dtype=a.dtype)
+                eye_g = torch.eye(g.shape[0], dtype=g.dtype)
                 self.A[name] = decay * self.A.get(name, eye_a) + (1 - decay) * a
                 self.G[name] = decay * self.G.get(name, eye_g) + (1 - decay) * g
         if self.steps % self._at(self.ifreq) == 0:

@@ -10,8 +10,13 @@ import pytest
 import torch
 
 from dear.kfac import ComputeMethod, CostModel, NetworkModel, Strategy
-from dear.kfac.assignment import (EVERYWHERE, contiguous_partition, lpt, lpt_with_redundancy,
-                                  max_load)
+from dear.kfac.assignment import (
+    EVERYWHERE,
+    contiguous_partition,
+    lpt,
+    lpt_with_redundancy,
+    max_load,
+)
 from dear.kfac.comm import pack, packed_size, split_into_buckets, unpack
 from dear.kfac.planner import LayerShape, PlanInputs, make_plan
 

@@ -11,7 +11,7 @@ import torch
 
 pytest.importorskip("sklearn")
 
-from benchmarks.kfac import train_digits  # noqa: E402
+from benchmarks.kfac import train_digits
 
 
 @pytest.fixture

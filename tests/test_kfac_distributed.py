@@ -82,7 +82,7 @@ def test_every_strategy_matches_the_shard_averaged_reference(world):
                                                          **ARGS)
         want = references[(name, method)]
         for rank in range(world):
-            grads, chosen, owners, a_owners = results[rank][k]
+            grads, chosen, owners, _ = results[rank][k]
             assert (chosen == strategy) or strategy == "auto"
             assert owners == results[0][k][2], "ranks disagree on the plan"
             for step in range(STEPS):

@@ -7,7 +7,7 @@ with brute force. Ties go to the lowest index / rank, so the result is determini
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 EVERYWHERE = -1   # owner of an item computed redundantly on every rank
 

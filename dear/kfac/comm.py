@@ -21,7 +21,8 @@ import logging
 import statistics
 import sys
 import time
-from typing import Any, Hashable, Optional, Sequence
+from collections.abc import Hashable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -34,18 +35,18 @@ from .costs import NetworkModel
 
 log = logging.getLogger("dear")
 _TAG_OFFSET = 1 << 24     # above the tags dear's communicator uses on a shared group
-_SHARED: dict[tuple[int, int], tuple[Any, "Transport"]] = {}
+_SHARED: dict[tuple[int, int], tuple[Any, Transport]] = {}
 
 
 class Transport:
     """Async collectives on flat tensors, issued in the same order on every rank."""
 
-    def __init__(self, comm: Optional[Communicator] = None,
-                 group: Optional[dist.ProcessGroup] = None, torch_dist: bool = False) -> None:
+    def __init__(self, comm: Communicator | None = None,
+                 group: dist.ProcessGroup | None = None, torch_dist: bool = False) -> None:
         self._comm = comm
         self._torch = torch_dist
         self._tag = 0
-        self._reverse: Optional[dist.ProcessGroup] = None
+        self._reverse: dist.ProcessGroup | None = None
         self._group = group
         self._owned: list[dist.ProcessGroup] = []
         if torch_dist:
@@ -64,7 +65,7 @@ class Transport:
                      else getattr(comm, "name", "local"))
 
     @classmethod
-    def from_environment(cls) -> "Transport":
+    def from_environment(cls) -> Transport:
         """dear's communicator if dear.init() ran; else torch.distributed's default group (DDP
         users); else Horovod if hvd.init() ran; else a world of one."""
         from ..comm.torch_dist import TorchCommunicator
@@ -82,7 +83,7 @@ class Transport:
         return cls(LocalCommunicator())
 
     @classmethod
-    def _shared(cls, group: Optional[dist.ProcessGroup]) -> "Transport":
+    def _shared(cls, group: dist.ProcessGroup | None) -> Transport:
         """One transport (and so one pair of groups) per torch group and process: every KFAC
         instance made on every rank in the same order shares it, in the same order."""
         key = (id(dist.group.WORLD), id(group))
@@ -152,7 +153,7 @@ class Transport:
                 dist.destroy_process_group(group)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _log_reduce_fallback(name: str) -> None:
     log.info("dear.KFAC: the %s backend has no reduce; PAD reduces factors with all-reduce",
              name)
@@ -203,7 +204,7 @@ class FlatBucket:
     unused parameters). `root` None: all-reduced; else reduced to / broadcast from `root`."""
 
     def __init__(self, slots: Sequence[tuple[Hashable, int]], dtype: torch.dtype,
-                 root: Optional[int] = None, device: Optional[torch.device] = None) -> None:
+                 root: int | None = None, device: torch.device | None = None) -> None:
         self.keys = [k for k, _ in slots]
         self._index = {k: i for i, k in enumerate(self.keys)}
         self.offsets: dict[Hashable, tuple[int, int]] = {}
@@ -216,7 +217,7 @@ class FlatBucket:
         self.buffer = torch.zeros(offset + len(slots), dtype=dtype, device=device)
         self.flags = self.buffer[offset:]
         self.filled = 0
-        self.work: Optional[Work] = None
+        self.work: Work | None = None
 
     def view(self, key: Hashable) -> Tensor:
         offset, numel = self.offsets[key]
@@ -249,11 +250,11 @@ class FlatBucket:
         self.work = None
 
 
-def split_into_buckets(items: Sequence[tuple[Hashable, int, Hashable]], cap_numel: int
-                       ) -> list[tuple[list[tuple[Hashable, int]], Hashable]]:
+def split_into_buckets(items: Sequence[tuple[Hashable, int, Any]], cap_numel: int
+                       ) -> list[tuple[list[tuple[Hashable, int]], Any]]:
     """Consecutive items (key, numel, group) with the same group (e.g. root and dtype) share a
     bucket of up to cap_numel elements (a larger item gets a bucket of its own)."""
-    buckets: list[tuple[list[tuple[Hashable, int]], Hashable]] = []
+    buckets: list[tuple[list[tuple[Hashable, int]], Any]] = []
     current: list[tuple[Hashable, int]] = []
     size, group = 0, None
     for key, numel, g in items:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -65,7 +65,7 @@ class NetworkModel:
         return messages * self.alpha + busiest * self.beta
 
 
-_calibrated: Optional[CostModel] = None
+_calibrated: CostModel | None = None
 
 
 def _median_seconds(fn, repeats: int) -> float:  # type: ignore[no-untyped-def]
@@ -99,8 +99,8 @@ def calibrate(dims: Sequence[int] = _CALIBRATION_DIMS, repeats: int = 3,
     for d in dims:
         x = torch.randn(d, d, generator=gen)
         spd = x @ x.t() / d + torch.eye(d)
-        eig.append(_median_seconds(lambda: torch.linalg.eigh(spd), repeats))
-        inv.append(_median_seconds(lambda: torch.linalg.inv(spd), repeats))
+        eig.append(_median_seconds(lambda m=spd: torch.linalg.eigh(m), repeats))
+        inv.append(_median_seconds(lambda m=spd: torch.linalg.inv(m), repeats))
     n = 256
     a, b = torch.randn(n, n, generator=gen), torch.randn(n, n, generator=gen)
     mm = _median_seconds(lambda: a @ b, repeats)

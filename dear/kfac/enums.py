@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from typing import Any, Type, TypeVar
+from typing import Any, TypeVar
 
 E = TypeVar("E", bound=enum.Enum)
 
@@ -35,7 +35,7 @@ class Strategy(enum.Enum):
     AUTO = "auto"
 
 
-def parse(cls: Type[E], value: Any, what: str) -> E:
+def parse(cls: type[E], value: Any, what: str) -> E:
     """`value` as a member of `cls`: a member, or its value string (case-insensitive, '_'/'-')."""
     if isinstance(value, cls):
         return value

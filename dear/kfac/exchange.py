@@ -12,7 +12,8 @@ gradients for MEM_OPT and PAD), one broadcast per bucket of one owner.
 
 from __future__ import annotations
 
-from typing import Hashable, Optional, Sequence
+from collections.abc import Hashable, Sequence
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -28,7 +29,7 @@ class FactorExchange:
         self.states, self.transport, self.symmetric = states, transport, symmetric
         self.plan = plan
 
-        def item(which: str, i: int) -> tuple[Hashable, int, Hashable]:
+        def item(which: str, i: int) -> tuple[Hashable, int, Any]:
             s = states[i]
             dim = s.layer.a_dim if which == "A" else s.layer.g_dim
             diagonal = which == "A" and s.layer.diagonal_a
@@ -82,10 +83,10 @@ class FactorExchange:
                 for key in bucket.keys:
                     count = bucket.count(key)
                     if count > 0:
-                        which, i = key  # type: ignore[misc]
+                        which, i = cast(tuple[str, int], key)
                         layer = self.states[i].layer
                         dim = layer.a_dim if which == "A" else layer.g_dim
-                        out[key] = unpack(bucket.view(key) / count, dim,
+                        out[(which, i)] = unpack(bucket.view(key) / count, dim,
                                           which == "A" and layer.diagonal_a, self.symmetric)
             bucket.reset()
         self.next = 0
@@ -121,11 +122,12 @@ class BroadcastExchange:
     def run(self) -> None:
         """Every bucket's broadcast from its owner, in the same order on every rank."""
         for bucket in self.buckets:
-            bucket.work = self.transport.broadcast(bucket.buffer, bucket.root)  # type: ignore[arg-type]
+            assert bucket.root is not None
+            bucket.work = self.transport.broadcast(bucket.buffer, bucket.root)
         for bucket in self.buckets:
             bucket.wait()
 
-    def get(self, key: Hashable) -> Optional[Tensor]:
+    def get(self, key: Hashable) -> Tensor | None:
         """The owner's result (a view, valid until reset), or None if the owner had none."""
         bucket = self.where[key]
         return bucket.view(key) if bucket.count(key) > 0 else None

@@ -16,8 +16,6 @@ Batch factors are symmetrised ((F + F^T) / 2) so that sending only the upper tri
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -49,7 +47,7 @@ class KFACLayer:
         return self.module.weight  # type: ignore[return-value]
 
     @property
-    def bias(self) -> Optional[Tensor]:
+    def bias(self) -> Tensor | None:
         bias = getattr(self.module, "bias", None)
         return bias if isinstance(bias, Tensor) and bias.requires_grad else None
 
@@ -67,7 +65,7 @@ class KFACLayer:
     def batch_g(self, g: Tensor) -> Tensor:
         raise NotImplementedError
 
-    def grad_matrix(self) -> Optional[Tensor]:
+    def grad_matrix(self) -> Tensor | None:
         """(g_dim, a_dim): weight gradient with the bias gradient as the last column; None when
         the weight has no gradient (the layer took no part in the loss)."""
         w = self.weight.grad
@@ -151,7 +149,7 @@ class EmbeddingLayer(KFACLayer):
     diagonal_a = True
 
     @property
-    def bias(self) -> Optional[Tensor]:
+    def bias(self) -> Tensor | None:
         return None
 
     @property
@@ -169,7 +167,7 @@ class EmbeddingLayer(KFACLayer):
     def batch_g(self, g: Tensor) -> Tensor:
         return covariance(g.detach().reshape(-1, g.shape[-1]).to(factor_dtype(g)))
 
-    def grad_matrix(self) -> Optional[Tensor]:
+    def grad_matrix(self) -> Tensor | None:
         w = self.weight.grad
         return None if w is None else w.t()
 
@@ -182,11 +180,12 @@ def _padding(conv: nn.Conv2d) -> tuple[int, int]:
     if conv.padding == "valid":
         return (0, 0)
     if conv.padding == "same":
-        return tuple(d * (k - 1) // 2 for d, k in zip(conv.dilation, conv.kernel_size))  # type: ignore[return-value]
+        pad = [d * (k - 1) // 2 for d, k in zip(conv.dilation, conv.kernel_size)]
+        return pad[0], pad[1]
     return conv.padding  # type: ignore[return-value]
 
 
-def unsupported_reason(module: nn.Module) -> Optional[str]:
+def unsupported_reason(module: nn.Module) -> str | None:
     """Why a Linear/Conv2d/Embedding cannot be preconditioned; None when it can."""
     if isinstance(module, nn.Conv2d):
         if module.groups != 1:
@@ -203,7 +202,7 @@ def unsupported_reason(module: nn.Module) -> Optional[str]:
     return None
 
 
-def make_layer(name: str, module: nn.Module) -> Optional[KFACLayer]:
+def make_layer(name: str, module: nn.Module) -> KFACLayer | None:
     """The K-FAC view of `module`, or None when it is not a supported layer."""
     if unsupported_reason(module) is not None:
         return None

@@ -13,7 +13,6 @@ A `Decomposition` is what one factor contributes; it travels between ranks as on
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
 
 import torch
 from torch import Tensor
@@ -30,9 +29,9 @@ class Decomposition:
     """EIGEN: q (None for a diagonal factor) and d. INVERSE: inv (a vector when diagonal)."""
 
     method: ComputeMethod
-    q: Optional[Tensor] = None
-    d: Optional[Tensor] = None
-    inv: Optional[Tensor] = None
+    q: Tensor | None = None
+    d: Tensor | None = None
+    inv: Tensor | None = None
 
 
 def flat_size(method: ComputeMethod, dim: int, diagonal: bool) -> int:

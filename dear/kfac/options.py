@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable, Iterable, Optional, Union
+from collections.abc import Callable, Iterable
+from typing import Any, Union
 
 from torch import nn
 
@@ -22,12 +23,12 @@ class Hyperparameters:
     lr: float
     damping: float
     factor_decay: float
-    kl_clip: Optional[float]
+    kl_clip: float | None
     factor_update_freq: int
     inv_update_freq: int
 
 
-def check(name: str, value: Any, step: Optional[int] = None) -> Any:
+def check(name: str, value: Any, step: int | None = None) -> Any:
     """`value` if valid for `name`, else a ValueError that says what is wrong and where from."""
     where = f" (returned by its callable at step {step})" if step is not None else ""
 
@@ -56,10 +57,10 @@ def resolve(sources: dict[str, Hyper], step: int) -> Hyperparameters:
     for name in NAMES:
         source = sources[name]
         values[name] = check(name, source(step), step) if callable(source) else source
-    return Hyperparameters(**values)
+    return Hyperparameters(**values)  # type: ignore[arg-type]
 
 
-def _skipped(name: str, module: nn.Module, skip: Iterable[Union[str, type]]) -> bool:
+def _skipped(name: str, module: nn.Module, skip: Iterable[str | type]) -> bool:
     for rule in skip:
         if isinstance(rule, type):
             if isinstance(module, rule):
@@ -70,7 +71,7 @@ def _skipped(name: str, module: nn.Module, skip: Iterable[Union[str, type]]) -> 
     return False
 
 
-def find_layers(model: nn.Module, skip_layers: Iterable[Union[str, type]]
+def find_layers(model: nn.Module, skip_layers: Iterable[str | type]
                 ) -> tuple[list[KFACLayer], list[str]]:
     """The supported layers of `model` in registration order, and a description of every module
     with parameters of its own that K-FAC leaves to the optimizer (with the reason)."""

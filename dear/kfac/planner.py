@@ -17,7 +17,7 @@ strategy's factor communication alike.
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from collections.abc import Sequence
 
 from .assignment import EVERYWHERE, contiguous_partition, lpt_with_redundancy, max_load
 from .comm import packed_size

@@ -20,7 +20,8 @@ from __future__ import annotations
 import functools
 import logging
 import math
-from typing import Any, Iterable, Optional, Union
+from collections.abc import Hashable, Iterable
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -51,13 +52,13 @@ class KFAC:
     def __init__(self, model: nn.Module, lr: Hyper = 0.1, damping: Hyper = 0.001,
                  factor_decay: Hyper = 0.95, kl_clip: Hyper = 0.001,
                  factor_update_freq: Hyper = 1, inv_update_freq: Hyper = 10,
-                 method: Union[str, ComputeMethod] = "eigen",
-                 strategy: Union[str, Strategy] = "auto",
-                 skip_layers: Iterable[Union[str, type]] = (), *,
+                 method: str | ComputeMethod = "eigen",
+                 strategy: str | Strategy = "auto",
+                 skip_layers: Iterable[str | type] = (), *,
                  pipeline_factors: bool = True, symmetry_aware: bool = True,
                  redundancy: bool = True, bucket_cap_mb: float = 25.0,
-                 cost_model: Optional[CostModel] = None,
-                 network_model: Optional[NetworkModel] = None) -> None:
+                 cost_model: CostModel | None = None,
+                 network_model: NetworkModel | None = None) -> None:
         self._sources: dict[str, Hyper] = {}
         for name, value in zip(NAMES, (lr, damping, factor_decay, kl_clip, factor_update_freq,
                                        inv_update_freq)):
@@ -75,7 +76,8 @@ class KFAC:
         self.layers = [LayerState(i, layer) for i, layer in enumerate(layers)]
         log.info("dear.KFAC: preconditioning %d layers; left to the optimizer: %s",
                  len(layers), ", ".join(others) if others else "none")
-        self.pipeline, self.symmetric, self.redundancy = pipeline_factors, symmetry_aware, redundancy
+        self.pipeline, self.symmetric = pipeline_factors, symmetry_aware
+        self.redundancy = redundancy
         self._cap_bytes = int(bucket_cap_mb * 2**20)
         self.steps = 0
         self._transport = Transport.from_environment()
@@ -85,10 +87,10 @@ class KFAC:
                                           else NetworkModel())
         self._cost = cost_model or (calibrate() if distributed and self.rank == 0
                                     else CostModel())
-        self.plan: Optional[Plan] = None
+        self.plan: Plan | None = None
         self._order: list[int] = []
-        self._factors: Optional[FactorExchange] = None
-        self._results: Optional[BroadcastExchange] = None
+        self._factors: FactorExchange | None = None
+        self._results: BroadcastExchange | None = None
         self._force_decompose = False
         self._factor_step_cache = (-1, False)
         self._model = model
@@ -117,7 +119,7 @@ class KFAC:
             source = self._sources["factor_update_freq"]
             freq = check("factor_update_freq", source(self.steps), self.steps) if callable(
                 source) else source
-            value = self.steps % freq == 0
+            value = self.steps % int(freq) == 0  # type: ignore[arg-type]
             self._factor_step_cache = (self.steps, value)
         return value
 
@@ -178,7 +180,7 @@ class KFAC:
                 self.layers[0].dtype.itemsize))
         plan = self._transport.broadcast_object(plan, 0)
         back = {layer: k for k, layer in enumerate(order)}   # positions -> layer indices
-        pick = lambda owners: tuple(owners[back[i]] for i in range(len(self.layers)))  # noqa: E731
+        pick = lambda owners: tuple(owners[back[i]] for i in range(len(self.layers)))
         self.plan = Plan(plan.strategy, pick(plan.a_owner), pick(plan.g_owner),
                          pick(plan.layer_owner), plan.reduce_to_owner, plan.estimates)
         self._order = order
@@ -196,7 +198,8 @@ class KFAC:
         cap = max(1, self._cap_bytes // self.layers[0].dtype.itemsize)
         self._factors = FactorExchange(self.layers, self._order, plan, self._transport,
                                        self.symmetric, cap)
-        items, dtypes = [], []
+        items: list[tuple[Hashable, int, int]] = []
+        dtypes: list[torch.dtype] = []
         for i in self._order:
             s = self.layers[i]
             if plan.strategy is Strategy.COMM_OPT:
@@ -260,8 +263,8 @@ class KFAC:
                     setattr(s, "a_dec" if which == "A" else "g_dec", dec)
         results.reset()
 
-    def _precondition_layer(self, s: LayerState, grad: Optional[Tensor], damping: float
-                            ) -> Optional[Tensor]:
+    def _precondition_layer(self, s: LayerState, grad: Tensor | None, damping: float
+                            ) -> Tensor | None:
         if grad is None or s.a is None or s.g is None or s.a_dec is None or s.g_dec is None:
             return None
         out = precondition(grad, s.a_dec, s.g_dec, damping)
@@ -296,8 +299,12 @@ class KFAC:
         nu = 1.0
         if hyper.kl_clip:
             # in float64: a float32 product can overflow long before nu becomes tiny
-            vg = sum(float(torch.dot(done[i].reshape(-1).double(), grads[i].reshape(-1).double()))
-                     for i in sorted(done) if grads[i] is not None) * hyper.lr ** 2
+            vg = 0.0
+            for i in sorted(done):
+                grad = grads[i]
+                if grad is not None:
+                    vg += float(torch.dot(done[i].reshape(-1).double(), grad.reshape(-1).double()))
+            vg *= hyper.lr ** 2
             if vg != 0 and math.isfinite(vg):
                 nu = min(1.0, math.sqrt(hyper.kl_clip / abs(vg)))
         for i in sorted(done):
@@ -345,7 +352,7 @@ class KFAC:
         self._hooks = []
 
 
-def _clone(t: Optional[Tensor]) -> Optional[Tensor]:
+def _clone(t: Tensor | None) -> Tensor | None:
     return None if t is None else t.detach().clone()
 
 
@@ -357,8 +364,8 @@ def _layer_state(s: LayerState) -> dict[str, Any]:
     return out
 
 
-def _decomposition(saved: Optional[dict[str, Any]], method: ComputeMethod
-                   ) -> Optional[Decomposition]:
+def _decomposition(saved: dict[str, Any] | None, method: ComputeMethod
+                   ) -> Decomposition | None:
     if saved is None:
         return None
     return Decomposition(method, _clone(saved["q"]), _clone(saved["d"]), _clone(saved["inv"]))

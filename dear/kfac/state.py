@@ -4,7 +4,6 @@ backward pass since the last step), the running factors, and their decomposition
 from __future__ import annotations
 
 import logging
-from typing import Optional
 
 import torch
 from torch import Tensor
@@ -22,16 +21,16 @@ class LayerState:
         self.layer = layer
         self.dtype = factor_dtype(layer.weight)
         self.device = layer.weight.device
-        self.a_sum: Optional[Tensor] = None     # sum of this step's batch factors
-        self.g_sum: Optional[Tensor] = None
+        self.a_sum: Tensor | None = None     # sum of this step's batch factors
+        self.g_sum: Tensor | None = None
         self.a_calls = 0
         self.g_calls = 0
         self.a_expected = 0                     # calls per step seen in the first factor step
         self.g_expected = 0
-        self.a: Optional[Tensor] = None         # running factors (None: never updated)
-        self.g: Optional[Tensor] = None
-        self.a_dec: Optional[Decomposition] = None
-        self.g_dec: Optional[Decomposition] = None
+        self.a: Tensor | None = None         # running factors (None: never updated)
+        self.g: Tensor | None = None
+        self.a_dec: Decomposition | None = None
+        self.g_dec: Decomposition | None = None
         self.warned: set[str] = set()
 
     @property
@@ -49,10 +48,10 @@ class LayerState:
         self.g_calls += 1
         return self.g_calls
 
-    def batch_a(self) -> Optional[Tensor]:
+    def batch_a(self) -> Tensor | None:
         return None if self.a_sum is None else self.a_sum / self.a_calls
 
-    def batch_g(self) -> Optional[Tensor]:
+    def batch_g(self) -> Tensor | None:
         return None if self.g_sum is None else self.g_sum / self.g_calls
 
     def clear_batch(self) -> None:
