@@ -35,6 +35,7 @@ CASES = [
     ("cnn", "pad", dict(network_model=FAST_NET, bucket_cap_mb=1e-4)),
     ("cnn", "pad", dict(network_model=FAST_NET, pipeline_factors=False, method="inverse")),
     ("embed", "pad", dict(network_model=FAST_NET)),
+    ("mlp", "pad", dict(network_model=FAST_NET, factor_update_freq=2)),
     ("cnn", "auto", dict()),                            # measured network, calibrated costs
 ]
 
@@ -76,11 +77,11 @@ def test_every_strategy_matches_the_shard_averaged_reference(world):
     results = run_distributed(_rank_cases, world, CASES, timeout=240)
     references = {}
     for k, (name, strategy, extra) in enumerate(CASES):
-        method = extra.get("method", "eigen")
-        if (name, method) not in references:
-            references[(name, method)] = W.reference_run(name, world, STEPS, method=method,
-                                                         **ARGS)
-        want = references[(name, method)]
+        hyper = {k: v for k, v in extra.items() if k in ("method", "factor_update_freq")}
+        key = (name, tuple(sorted(hyper.items())))
+        if key not in references:
+            references[key] = W.reference_run(name, world, STEPS, **{**ARGS, **hyper})
+        want = references[key]
         for rank in range(world):
             grads, chosen, owners, _ = results[rank][k]
             assert (chosen == strategy) or strategy == "auto"

@@ -232,6 +232,8 @@ class KFAC:
         for (which, i), factor in averaged.items():
             self.layers[i].update(which, factor, decay)
         for s in self.layers:
+            if s.a_expected == 0 and s.g_expected == 0:   # first factor step it ran in
+                s.a_expected, s.g_expected = s.a_calls, s.g_calls
             s.clear_batch()
 
     def _mine(self, owner: int) -> bool:
