@@ -45,6 +45,10 @@ class Config:
     #: "pairwise" (dear's bandwidth-optimal point-to-point schedule) or "native" (torch's own
     #: collectives) for reduce-scatter/all-gather on Gloo (DEAR_GLOO_COLLECTIVES).
     gloo_collectives: str = "pairwise"
+    #: what carries reduce-scatters and all-gathers on the Horovod backend: "gloo" (dear's pairwise
+    #: exchange on private Gloo groups, bandwidth-optimal) or "horovod" (Horovod's own
+    #: collectives) (DEAR_HOROVOD_DATA_PLANE).
+    horovod_data_plane: str = "gloo"
     #: log level of the "dear" logger (DEAR_LOG_LEVEL).
     log_level: str = "WARNING"
     #: use the C++ extension (csrc/) for bucket bookkeeping and packing where it was built;
@@ -79,6 +83,7 @@ class Config:
         "trace": ("DEAR_TRACE", str),
         "trace_iterations": ("DEAR_TRACE_ITERATIONS", str),
         "gloo_collectives": ("DEAR_GLOO_COLLECTIVES", str),
+        "horovod_data_plane": ("DEAR_HOROVOD_DATA_PLANE", str),
         "log_level": ("DEAR_LOG_LEVEL", str),
         "native": ("DEAR_NATIVE", _parse_bool),
     }
@@ -99,6 +104,9 @@ class Config:
         if self.gloo_collectives not in ("pairwise", "native"):
             raise ValueError(
                 f"gloo_collectives must be 'pairwise' or 'native', got {self.gloo_collectives!r}")
+        if self.horovod_data_plane not in ("gloo", "horovod"):
+            raise ValueError(f"horovod_data_plane must be 'gloo' or 'horovod', got "
+                             f"{self.horovod_data_plane!r}")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> "Config":

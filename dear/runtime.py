@@ -51,7 +51,7 @@ def _make_communicator(backend: str, cfg: Config) -> tuple[Communicator, bool]:
         backend = "horovod"
     if backend == "horovod":
         from .comm.horovod import HorovodCommunicator
-        return HorovodCommunicator(timeout=cfg.timeout), False
+        return HorovodCommunicator(timeout=cfg.timeout, data_plane=cfg.horovod_data_plane), False
     if backend == "local":
         return LocalCommunicator(), False
     if backend == "nccl":                  # direct NCCL: csrc/ communicator or nccl4py

@@ -2,6 +2,7 @@
 the one-line swap to dear.DistributedOptimizer; rank 0 saves both results to argv[1]."""
 
 import itertools
+import os
 import sys
 
 import horovod.torch as hvd
@@ -28,6 +29,9 @@ def main() -> None:
         out["clip"] = {impl: train(*CLIPPED, use_dear=(impl == "dear"), clip=0.05)
                        for impl in ("horovod", "dear")}
     assert dear.rank() == hvd.rank() and dear.size() == hvd.size()
+    plane = os.environ.get("DEAR_HOROVOD_DATA_PLANE", "gloo")
+    name = dear.runtime.communicator().name
+    assert name == {"gloo": "horovod-gloo-pairwise", "horovod": "horovod"}[plane], name
     if hvd.rank() == 0:
         torch.save(out, sys.argv[1])
     dear.shutdown()

@@ -28,9 +28,19 @@ def _compare(path: str) -> None:
 
 
 def test_one_line_swap_matches_horovod(tmp_path):
+    """dear's default Horovod data plane: the pairwise exchange on private Gloo groups."""
     out = str(tmp_path / "matrix.pt")
     run_horovod(["-m", "tests.hvd_matrix", out], np=2, timeout=240)
     assert len(torch.load(out)) == 9      # sgd/adam x none/fp16 x 1/2 passes, + clipping loop
+    _compare(out)
+
+
+def test_one_line_swap_on_horovods_own_collectives(tmp_path, monkeypatch):
+    out = str(tmp_path / "matrix.pt")
+    monkeypatch.setenv("DEAR_HOROVOD_DATA_PLANE", "horovod")
+    run_horovod(["-m", "tests.hvd_matrix", out, "sgd-fp16-1,adam-none-2,clip"], np=2,
+                timeout=180)
+    assert sorted(torch.load(out)) == ["adam-none-2", "clip", "sgd-fp16-1"]
     _compare(out)
 
 
@@ -62,15 +72,18 @@ def horovod_backend_errors() -> dict:
     return errors
 
 
-def test_bfloat16_and_adasum_are_refused_clearly(tmp_path):
+def test_bfloat16_and_adasum_are_refused_clearly(tmp_path, monkeypatch):
+    """On Horovod's own data plane; the Gloo plane carries bfloat16 (test_horovod_data_plane)."""
     script = tmp_path / "errors.py"
     out = tmp_path / "errors.pt"
     script.write_text("import sys, torch\nfrom tests.test_horovod import horovod_backend_errors\n"
                       "e = horovod_backend_errors()\nimport horovod.torch as hvd\n"
                       f"torch.save(e, {str(out)!r}) if hvd.rank() == 0 else None\n")
+    monkeypatch.setenv("DEAR_HOROVOD_DATA_PLANE", "horovod")
     run_horovod([str(script)], np=2, timeout=120)
     errors = torch.load(out)
     assert "does not support torch.bfloat16" in errors["bf16"]
+    assert "DEAR_HOROVOD_DATA_PLANE=gloo" in errors["bf16"]
     assert "Adasum is not supported" in errors["adasum"]
 
 
@@ -94,17 +107,25 @@ def concurrent_collectives() -> dict:
     works = [comm.all_gather(o, g) for o, g in zip(shards, gathered)]
     for w in works:
         w.wait()
-    return {"rs": max((o - ref.view(n, -1)[comm.rank]).abs().max().item()
+    return {"name": comm.name,
+            "rs": max((o - ref.view(n, -1)[comm.rank]).abs().max().item()
                       for o, ref in zip(shards, refs)),
             "ag": max((g - ref).abs().max().item() for g, ref in zip(gathered, refs))}
 
 
 def test_concurrent_large_collectives_on_horovod(tmp_path):
+    """On both data planes (Horovod's own: the alltoall workaround), one launch."""
     script = tmp_path / "conc.py"
-    script.write_text("import torch\nfrom tests.test_horovod import concurrent_collectives\n"
-                      "import dear\ne = concurrent_collectives()\n"
-                      f"torch.save(e, {str(tmp_path)!r} + f'/r{{dear.rank()}}.pt')\n")
+    script.write_text("import os, torch\nfrom tests.test_horovod import concurrent_collectives\n"
+                      "import dear, horovod.torch as hvd\nhvd.init()\n"
+                      "for plane in ('gloo', 'horovod'):\n"
+                      "    os.environ['DEAR_HOROVOD_DATA_PLANE'] = plane\n"
+                      "    e = concurrent_collectives()\n"
+                      f"    torch.save(e, {str(tmp_path)!r} + f'/{{plane}}{{dear.rank()}}.pt')\n"
+                      "    dear.shutdown()\n")
     run_horovod([str(script)], np=2, timeout=120)
-    for r in range(2):
-        errors = torch.load(tmp_path / f"r{r}.pt")
-        assert errors["rs"] < 1e-5 and errors["ag"] < 1e-5, errors
+    for plane, name in (("gloo", "horovod-gloo-pairwise"), ("horovod", "horovod")):
+        for r in range(2):
+            errors = torch.load(tmp_path / f"{plane}{r}.pt")
+            assert errors["name"] == name
+            assert errors["rs"] < 1e-5 and errors["ag"] < 1e-5, (plane, errors)

@@ -1,28 +1,42 @@
-"""Horovod backend: dear's schedule on Horovod's collectives (Gloo on CPU, NCCL on GPU).
+"""Horovod backend: Horovod is the control plane, dear's pairwise exchange over Gloo the data plane.
 
-Reduce-scatter is an all-to-all plus a local sum, not hvd.reducescatter: with Horovod 0.28.1 on
-Gloo, two reducescatter_async calls in flight that total about 44 MB (fp32, 2 ranks) return
-garbage on rank 0, with or without tensor fusion (16 MB in flight is fine); alltoall_async is
-correct under the same load, and moves the same, bandwidth-optimal, (N-1)/N of the buffer.
-Horovod returns new tensors, so results are copied into the caller's buffers when the handle
-completes. Buffers are flat and padded to a multiple of the
-world size, so Horovod's uneven split (lower ranks get one more row) never applies. Every op is
-named from a counter that advances identically on every rank, which is how Horovod matches them.
+Horovod 0.28.1 over Gloo is not bandwidth-optimal for DeAR's two halves (2 ranks, loopback, 100 MB
+fp32, benchmarks/results/collectives_horovod.md): hvd.reducescatter took 4.4 x an hvd.allreduce,
+hvd.allgather 1.5 x, and an alltoall plus a local sum about 2 x. So by default
+(DataPlane.GLOO, DEAR_HOROVOD_DATA_PLANE=gloo) the reduce-scatters and all-gathers of CPU tensors
+run dear's pairwise exchange (gloo_exchange.py) on a private pair of Gloo groups that rank 0 starts
+and announces through Horovod (gloo_bootstrap.py); torch.distributed's default group stays the
+user's. Everything else (rank, size, broadcasts, all-reduces, objects, barriers) stays Horovod's,
+so a Horovod script sees Horovod, and the groups carry bfloat16 where Horovod has no bfloat16.
+CUDA tensors always take Horovod's path (NCCL there).
+
+DataPlane.HOROVOD uses Horovod's own collectives. Its reduce-scatter is an all-to-all plus a local
+sum, not hvd.reducescatter: with Horovod 0.28.1 on Gloo, two reducescatter_async calls in flight
+that total about 44 MB (fp32, 2 ranks) return garbage on rank 0, with or without tensor fusion
+(16 MB in flight is fine); alltoall_async is correct under the same load. Horovod returns new
+tensors, so results are copied into the caller's buffers when the handle completes. Buffers are
+flat and padded to a multiple of the world size, so Horovod's uneven split (lower ranks get one
+more row) never applies. Every op is named from a counter that advances identically on every
+rank, which is how Horovod matches them.
 
 Horovod waits forever for a rank that stalls (its stall check only warns), so `wait()` polls the
 handle against a deadline (DEAR_TIMEOUT) instead of blocking in hvd.synchronize: the backoff
 starts at 20 us and stops growing at 1 ms, Horovod's own cycle time. A rank that dies makes
-Horovod shut down, and the wait raises at once.
+Horovod shut down, and the wait raises at once. The Gloo groups fail a wait after DEAR_TIMEOUT,
+and at once when a peer's connection drops.
 """
 
 from __future__ import annotations
 
+import enum
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 
-from .base import Communicator, Work, check_shard_sizes
+from . import gloo_bootstrap
+from .base import CallbackWork, Communicator, DoneWork, Work, check_shard_sizes
+from .gloo_exchange import PairwiseExchange
 
 _UNSUPPORTED = (torch.bfloat16,)
 
@@ -37,6 +51,13 @@ def _hvd() -> Any:
         raise RuntimeError("horovod.torch has no init(): Horovod was built without its torch "
                            "extension; rebuild it with `make horovod`")
     return hvd
+
+
+class DataPlane(enum.Enum):
+    """What carries the Horovod backend's reduce-scatters and all-gathers."""
+
+    GLOO = "gloo"          # dear's pairwise exchange on private Gloo groups (CPU tensors)
+    HOROVOD = "horovod"    # Horovod's alltoall (+ local sum) and allgather
 
 
 class HorovodWork(Work):
@@ -65,17 +86,34 @@ class HorovodWork(Work):
 
 
 class HorovodCommunicator(Communicator):
-    """Collectives through horovod.torch's async API (initialised with hvd.init())."""
+    """Collectives through horovod.torch's async API (initialised with hvd.init()).
 
-    name = "horovod"
+    With DataPlane.GLOO and more than one rank, constructing it starts the Gloo groups: a
+    collective, so every rank constructs it, in the same order relative to its other Horovod
+    calls (dear.init() does)."""
 
-    def __init__(self, timeout: float = 300.0) -> None:
+    def __init__(self, timeout: float = 300.0,
+                 data_plane: Union[DataPlane, str, None] = None) -> None:
         self._hvd = _hvd()
         self._timeout = timeout                # seconds a wait may take (DEAR_TIMEOUT)
         self._owns = not self._hvd.is_initialized()
         if self._owns:
             self._hvd.init()
         self._count = 0
+        if data_plane is None:
+            from ..config import Config
+            data_plane = Config.from_env().horovod_data_plane
+        self.data_plane = DataPlane(data_plane)
+        self._gloo: Optional[gloo_bootstrap.GlooPair] = None
+        self._exchange: Optional[PairwiseExchange] = None
+        if self.data_plane is DataPlane.GLOO:
+            if self.size > 1:
+                self._gloo = gloo_bootstrap.start(self.rank, self.size, self.broadcast_object,
+                                                  self.all_gather_object, timeout)
+            self._exchange = PairwiseExchange(
+                self.rank, self.size, self._gloo and self._gloo.forward,
+                self._gloo and self._gloo.reverse)
+        self.name = "horovod-gloo-pairwise" if self._exchange is not None else "horovod"
 
     @property
     def rank(self) -> int:
@@ -94,14 +132,25 @@ class HorovodCommunicator(Communicator):
         return f"dear.{kind}.{self._count}"
 
     def check_dtype(self, dtype: torch.dtype) -> None:
-        if dtype in _UNSUPPORTED:
-            raise TypeError(f"Horovod does not support {dtype}; use the torch backend "
+        if dtype in _UNSUPPORTED and self._exchange is None:
+            raise TypeError(f"Horovod does not support {dtype}: use the Gloo data plane "
+                            "(DEAR_HOROVOD_DATA_PLANE=gloo, the default) or the torch backend "
                             "(dear.init(backend='torch')) for bfloat16 gradients")
 
     def _check_dtype(self, tensor: torch.Tensor) -> None:
-        self.check_dtype(tensor.dtype)
+        if tensor.dtype in _UNSUPPORTED:
+            raise TypeError(f"Horovod does not support {tensor.dtype}"
+                            + (" on the GPU" if self._exchange is not None else "")
+                            + ": use the torch backend (dear.init(backend='torch')) for "
+                              "bfloat16 gradients")
+
+    def _on_gloo(self, tensor: torch.Tensor) -> bool:
+        """CPU tensors go through the Gloo exchange on DataPlane.GLOO."""
+        return self._exchange is not None and tensor.device.type == "cpu"
 
     def reduce_scatter(self, input: torch.Tensor, output: torch.Tensor) -> Work:
+        if self._on_gloo(input):
+            return self._exchange.reduce_scatter(input, output)   # type: ignore[union-attr]
         check_shard_sizes(input, output, self.size)
         self._check_dtype(input)
         handle = self._hvd.alltoall_async(input, name=self._name("rs"))
@@ -114,12 +163,22 @@ class HorovodCommunicator(Communicator):
         return HorovodWork(handle, finish, self._timeout)
 
     def all_gather(self, input: torch.Tensor, output: torch.Tensor) -> Work:
+        if self._on_gloo(input):
+            return self._exchange.all_gather(input, output)       # type: ignore[union-attr]
         check_shard_sizes(output, input, self.size)
         self._check_dtype(input)
         handle = self._hvd.allgather_async(input, name=self._name("ag"))
         return HorovodWork(handle, lambda res: output.copy_(res.view(-1)), self._timeout)
 
+    def _gloo_only(self, tensor: torch.Tensor) -> bool:
+        """A dtype Horovod lacks (bfloat16), on CPU: the Gloo groups carry it instead."""
+        return tensor.dtype in _UNSUPPORTED and self._on_gloo(tensor)
+
     def all_reduce(self, tensor: torch.Tensor) -> Work:
+        if self._gloo_only(tensor):
+            if self._gloo is None:             # a world of one
+                return DoneWork()
+            return CallbackWork([self._gloo.forward.allreduce([tensor])])
         self._check_dtype(tensor)
         handle = self._hvd.allreduce_async_(tensor, name=self._name("ar"), op=self._hvd.Sum)
         return HorovodWork(handle, timeout=self._timeout)
@@ -127,6 +186,10 @@ class HorovodCommunicator(Communicator):
     def broadcast(self, tensor: torch.Tensor, root: int) -> Work:
         if not 0 <= root < self.size:
             raise ValueError(f"root rank {root} does not exist in a world of size {self.size}")
+        if self._gloo_only(tensor):
+            if self._gloo is None:
+                return DoneWork()
+            return CallbackWork([self._gloo.forward.broadcast(tensor, root)])
         self._check_dtype(tensor)
         handle = self._hvd.broadcast_async_(tensor, root, name=self._name("bc"))
         return HorovodWork(handle, timeout=self._timeout)
@@ -143,5 +206,8 @@ class HorovodCommunicator(Communicator):
         self._hvd.barrier()
 
     def shutdown(self) -> None:
+        gloo, self._gloo, self._exchange = self._gloo, None, None
+        if gloo is not None:
+            gloo.close()
         if self._owns:                         # a user's hvd.init() is the user's to undo
             self._hvd.shutdown()
