@@ -291,7 +291,13 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
         order = self._forward_order if self._overlap else list(reversed(self._grad_order))
         order = list(dict.fromkeys(order))
         seen = set(order)
-        order = order + [i for i in range(len(self._params)) if i not in seen]
+        unseen = [i for i in range(len(self._params)) if i not in seen]
+        # Parameters no module claimed in the forward (used directly by a parent, e.g. BERT's
+        # token_type.weight[0]) are applied before the root's forward: put them in bucket 0,
+        # which is reduced last anyway. At the end they would be in the first bucket to
+        # reduce, and since their gradient can come last, no reduce-scatter could start
+        # before backward ends.
+        order = unseen + order if self._overlap else order + unseen
         # A step before any forward (e.g. Horovod's broadcast_optimizer_state initialising the
         # state) has no execution order yet: it runs synchronously on a throwaway plan.
         provisional = self._overlap and not self._forward_order
