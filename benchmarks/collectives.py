@@ -32,8 +32,11 @@ GLOO_SOCKET_IFNAME there) it runs as that one rank; rank 0 prints and writes the
     all_reduce        hvd.allreduce_async_ (Sum): what hvd.DistributedOptimizer pays
     hvd_rs            hvd.reducescatter_async (Sum)
     hvd_ag            hvd.allgather_async
-    dear_rs           dear's HorovodCommunicator.reduce_scatter (alltoall + local sum)
-    dear_ag           dear's HorovodCommunicator.all_gather (hvd.allgather_async + copy)
+    dear_rs           dear's HorovodCommunicator.reduce_scatter on its default data plane
+    dear_ag           (DEAR_HOROVOD_DATA_PLANE=gloo): the pairwise exchange on private Gloo groups
+    dear_rs_hvd       the same on DEAR_HOROVOD_DATA_PLANE=horovod: alltoall + local sum,
+    dear_ag_hvd       and hvd.allgather_async + copy
+    gloo_all_reduce   all_reduce on the Gloo data plane's own group (Gloo's ring), for scale
 """
 
 from __future__ import annotations
@@ -56,7 +59,8 @@ from dear.comm.torch_dist import TorchCommunicator
 
 METHODS = ("all_reduce", "native_rs", "native_ag", "dear_rs", "dear_ag", "dear_rs_1group",
            "dear_ag_1group")
-HOROVOD_METHODS = ("all_reduce", "hvd_rs", "hvd_ag", "dear_rs", "dear_ag")
+HOROVOD_METHODS = ("all_reduce", "hvd_rs", "hvd_ag", "dear_rs", "dear_ag", "dear_rs_hvd",
+                   "dear_ag_hvd", "gloo_all_reduce")
 _MB = 1024 * 1024
 
 
@@ -156,10 +160,12 @@ class _HorovodBackend(_Backend):
     methods = HOROVOD_METHODS
 
     def __init__(self) -> None:
-        from dear.comm.horovod import HorovodCommunicator
+        from dear.comm.horovod import DataPlane, HorovodCommunicator
         import horovod.torch as hvd
         self.hvd = hvd
-        self.comm = HorovodCommunicator()
+        hvd.init()
+        self.comm = HorovodCommunicator(data_plane=DataPlane.GLOO)
+        self.hvd_plane = HorovodCommunicator(data_plane=DataPlane.HOROVOD)
         self.world = self.comm.size
         self._count = 0
 
@@ -182,6 +188,9 @@ class _HorovodBackend(_Backend):
             "hvd_ag": lambda: hvd.synchronize(hvd.allgather_async(shard, name=self._name())),
             "dear_rs": lambda: self.comm.reduce_scatter(full, shard).wait(),
             "dear_ag": lambda: self.comm.all_gather(shard, gathered).wait(),
+            "dear_rs_hvd": lambda: self.hvd_plane.reduce_scatter(full, shard).wait(),
+            "dear_ag_hvd": lambda: self.hvd_plane.all_gather(shard, gathered).wait(),
+            "gloo_all_reduce": lambda: self.comm._gloo.forward.allreduce([work]).wait(),
         }
 
     def barrier(self) -> None:
@@ -193,6 +202,7 @@ class _HorovodBackend(_Backend):
 
     def close(self) -> None:
         self.comm.shutdown()
+        self.hvd_plane.shutdown()
 
 
 def measure(args: argparse.Namespace,
@@ -244,8 +254,7 @@ def report(args: argparse.Namespace, world: int, data: dict, load: tuple) -> Non
     print(table)
     verdicts = []
     for size, figures in data.items():
-        for name in ("hvd_rs", "hvd_ag", "dear_rs", "dear_ag") if horovod else ("dear_rs",
-                                                                               "dear_ag"):
+        for name in (HOROVOD_METHODS[1:-1] if horovod else ("dear_rs", "dear_ag")):
             ratio = figures[name]["ratio_to_all_reduce"]
             verdicts.append(f"{size} MB {name}: {ratio:.3f} x all_reduce (medians; paired "
                             f"{figures[name]['median_paired_ratio']:.3f}) "
@@ -260,8 +269,11 @@ def report(args: argparse.Namespace, world: int, data: dict, load: tuple) -> Non
              f"rank's issue-to-wait() time after a barrier; median, IQR and minimum over "
              f"repeats. 'ratio to all_reduce' divides medians; 'median paired ratio' is the "
              f"median over repeats of the method's time over the all_reduce time of the same "
-             f"repeat. " + ("hvd_*: Horovod's own reducescatter / allgather; dear_*: dear's "
-                            "Horovod backend (reduce-scatter = alltoall + local sum). "
+             f"repeat. " + ("hvd_*: Horovod's own reducescatter / allgather; dear_rs/dear_ag: "
+                            "dear's Horovod backend on its default data plane (pairwise "
+                            "exchange on private Gloo groups); dear_*_hvd: on "
+                            "DEAR_HOROVOD_DATA_PLANE=horovod (reduce-scatter = alltoall + local "
+                            "sum); gloo_all_reduce: Gloo's all-reduce on the data plane's group. "
                             if horovod else
                             "dear_*_1group: dear's exchange on one Gloo group (no twin group), "
                             "for comparison. ") + f"Ideal ratio 0.5, target <= 0.6. The machine may be shared with "
