@@ -67,8 +67,8 @@ class WFBP:
         self.filled = [0] * len(self.specs)
         self.works: list[Optional[Work]] = [None] * len(self.specs)
         self.next = 0
-        for i, p in enumerate(self.params):
-            p.register_post_accumulate_grad_hook(lambda p, i=i: self._on_grad(i, p))
+        self.hooks = [p.register_post_accumulate_grad_hook(lambda p, i=i: self._on_grad(i, p))
+                      for i, p in enumerate(self.params)]
 
     def _on_grad(self, i: int, p: torch.Tensor) -> None:
         b, j = self.where[i]
@@ -97,6 +97,16 @@ class WFBP:
         self.works = [None] * len(self.specs)
         self.next = 0
         self.optimizer.step()
+
+
+def release(opt: Any) -> None:
+    """Drop the hooks a method left on its parameters. Hooks on tensors are out of the garbage
+    collector's sight, so without this every method run keeps its model alive (1 GB a run for
+    BERT-Base: the benchmark ran out of memory). dear's own optimizer holds itself weakly there."""
+    for handle in getattr(opt, "hooks", ()):
+        handle.remove()
+    if hasattr(opt, "_grad_accs"):              # hvd.DistributedOptimizer: its hooks live on
+        opt._grad_accs.clear()                  # these autograd nodes; let them go
 
 
 def fsdp2_wrap(model: torch.nn.Module, blocks: Callable[[torch.nn.Module], list[torch.nn.Module]]

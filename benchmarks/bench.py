@@ -44,7 +44,9 @@ def run_model(model: str, args: argparse.Namespace, shaping: bool) -> dict[str, 
         methods = ",".join(m for m in methods.split(",") if m not in ("horovod", "dear-hvd"))
         print("bench: Horovod is not installed; skipping its methods (run `make horovod`)")
     name = f"bench_{model}{args.suffix}"
-    iters = ["--warmup", "2", "--iters", "4"] if args.quick else ["--warmup", "2", "--iters", "8"]
+    # Two interleaved rounds: this shared machine's speed drifts by tens of percent within a run.
+    iters = (["--rounds", "1", "--warmup", "1", "--iters", "3"] if args.quick else
+             ["--rounds", "2", "--warmup", "1", "--iters", "4"])
     cmd = [sys.executable, "-m", "benchmarks.train", "--model", model, "--methods", methods,
            "--name", name, *iters, *cfg["args"]]
     with EmulatedCluster(2, cfg["bandwidth"], shaping=shaping, horovod=use_hvd) as cluster:

@@ -23,7 +23,14 @@ def machine() -> dict[str, Any]:
 
 
 def command() -> str:
-    return " ".join(shlex.quote(a) for a in [os.path.basename(sys.executable), *sys.argv])
+    """The command as a user would type it again: `python -m benchmarks.x ...` from the repo root."""
+    argv = list(sys.argv)
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = os.path.abspath(argv[0]) if argv else ""
+    if script.startswith(repo + os.sep) and script.endswith(".py"):
+        module = os.path.relpath(script, repo)[:-3].replace(os.sep, ".")
+        argv = ["-m", module, *argv[1:]]
+    return " ".join(shlex.quote(a) for a in ["python", *argv])
 
 
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:

@@ -10,12 +10,15 @@ same run: T_compute (each rank alone, no communication: forward, backward, updat
 (the fastest measured way to all-reduce the whole gradient: torch's all_reduce, or dear's
 reduce-scatter + all-gather), next to the link-rate bound 2(N-1)/N x bytes / bandwidth.
 T_lb = max(T_compute, T_comm); every method is reported as a ratio to T_lb and to DDP. A method
-whose loss trajectory differs from DDP's is refused, not reported.
+whose loss trajectory differs from DDP's is refused, not reported. With --rounds R, T_compute and
+every method are measured R times, interleaved, in an order rotated each round: on a shared
+machine whose speed drifts by tens of percent within minutes, this keeps the ratios honest.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import sys
@@ -70,7 +73,8 @@ def make_sgd(params: Any) -> torch.optim.Optimizer:
 
 
 def run_method(method: str, args: argparse.Namespace, build: Callable, blocks: Callable,
-               batch: Callable, loss_fn: Callable) -> dict[str, Any]:
+               batch: Callable, loss_fn: Callable) -> tuple[list[float], list[float]]:
+    """Train a fresh copy with `method`: (timed iteration times after warm-up, every loss)."""
     rank = dist.get_rank()
     net, opt = baselines.prepare(method, build(), make_sgd, blocks)
     times, losses = [], []
@@ -84,9 +88,15 @@ def run_method(method: str, args: argparse.Namespace, build: Callable, blocks: C
         opt.step()
         times.append(time.perf_counter() - start)
         losses.append(loss.item())
-    if method == "dear":
+    if method.startswith("dear"):
         opt.synchronize()
-    timed = times[args.warmup:]
+    baselines.release(opt)
+    del net, opt
+    gc.collect()
+    return times[args.warmup:], losses
+
+
+def summarize(timed: list[float], losses: list[float], args: argparse.Namespace) -> dict[str, Any]:
     # Ranks' medians differ slightly; the slowest rank sets the pace.
     stats = torch.tensor([statistics.median(timed)])
     dist.all_reduce(stats, op=dist.ReduceOp.MAX)
@@ -96,8 +106,8 @@ def run_method(method: str, args: argparse.Namespace, build: Callable, blocks: C
 
 
 def measure_compute(args: argparse.Namespace, build: Callable, batch: Callable,
-                    loss_fn: Callable) -> float:
-    """Every rank trains alone at once (same core load as the real run): the slowest median."""
+                    loss_fn: Callable) -> list[float]:
+    """Every rank trains alone at once (same core load as the real run): timed iterations."""
     model, rank = build(), dist.get_rank()
     opt = make_sgd(model.parameters())
     times = []
@@ -108,7 +118,11 @@ def measure_compute(args: argparse.Namespace, build: Callable, batch: Callable,
         loss_fn(model(x), y).backward()
         opt.step()
         times.append(time.perf_counter() - start)
-    t = torch.tensor([statistics.median(times[args.warmup:])])
+    return times[args.warmup:]
+
+
+def slowest_median(times: list[float]) -> float:
+    t = torch.tensor([statistics.median(times)])
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.item()
 
@@ -142,6 +156,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--comm-repeats", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="repeat compute + every method this many times, interleaved (method "
+                             "order rotated each round), so a machine that slows down mid-run "
+                             "slows every method alike")
     parser.add_argument("--name", default="", help="write benchmarks/results/<name>.{json,md}")
     parser.add_argument("--spawn", type=int, default=0,
                         help="start this many local ranks on loopback (no launcher needed)")
@@ -173,29 +191,41 @@ def run(args: argparse.Namespace) -> int:
     probe = build()
     numel = sum(p.numel() for p in probe.parameters())
     del probe
-    t_compute = measure_compute(args, build, batch, loss_fn)
     comm = measure_comm(numel, args.comm_repeats)
     t_comm = min(comm.values())
     measured_bw = float(os.environ.get("DEAR_CLUSTER_BANDWIDTH_MEASURED", "0"))
     link_bound = (2 * (world - 1) / world * numel * 4 * 8 / measured_bw) if measured_bw else None
-    t_lb = max(t_compute, t_comm)
-    rows, report = [], {}
-    progress = tqdm(total=len(methods), desc="methods", disable=rank != 0, leave=False)
     for method in methods:
-        progress.set_postfix_str(method)
         if method in ("horovod", "dear-hvd") and "HOROVOD_RANK" not in os.environ:
             raise SystemExit(f"method {method!r} needs Horovod's launcher: run under "
                              "benchmarks.cluster --horovod or horovodrun")
-        if method == "dear-hvd":               # same schedule, Horovod's collectives
-            dear.shutdown()
-            dear.init(backend="horovod")
-        res = run_method(method, args, build, blocks, batch, loss_fn)
-        if method == "dear-hvd":
-            dear.shutdown()
-            dear.init(backend="torch")
-        report[method] = res
+    compute_times: list[float] = []
+    timed: dict[str, list[float]] = {m: [] for m in methods}
+    first_losses: dict[str, list[float]] = {}
+    progress = tqdm(total=args.rounds * (len(methods) + 1), desc="methods", disable=rank != 0,
+                    leave=False)
+    for r in range(args.rounds):
+        progress.set_postfix_str(f"round {r + 1} compute")
+        compute_times += measure_compute(args, build, batch, loss_fn)
         progress.update()
+        shift = r % len(methods)
+        for method in methods[shift:] + methods[:shift]:
+            progress.set_postfix_str(f"round {r + 1} {method}")
+            if method == "dear-hvd":               # same schedule, Horovod's collectives
+                dear.shutdown()
+                dear.init(backend="horovod")
+            times, losses = run_method(method, args, build, blocks, batch, loss_fn)
+            if method == "dear-hvd":
+                dear.shutdown()
+                dear.init(backend="torch")
+            timed[method] += times
+            first_losses.setdefault(method, losses)
+            progress.update()
     progress.close()
+    t_compute = slowest_median(compute_times)
+    t_lb = max(t_compute, t_comm)
+    rows: list[list[Any]] = []
+    report = {m: summarize(timed[m], first_losses[m], args) for m in methods}
     ref = report.get("ddp", {}).get("losses")
     for method, res in report.items():
         if ref is not None:

@@ -22,6 +22,7 @@ import functools
 import logging
 import sys
 import warnings
+import weakref
 from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
@@ -93,11 +94,15 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
         self._amp_found_inf: Optional[torch.Tensor] = None  # shards unscaled; agreed found-inf
         self._clipped_scaled = False           # clipped without knowing of a GradScaler
         self._hooks: list[Any] = []
+        # Parameters' hooks live where the garbage collector cannot follow them: they hold the
+        # optimizer weakly, or a dropped optimizer would keep itself and the model alive forever.
+        on_grad = _weak_method(self._on_grad)
         for i, p in enumerate(self._params):
             self._hooks.append(p.register_post_accumulate_grad_hook(
-                functools.partial(self._on_grad, i)))
+                functools.partial(on_grad, i)))
         if model is not None:
             self._hook_model(model)
+        weakref.finalize(self, _remove_hooks, self._hooks)
         runtime.register_optimizer(self)
 
     # ----------------------------------------------------------------- backward: pack & reduce
@@ -413,6 +418,21 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
         super().load_state_dict(state_dict)
         for bucket in self._buckets or ():
             bucket.group_members = None  # type: ignore[attr-defined]
+
+
+def _weak_method(method: Callable[..., Any]) -> Callable[..., Any]:
+    """`method` called through a weak reference to its object: a no-op once it is collected."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: Any) -> Any:
+        bound = ref()
+        return None if bound is None else bound(*args)
+    return call
+
+
+def _remove_hooks(handles: list[Any]) -> None:
+    for handle in handles:
+        handle.remove()
 
 
 def _hyperparameters(group: dict[str, Any]) -> dict[str, Any]:

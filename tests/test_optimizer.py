@@ -233,3 +233,41 @@ def test_named_parameters_without_model(world: int) -> None:
     ref = reference("adam", world, STEPS)
     for res in features(world):
         assert max_diff(res["named_only"], ref) < ATOL
+
+
+@pytest.mark.parametrize("with_model", [True, False])
+def test_dropped_optimizer_releases_model(with_model: bool) -> None:
+    """Hooks on parameters are invisible to the garbage collector: a dear optimizer dropped
+    after training must not keep itself and the model alive (the benchmark ran out of memory)."""
+    import gc
+    import weakref
+
+    dear.init()
+    try:
+        _train_drop_and_check(with_model)
+    finally:
+        dear.shutdown()
+
+
+def _train_drop_and_check(with_model: bool) -> None:
+    import gc
+    import weakref
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    opt = dear.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                    model=model if with_model else None,
+                                    named_parameters=model.named_parameters())
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.randn(3, 4)).sum().backward()
+        opt.step()
+    opt.synchronize()
+    model_ref, opt_ref = weakref.ref(model), weakref.ref(opt)
+    first = model[0].weight
+    del model, opt
+    gc.collect()
+    assert opt_ref() is None and model_ref() is None
+    # The hooks went with the optimizer: a parameter kept by the user trains plainly.
+    first.grad = None
+    (first.sum() * 2).backward()
+    assert torch.equal(first.grad, torch.full_like(first, 2.0))
