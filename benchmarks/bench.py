@@ -22,8 +22,9 @@ from benchmarks.cluster import EmulatedCluster, check_can_shape
 
 # Sized on the 2-core development machine: one-core iteration ~ the all-reduce time at the rate.
 CONFIGS: dict[str, dict[str, Any]] = {
-    "resnet50": {"bandwidth": "1gbit", "args": ["--image-size", "64", "--batch", "16"]},
-    "bert_base": {"bandwidth": "2gbit", "args": ["--seq-len", "64", "--batch", "4"]},
+    "resnet50": {"bandwidth": "1gbit", "args": ["--image-size", "64", "--batch", "16"],
+                 "iters": 4},
+    "bert_base": {"bandwidth": "2gbit", "args": ["--seq-len", "64", "--batch", "4"], "iters": 3},
 }
 METHODS = "ddp,fsdp2,allreduce,wfbp,horovod,dear,dear-hvd"
 
@@ -46,7 +47,7 @@ def run_model(model: str, args: argparse.Namespace, shaping: bool) -> dict[str, 
     name = f"bench_{model}{args.suffix}"
     # Two interleaved rounds: this shared machine's speed drifts by tens of percent within a run.
     iters = (["--rounds", "1", "--warmup", "1", "--iters", "3"] if args.quick else
-             ["--rounds", "2", "--warmup", "1", "--iters", "4"])
+             ["--rounds", "2", "--warmup", "1", "--iters", str(cfg["iters"])])
     cmd = [sys.executable, "-m", "benchmarks.train", "--model", model, "--methods", methods,
            "--name", name, *iters, *cfg["args"]]
     with EmulatedCluster(2, cfg["bandwidth"], shaping=shaping, horovod=use_hvd) as cluster:

@@ -93,6 +93,11 @@ def run_method(method: str, args: argparse.Namespace, build: Callable, blocks: C
     baselines.release(opt)
     del net, opt
     gc.collect()
+    if method == "horovod":
+        # Horovod's background thread keeps cycling after training: left running it would
+        # take CPU from every method measured after this one (one core per rank).
+        import horovod.torch as hvd
+        hvd.shutdown()
     return times[args.warmup:], losses
 
 
