@@ -15,6 +15,7 @@ Each rank runs `python -m benchmarks.autotune --rank-main ...` inside benchmarks
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -76,6 +77,8 @@ def measure_config(args: argparse.Namespace, fusion: FusionConfig, parts: tuple)
                                     fusion_config=fusion)
     times = _iterate(model, opt, batch, loss_fn, args.warmup + args.iters)
     opt.synchronize()
+    del model, opt
+    gc.collect()        # model <-> optimizer hooks form a cycle: free it before the next config
     return _slowest_median(times[args.warmup:])
 
 
@@ -91,6 +94,8 @@ def run_tuner(args: argparse.Namespace, parts: tuple, out_dir: str) -> dict[str,
         iterations += 1
     wall = time.perf_counter() - wall
     opt.synchronize()
+    del model, opt
+    gc.collect()
     trials = []
     if dist.get_rank() == 0:
         with open(os.path.join(out_dir, "trials.jsonl")) as f:
