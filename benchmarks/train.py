@@ -224,7 +224,10 @@ def run(args: argparse.Namespace) -> int:
                 dear.shutdown()
                 dear.init(backend="torch")
             timed[method] += times
-            first_losses.setdefault(method, losses)
+            first = first_losses.setdefault(method, losses)
+            if max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, first)) > LOSS_RTOL:
+                raise SystemExit(f"{method}: round {r + 1} trained to other losses than round 1 "
+                                 f"({losses} vs {first}); refusing to report it")
             progress.update()
     progress.close()
     t_compute = slowest_median(compute_times)
