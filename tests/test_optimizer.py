@@ -239,9 +239,6 @@ def test_named_parameters_without_model(world: int) -> None:
 def test_dropped_optimizer_releases_model(with_model: bool) -> None:
     """Hooks on parameters are invisible to the garbage collector: a dear optimizer dropped
     after training must not keep itself and the model alive (the benchmark ran out of memory)."""
-    import gc
-    import weakref
-
     dear.init()
     try:
         _train_drop_and_check(with_model)
