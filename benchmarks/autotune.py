@@ -18,7 +18,6 @@ import argparse
 import gc
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -30,7 +29,7 @@ import torch.distributed as dist
 import dear
 from benchmarks import results
 from benchmarks.bench import CONFIGS
-from benchmarks.train import make_sgd, workload
+from benchmarks.train import make_sgd, slowest_median, time_steps, workload
 from dear.fusion.fusion_config import FusionConfig
 
 MB = 1 << 20
@@ -51,35 +50,16 @@ def _grid() -> list[FusionConfig]:
     return out
 
 
-def _iterate(model: torch.nn.Module, opt: Any, batch: Any, loss_fn: Any, steps: int,
-             start: int = 0) -> list[float]:
-    rank, times = dist.get_rank(), []
-    for step in range(start, start + steps):
-        x, y = batch(step, rank)
-        t0 = time.perf_counter()
-        opt.zero_grad()
-        loss_fn(model(x), y).backward()
-        opt.step()
-        times.append(time.perf_counter() - t0)
-    return times
-
-
-def _slowest_median(times: list[float]) -> float:
-    t = torch.tensor([statistics.median(times)])
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
-
-
 def measure_config(args: argparse.Namespace, fusion: FusionConfig, parts: tuple) -> float:
     build, _, batch, loss_fn = parts
     model = build()
     opt = dear.DistributedOptimizer(make_sgd(model.parameters()), model=model,
                                     fusion_config=fusion)
-    times = _iterate(model, opt, batch, loss_fn, args.warmup + args.iters)
+    times = time_steps(model, opt, batch, loss_fn, args.warmup + args.iters)
     opt.synchronize()
     del model, opt
     gc.collect()        # model <-> optimizer hooks form a cycle: free it before the next config
-    return _slowest_median(times[args.warmup:])
+    return slowest_median(times[args.warmup:])
 
 
 def run_tuner(args: argparse.Namespace, parts: tuple, out_dir: str) -> dict[str, Any]:
@@ -90,7 +70,7 @@ def run_tuner(args: argparse.Namespace, parts: tuple, out_dir: str) -> dict[str,
     iterations = 0
     wall = time.perf_counter()
     while not tuner.finished:
-        _iterate(model, opt, batch, loss_fn, 1, start=iterations)
+        time_steps(model, opt, batch, loss_fn, 1, start=iterations)
         iterations += 1
     wall = time.perf_counter() - wall
     opt.synchronize()

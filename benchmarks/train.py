@@ -102,31 +102,36 @@ def run_method(method: str, args: argparse.Namespace, build: Callable, blocks: C
 
 
 def summarize(timed: list[float], losses: list[float], args: argparse.Namespace) -> dict[str, Any]:
-    # Ranks' medians differ slightly; the slowest rank sets the pace.
-    stats = torch.tensor([statistics.median(timed)])
-    dist.all_reduce(stats, op=dist.ReduceOp.MAX)
-    q1, med, q3 = _quartiles(timed)
-    return {"median_s": stats.item(), "q1_s": q1, "q3_s": q3, "losses": losses,
-            "samples_per_s": args.batch * dist.get_world_size() / stats.item()}
+    median = slowest_median(timed)
+    q1, _, q3 = _quartiles(timed)
+    return {"median_s": median, "q1_s": q1, "q3_s": q3, "losses": losses,
+            "samples_per_s": args.batch * dist.get_world_size() / median}
 
 
 def measure_compute(args: argparse.Namespace, build: Callable, batch: Callable,
                     loss_fn: Callable) -> list[float]:
     """Every rank trains alone at once (same core load as the real run): timed iterations."""
-    model, rank = build(), dist.get_rank()
-    opt = make_sgd(model.parameters())
-    times = []
-    for step in range(args.warmup + args.iters):
+    model = build()
+    return time_steps(model, make_sgd(model.parameters()), batch, loss_fn,
+                      args.warmup + args.iters)[args.warmup:]
+
+
+def time_steps(model: torch.nn.Module, opt: Any, batch: Callable, loss_fn: Callable, steps: int,
+               start: int = 0) -> list[float]:
+    """Time `steps` training iterations (zero_grad, forward, backward, step) from batch `start`."""
+    rank, times = dist.get_rank(), []
+    for step in range(start, start + steps):
         x, y = batch(step, rank)
-        start = time.perf_counter()
+        t0 = time.perf_counter()
         opt.zero_grad()
         loss_fn(model(x), y).backward()
         opt.step()
-        times.append(time.perf_counter() - start)
-    return times[args.warmup:]
+        times.append(time.perf_counter() - t0)
+    return times
 
 
 def slowest_median(times: list[float]) -> float:
+    """Ranks' medians differ slightly; the slowest rank sets the pace."""
     t = torch.tensor([statistics.median(times)])
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.item()
