@@ -71,6 +71,7 @@ void GradReady::reset() {
   std::fill(used_.begin(), used_.end(), 0.0);
   for (auto& g : grads_) g = at::Tensor();
   num_recorded_ = 0;
+  pending_ = false;
 }
 
 }  // namespace dear

@@ -45,8 +45,13 @@ class GradReady {
   // 1.0 for each parameter recorded with a gradient, 0.0 otherwise.
   const std::vector<double>& used() const { return used_; }
 
-  // Forget this iteration's records (after the bucket's update was applied).
+  // Forget this iteration's records (after the bucket's update was applied); clears pending.
   void reset();
+
+  // The bucket's all-gather is issued and its update not applied yet (set by Python): a
+  // gradient arriving now must go through the Python hook, which applies the update first.
+  bool pending() const { return pending_; }
+  void set_pending(bool pending) { pending_ = pending; }
 
  private:
   void check_index(int64_t j) const;
@@ -58,6 +63,7 @@ class GradReady {
   std::vector<double> used_;
   std::vector<at::Tensor> grads_;  // undefined where the rank has no gradient
   int64_t num_recorded_ = 0;
+  bool pending_ = false;
 };
 
 }  // namespace dear

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "fused_sgd.h"
+#include "grad_hook.h"
 #include "grad_ready.h"
 #include "pack.h"
 
@@ -51,7 +52,7 @@ py::dict build_info() {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "dear's native path: bucket bookkeeping, multi-tensor pack/unpack, NCCL";
 
-  py::class_<dear::GradReady>(m, "GradReady")
+  py::class_<dear::GradReady, std::shared_ptr<dear::GradReady>>(m, "GradReady")
       .def(py::init<at::Tensor, std::vector<int64_t>, std::vector<int64_t>, int64_t, bool>(),
            py::arg("buffer"), py::arg("offsets"), py::arg("numels"), py::arg("flags_offset"),
            py::arg("sparse_as_dense") = false)
@@ -64,7 +65,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("size", &dear::GradReady::size)
       .def("missing", &dear::GradReady::missing)
       .def("used", &dear::GradReady::used)
-      .def("reset", &dear::GradReady::reset);
+      .def("reset", &dear::GradReady::reset)
+      .def("set_pending", &dear::GradReady::set_pending, py::arg("pending"))
+      .def("pending", &dear::GradReady::pending);
+  dear::bind_grad_hook(m);
 
   m.def(
       "pack_bucket",
@@ -118,6 +122,24 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       py::arg("used"), py::kw_only(), py::arg("lr"), py::arg("momentum") = 0.0,
       py::arg("dampening") = 0.0, py::arg("weight_decay") = 0.0, py::arg("nesterov") = false,
       py::arg("maximize") = false, py::arg("first_step") = false);
+  m.def(
+      "swap_grads",
+      [](const std::vector<at::Tensor>& params,
+         const std::vector<std::optional<at::Tensor>>& grads) {
+        // Set each parameter's .grad (None: no gradient) and return the old ones: the deferred
+        // update lends the averaged gradients to the wrapped optimizer and gives the user's back.
+        TORCH_CHECK(params.size() == grads.size(), "dear: swap_grads got ", params.size(),
+                    " parameters but ", grads.size(), " gradients");
+        std::vector<std::optional<at::Tensor>> old;
+        old.reserve(params.size());
+        for (size_t i = 0; i < params.size(); ++i) {
+          at::Tensor& slot = params[i].mutable_grad();
+          old.push_back(slot.defined() ? std::optional<at::Tensor>(slot) : std::nullopt);
+          slot = grads[i].has_value() ? *grads[i] : at::Tensor();
+        }
+        return old;
+      },
+      py::arg("params"), py::arg("grads"));
   m.def("build_info", &build_info, "What this build of the extension contains.");
 
 #ifdef DEAR_WITH_NCCL

@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 
-from . import amp, runtime
+from . import amp, native, runtime
 from .comm.base import ReduceOp, resolve_op
 from .compression import Compression, Compressor
 from .compression import resolve as resolve_compression
@@ -97,9 +97,19 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
         # Parameters' hooks live where the garbage collector cannot follow them: they hold the
         # optimizer weakly, or a dropped optimizer would keep itself and the model alive forever.
         on_grad = _weak_method(self._on_grad)
+        # Native path: a C++ hook per parameter records gradients without a Python frame and
+        # falls back to _on_grad whenever _arm_hooks() says the iteration is not a plain one.
+        ext = native.extension() if native.enabled() else None
+        self._hook_switch = ext.HookSwitch() if ext is not None else None
+        self._native_hooks: list[Any] = []
         for i, p in enumerate(self._params):
-            self._hooks.append(p.register_post_accumulate_grad_hook(
-                functools.partial(on_grad, i)))
+            if ext is not None:
+                hook = ext.GradHook(self._hook_switch, i, self._names[i], on_grad,
+                                    _weak_method(self._launch_ready))
+                self._native_hooks.append(hook)
+            else:
+                hook = functools.partial(on_grad, i)
+            self._hooks.append(p.register_post_accumulate_grad_hook(hook))
         if model is not None:
             self._hook_model(model)
         weakref.finalize(self, _remove_hooks, self._hooks)
@@ -130,6 +140,28 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
         bucket.pack(j, param.grad)
         if bucket.full:
             self._launch_ready()
+
+    def _arm_hooks(self) -> None:
+        """Let the C++ hooks take gradients only in a plain iteration: buckets built for good,
+        one backward pass per step, nothing reduced early (clip_grad_norm_). Buckets with a
+        pending update send their gradients to _on_grad themselves (GradReady.pending)."""
+        if self._hook_switch is not None:
+            self._hook_switch.fast = (self._buckets is not None and not self._provisional
+                                      and not self._reduced and self._passes_needed == 1)
+
+    def _bind_hooks(self) -> None:
+        for i, hook in enumerate(self._native_hooks):
+            ready = self._where[i][0]._ready if self._buckets is not None else None
+            if ready is None:
+                hook.unbind()
+            else:
+                hook.bind(ready, self._where[i][1])
+        self._arm_hooks()
+
+    @property
+    def _had_gradients(self) -> bool:
+        """A backward ran since the last step() (through either kind of hook)."""
+        return self._grads_since_step or bool(self._hook_switch and self._hook_switch.any)
 
     def _launch_ready(self) -> None:
         buckets = self._buckets
@@ -205,6 +237,7 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
         for bucket in reversed(buckets):
             bucket.finish_reduce_scatter(self._postscale)
         self._reduced = True
+        self._arm_hooks()
 
     def _end_iteration(self) -> None:
         for bucket in self._buckets or ():
@@ -214,6 +247,9 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
         self._next_launch = 0
         self._passes = [0] * len(self._params)
         self._grads_since_step = False
+        if self._hook_switch is not None:
+            self._hook_switch.any = False
+        self._arm_hooks()
 
     def flush_updates(self) -> None:
         """Apply every pending update now. Issues no collective, so it is safe on one rank alone
@@ -228,7 +264,7 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
         """Horovod's meaning. After backward: finish averaging now and put the averaged gradients
         in .grad (then `with optimizer.skip_synchronize(): optimizer.step()`), e.g. to clip or
         precondition them. After step(): apply the pending updates. Call it on every rank."""
-        if self._num_pending or not self._grads_since_step:
+        if self._num_pending or not self._had_gradients:
             self.flush_updates()
             return
         self._communicate()
@@ -259,12 +295,11 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
         """Run the wrapped optimizer's update on this bucket's parameters only, with the averaged
         gradient as .grad (a view into the gathered buffer); the user's .grad is put back."""
         used = bucket.finish_all_gather()
-        saved = [p.grad for p in bucket.params]
+        saved = native.swap_grads(bucket.params, [view if u else None for view, u
+                                                  in zip(bucket.grad_views, used)])
         groups = self.param_groups
         originals = [dict(g) for g in groups]
         try:
-            for p, view, u in zip(bucket.params, bucket.grad_views, used):
-                p.grad = view if u else None
             for g, members, hyper in zip(groups, self._group_members(bucket),
                                          self._hyper_at_step):
                 g.update(hyper)
@@ -273,8 +308,7 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
         finally:
             for g, original in zip(groups, originals):
                 g.update(original)
-            for p, grad in zip(bucket.params, saved):
-                p.grad = grad
+            native.swap_grads(bucket.params, saved)
             bucket.reset()
             self._num_pending -= 1
 
@@ -332,6 +366,7 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
         self._triggers = {}
         if self._model is not None:
             self._map_triggers(self._model)
+        self._bind_hooks()
         log.info("dear: %s (%s)", layout.describe(), fusion.describe())
 
     def _make_autotuner(self, named: list[tuple[str, torch.nn.Parameter]]) -> OnlineAutotuner:
@@ -349,6 +384,7 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
             self._buckets, self._where, self._triggers = None, [], {}
             self._gather_groups = []
             self._grad_order = []
+            self._bind_hooks()
 
     def _explicit_groups(self, groups: Any) -> Any:
         if groups is None or isinstance(groups, int):

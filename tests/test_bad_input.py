@@ -141,7 +141,35 @@ def test_a_dead_rank_makes_the_others_fail_not_hang() -> None:
     assert "dear: " in outcomes[0] and "of bucket" in outcomes[0]
 
 
-def test_more_backward_passes_than_declared(local_dear) -> None:
+@pytest.mark.parametrize("use_native", [True, False], ids=["native-hooks", "python-hooks"])
+def test_more_backward_passes_than_declared(use_native: bool) -> None:
+    dear.init(backend="local", native=use_native)
+    try:
+        _more_backward_passes_than_declared()
+    finally:
+        dear.shutdown()
+
+
+@pytest.mark.parametrize("use_native", [True, False], ids=["native-hooks", "python-hooks"])
+def test_gradient_after_clip_grad_norm(use_native: bool) -> None:
+    dear.init(backend="local", native=use_native)
+    try:
+        model = make_net()
+        opt = dear.DistributedOptimizer(sgd(model), model=model)
+        x, y = batch(0, 1, 0)
+        for _ in range(2):                  # builds the buckets
+            opt.zero_grad()
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+        F.mse_loss(model(x), y).backward()
+        opt.clip_grad_norm_(1.0)
+        with pytest.raises(RuntimeError, match="arrived after optimizer.clip_grad_norm_"):
+            F.mse_loss(model(x), y).backward()
+    finally:
+        dear.shutdown()
+
+
+def _more_backward_passes_than_declared() -> None:
     model = make_net()
     opt = dear.DistributedOptimizer(sgd(model), model=model)
     for _ in range(2):                      # builds the buckets
@@ -149,5 +177,6 @@ def test_more_backward_passes_than_declared(local_dear) -> None:
         F.mse_loss(model(batch(0, 1, 0)[0]), batch(0, 1, 0)[1]).backward()
         opt.step()
     F.mse_loss(model(batch(0, 1, 0)[0]), batch(0, 1, 0)[1]).backward()
-    with pytest.raises(RuntimeError, match="backward_passes_per_step"):
+    with pytest.raises(RuntimeError, match=r"gradient of \S+ was computed 2 times.*"
+                                           "backward_passes_per_step"):
         F.mse_loss(model(batch(0, 1, 0)[0]), batch(0, 1, 0)[1]).backward()

@@ -3,7 +3,8 @@
 Each rank trains the same models twice, once per bucket path (dear.init(native=True/False) on
 one torch.distributed group), with per-parameter, several and one bucket, fp16 compression and
 a branch some ranks skip. Both runs must match single-process training on the global batch and
-be bit-identical to each other. (The whole tests/test_optimizer.py suite also passes with
+be bit-identical to each other, and from the second step on the C++ gradient hooks (not the
+Python ones) must have taken the gradients. (The whole tests/test_optimizer.py suite also passes with
 DEAR_NATIVE=0; see the report of issue 8.)
 """
 
@@ -32,19 +33,23 @@ CASES = {
 }
 
 
-def train(opt_name: str, label: str, kwargs: dict) -> tuple[dict, bool]:
+def train(opt_name: str, label: str, kwargs: dict) -> tuple[dict, bool, int]:
+    """Final parameters, whether the buckets took the native path, and in how many steps the
+    C++ gradient hooks (not the Python ones) took the gradients."""
     rank, world = dear.rank(), dear.size()
     model = make_net()
     opt = dear.DistributedOptimizer(OPTIMIZERS[opt_name](model.parameters()), model=model,
                                     **kwargs)
+    cxx_steps = 0
     for step in range(STEPS):
         opt.zero_grad()
         x, y = batch(step, world, rank)
         out = model(x, branch_used(step, rank)) if label == "branch" else model(x)
         F.mse_loss(out, y).backward()
+        cxx_steps += bool(opt._hook_switch is not None and opt._hook_switch.any)
         opt.step()
     state = state_of(model)                  # state_dict applies the pending update
-    return state, opt._buckets[0]._ready is not None
+    return state, opt._buckets[0]._ready is not None, cxx_steps
 
 
 def both_paths() -> dict:
@@ -71,9 +76,11 @@ def test_native_and_python_paths_train_identically(world: int, case: tuple[str, 
     opt_name, label = case
     ref = reference(opt_name, world, STEPS, branch=label == "branch")
     for rank, res in enumerate(runs(world)):
-        (native_state, used_native), (python_state, used_python) = \
+        (native_state, used_native, cxx_steps), (python_state, used_python, py_cxx_steps) = \
             res[(True, *case)], res[(False, *case)]
         assert used_native and not used_python, "the knob did not select the path"
+        # Step 0 builds the buckets (Python hooks); from then on the C++ hooks take them.
+        assert cxx_steps == STEPS - 1 and py_cxx_steps == 0, (cxx_steps, py_cxx_steps)
         tol = 5e-3 if label == "fp16-wire" else ATOL    # fp16 on the wire rounds gradients
         assert max_diff(native_state, ref) < tol, f"rank {rank}: native path vs single process"
         assert max_diff(python_state, ref) < tol, f"rank {rank}: Python path vs single process"

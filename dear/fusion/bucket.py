@@ -140,6 +140,8 @@ class Bucket:
         """The all-gather filling `wire` is `work` (possibly shared with other buckets)."""
         self._work = work
         self.stage = Stage.GATHERING
+        if self._ready is not None:        # its C++ hooks hand gradients to Python now
+            self._ready.set_pending(True)
 
     def finish_all_gather(self) -> list[bool]:
         """Wait for the averaged gradients; return which parameters any rank produced one for."""
