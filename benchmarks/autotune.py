@@ -2,10 +2,11 @@
 
 In one run per model (2 ranks, shaped link): a grid search over (reduce-scatter threshold,
 all-gather threshold, first bucket) measured directly, the default 25 MB, then dear's online
-tuner from scratch (autotune=True) and a confirmation run of the layout it chose. Reports the
-tuner's choice and its iteration time relative to the grid's best, its trials and the training
-iterations it spent; writes benchmarks/results/autotune_<model>.{json,md} and a PNG of the
-trial trajectory and of the grid.
+tuner from scratch (autotune=True), then the offline one (autotune="offline": a traced window,
+simulated trials, a few confirmed for real), each followed by a confirmation run of the layout
+it chose. Reports each tuner's choice and its iteration time relative to the grid's best, its
+trials (simulated and real) and the training iterations it spent; writes
+benchmarks/results/autotune_<model>.{json,md} and a PNG of the trial trajectory and the grid.
 
     python -m benchmarks.autotune [--models resnet50,bert_base] [--no-shaping]   (make autotune)
 
@@ -18,6 +19,7 @@ import argparse
 import gc
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -62,10 +64,12 @@ def measure_config(args: argparse.Namespace, fusion: FusionConfig, parts: tuple)
     return slowest_median(times[args.warmup:])
 
 
-def run_tuner(args: argparse.Namespace, parts: tuple, out_dir: str) -> dict[str, Any]:
+def run_tuner(args: argparse.Namespace, parts: tuple, out_dir: str,
+              mode: str = "online") -> dict[str, Any]:
+    """Train from scratch with autotune=`mode` until the tuner is done."""
     build, _, batch, loss_fn = parts
     model = build()
-    opt = dear.DistributedOptimizer(make_sgd(model.parameters()), model=model, autotune=True)
+    opt = dear.DistributedOptimizer(make_sgd(model.parameters()), model=model, autotune=mode)
     tuner = opt._autotuner
     iterations = 0
     wall = time.perf_counter()
@@ -80,8 +84,13 @@ def run_tuner(args: argparse.Namespace, parts: tuple, out_dir: str) -> dict[str,
     if dist.get_rank() == 0:
         with open(os.path.join(out_dir, "trials.jsonl")) as f:
             trials = [json.loads(line) for line in f]
-    return {"chosen": tuner.current, "iterations": iterations, "wall_s": wall,
-            "trials": trials}
+    out = {"chosen": tuner.current, "iterations": iterations, "wall_s": wall,
+           "trials": trials}
+    if mode == "offline":
+        out.update(predicted_s=dict(tuner.plan).get(tuner.current), search_s=tuner.search_s,
+                   simulated=sum(t["phase"] == "simulated" for t in trials),
+                   confirmed=sum(t["phase"] == "confirmed" for t in trials))
+    return out
 
 
 def rank_main(args: argparse.Namespace) -> None:
@@ -90,7 +99,9 @@ def rank_main(args: argparse.Namespace) -> None:
     os.environ.update(DEAR_AUTOTUNE_LOG=os.path.join(out_dir, "trials.jsonl"),
                       DEAR_AUTOTUNE_OUT=os.path.join(out_dir, "fusion.json"),
                       DEAR_AUTOTUNE_WINDOW=str(args.window),
-                      DEAR_AUTOTUNE_SETTLE=str(args.settle))
+                      DEAR_AUTOTUNE_SETTLE=str(args.settle),
+                      DEAR_AUTOTUNE_SIMULATED_TRIALS=str(args.simulated_trials),
+                      DEAR_AUTOTUNE_CONFIRM=str(args.confirm))
     dear.init()                                # reads the DEAR_* settings above
     parts = workload(args)
     grid = {}
@@ -101,9 +112,31 @@ def rank_main(args: argparse.Namespace) -> None:
     default = measure_config(args, FusionConfig.single(25 * MB), parts)
     tuned = run_tuner(args, parts, out_dir)
     confirm = measure_config(args, tuned["chosen"], parts)
+    offline = run_tuner(args, parts, out_dir, "offline")   # the log is rewritten: read above
+    offline["confirmation_s"] = measure_config(args, offline["chosen"], parts)
+    final = compare_interleaved(args, {
+        "grid best": min(grid, key=grid.get), "default 25 MB": FusionConfig.single(25 * MB),
+        "online tuner": tuned["chosen"], "offline tuner": offline["chosen"]}, parts)
     if dist.get_rank() == 0:
-        report(args, grid, default, tuned, confirm)
+        report(args, grid, default, tuned, confirm, offline, final)
     dear.shutdown()
+
+
+def compare_interleaved(args: argparse.Namespace, configs: dict[str, FusionConfig],
+                        parts: tuple) -> dict[str, list[float]]:
+    """The finalists measured again in `--final-rounds` interleaved rounds (order rotated each
+    round): the grid, the tuners and their confirmations run minutes apart, and on this shared
+    machine the same layout measured twice that far apart differed by 4.5%, as much as the
+    target. Same-round ratios cancel that drift."""
+    names = list(configs)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(args.final_rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            times[name].append(measure_config(args, configs[name], parts))
+        if dist.get_rank() == 0:
+            print(f"final round {r}: " + ", ".join(f"{n} {times[n][-1]:.4f} s" for n in names),
+                  flush=True)
+    return times
 
 
 def _mb(v: Optional[int]) -> Optional[float]:
@@ -111,7 +144,7 @@ def _mb(v: Optional[int]) -> Optional[float]:
 
 
 def report(args: argparse.Namespace, grid: dict, default: float, tuned: dict,
-           confirm: float) -> None:
+           confirm: float, offline: dict, final: dict[str, list[float]]) -> None:
     best_cfg = min(grid, key=grid.get)
     best = grid[best_cfg]
     rows = [[_mb(c.rs_threshold), _mb(c.ag_threshold), _mb(c.first_bucket), round(t, 4),
@@ -126,6 +159,30 @@ def report(args: argparse.Namespace, grid: dict, default: float, tuned: dict,
                f"({tuned['wall_s']:.1f} s), chose {chosen.describe()}; confirmation run "
                f"{confirm:.4f} s = {ratio:.3f} x grid best "
                f"({'meets' if ratio <= 1.05 else 'MISSES'} the within-5% target).")
+    off_cfg, off_ratio = offline["chosen"], offline["confirmation_s"] / best
+    predicted = offline["predicted_s"]
+    summary += (f"\n\nOffline tuner: {offline['simulated']} simulated trials "
+                f"({offline['search_s']:.1f} s of search on rank 0), {offline['confirmed']} "
+                f"confirmed, {offline['iterations']} training iterations "
+                f"({offline['wall_s']:.1f} s), chose {off_cfg.describe()}, predicted "
+                f"{'-' if predicted is None else f'{predicted:.4f} s'}; confirmation run "
+                f"{offline['confirmation_s']:.4f} s = {off_ratio:.3f} x grid best "
+                f"({'meets' if off_ratio <= 1.05 else 'MISSES'} the within-5% target).")
+    # Per round, each finalist over the grid best of the same round; then the median.
+    rounds = len(final["grid best"])
+    final_ratio = {n: statistics.median(v[r] / final["grid best"][r] for r in range(rounds))
+                   for n, v in final.items()}
+    final_rows = [[n, *(round(t, 4) for t in v), round(final_ratio[n], 3)]
+                  for n, v in final.items()]
+    final_table = results.markdown_table(
+        ["layout", *(f"round {r} (s)" for r in range(rounds)), "/ grid best (median of rounds)"],
+        final_rows)
+    summary += (f"\n\nFinal interleaved comparison ({rounds} rounds, order rotated): online "
+                f"tuner {final_ratio['online tuner']:.3f} x grid best "
+                f"({'meets' if final_ratio['online tuner'] <= 1.05 else 'MISSES'} the 5% target),"
+                f" offline tuner {final_ratio['offline tuner']:.3f} x "
+                f"({'meets' if final_ratio['offline tuner'] <= 1.05 else 'MISSES'}), default "
+                f"25 MB {final_ratio['default 25 MB']:.3f} x.\n\n" + final_table)
     print(table + "\n\n" + summary)
     trial_rows = [[t["trial"], t["rs_threshold_mb"], t["ag_threshold_mb"], t["first_bucket_mb"],
                    t["iteration_time_s"], t["samples_per_s"], t["best_so_far_s"]]
@@ -133,12 +190,22 @@ def report(args: argparse.Namespace, grid: dict, default: float, tuned: dict,
     trials_table = results.markdown_table(
         ["trial", "rs (MB)", "ag (MB)", "first (MB)", "iteration (s)", "samples/s",
          "best so far (s)"], trial_rows)
+    offline_rows = [[t["trial"], t["phase"], t["rs_threshold_mb"], t["ag_threshold_mb"],
+                     t["first_bucket_mb"], t["predicted_s"], t.get("iteration_time_s", "")]
+                    for t in sorted(offline["trials"], key=lambda t: (
+                        t["phase"] != "confirmed", t.get("predicted_s") or 0))]
+    offline_table = results.markdown_table(
+        ["trial", "phase", "rs (MB)", "ag (MB)", "first (MB)", "predicted (s)",
+         "iteration (s)"], offline_rows)
     name = f"autotune_{args.model}{args.suffix}"
     notes = (summary + f"\n\nGrid points: {args.warmup} warm-up + {args.iters} timed "
              f"iterations each (slowest rank's median). Tuner: settle {args.settle} + window "
              f"{args.window} iterations per trial, budget 12. Bandwidth {args.bandwidth}. "
              f"Load average {os.getloadavg()[0]:.2f} at the end: the machine may be shared, "
-             f"compare ratios within this run.\n\n## Tuner trials\n\n" + trials_table)
+             f"compare ratios within this run.\n\n## Tuner trials\n\n" + trials_table
+             + f"\n\n## Offline tuner trials (confirmed, then simulated by prediction; "
+             f"budget {args.simulated_trials} simulated, {args.confirm} confirmed besides the "
+             f"starting layout)\n\n" + offline_table)
     results.write(name, f"Fusion autotuner vs grid search: {args.model}", {
         "model": args.model, "bandwidth": args.bandwidth,
         "grid": [{"rs_mb": _mb(c.rs_threshold), "ag_mb": _mb(c.ag_threshold),
@@ -147,7 +214,18 @@ def report(args: argparse.Namespace, grid: dict, default: float, tuned: dict,
         "default_25mb_s": default, "tuner": {
             "chosen": chosen.describe(), "trials": tuned["trials"],
             "iterations": tuned["iterations"], "wall_s": tuned["wall_s"],
-            "confirmation_s": confirm, "ratio_to_grid_best": ratio}}, table, notes)
+            "confirmation_s": confirm, "ratio_to_grid_best": ratio},
+        "offline_tuner": {
+            "chosen": off_cfg.describe(), "predicted_s": predicted,
+            "trials": offline["trials"], "simulated_trials": offline["simulated"],
+            "confirmed_trials": offline["confirmed"], "search_s": offline["search_s"],
+            "iterations": offline["iterations"], "wall_s": offline["wall_s"],
+            "confirmation_s": offline["confirmation_s"], "ratio_to_grid_best": off_ratio},
+        "final_interleaved": {"configs": {"grid best": best_cfg.describe(),
+                                          "online tuner": chosen.describe(),
+                                          "offline tuner": off_cfg.describe()},
+                              "times_s": final, "ratio_to_grid_best": final_ratio}},
+        table, notes)
     plot(name, grid, best, tuned["trials"])
 
 
@@ -184,6 +262,12 @@ def parse(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--window", type=int, default=5)
     p.add_argument("--settle", type=int, default=2)
+    p.add_argument("--simulated-trials", type=int, default=40,
+                   help="offline tuner: simulated trials")
+    p.add_argument("--confirm", type=int, default=3,
+                   help="offline tuner: best predicted layouts confirmed with real iterations")
+    p.add_argument("--final-rounds", type=int, default=3,
+                   help="interleaved rounds of the final comparison (grid best, default, tuners)")
     p.add_argument("--suffix", default="")
     p.add_argument("--timeout", type=float, default=1800.0)
     p.add_argument("--rank-main", action="store_true", help=argparse.SUPPRESS)
@@ -212,6 +296,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                "--bandwidth", cfg["bandwidth"] if shaping else "loopback",
                "--warmup", str(args.warmup), "--iters", str(args.iters),
                "--window", str(args.window), "--settle", str(args.settle),
+               "--simulated-trials", str(args.simulated_trials), "--confirm", str(args.confirm),
+               "--final-rounds", str(args.final_rounds),
                "--suffix", args.suffix, *cfg["args"]]
         with EmulatedCluster(2, cfg["bandwidth"], shaping=shaping) as cluster:
             code = cluster.run(cmd, timeout=args.timeout)

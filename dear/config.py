@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 import os
-from typing import Any, Mapping
+from typing import Any, Mapping, Union
 
 _MB = 1024 * 1024
 
@@ -26,6 +27,38 @@ def _parse_bool(text: str) -> bool:
     if value in ("0", "false", "no", "off", ""):
         return False
     raise ValueError(f"expected a boolean (1/0/true/false), got {text!r}")
+
+
+class Autotune(str, enum.Enum):
+    """How the fusion layout is tuned. ONLINE: Bayesian optimization on measured iterations;
+    OFFLINE: on the iteration times dear.diagnose's simulator predicts from a traced window,
+    then the few best confirmed with real iterations."""
+
+    OFF = "off"
+    ONLINE = "online"
+    OFFLINE = "offline"
+
+    def __bool__(self) -> bool:             # `if autotune:` keeps meaning "tune at all"
+        return self is not Autotune.OFF
+
+
+def parse_autotune(value: Union[bool, str, None, "Autotune"]) -> Autotune:
+    """True / '1' / 'true' / 'online' -> ONLINE, False / None / '0' / 'false' -> OFF,
+    'offline' -> OFFLINE."""
+    if isinstance(value, Autotune):
+        return value
+    if value is None or isinstance(value, bool) or (isinstance(value, int) and value in (0, 1)):
+        return Autotune.ONLINE if value else Autotune.OFF
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text in ("online", "offline", "off"):
+            return Autotune(text)
+        try:
+            return Autotune.ONLINE if _parse_bool(text) else Autotune.OFF
+        except ValueError:
+            pass
+    raise ValueError(f"autotune must be True/False, 'online' or 'offline' (DEAR_AUTOTUNE: "
+                     f"1/0/true/false/online/offline), got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,10 +88,16 @@ class Config:
     #: False forces the pure-Python path (DEAR_NATIVE).
     native: bool = True
 
-    #: tune the fusion layout online with Bayesian optimization (DEAR_AUTOTUNE).
-    autotune: bool = False
-    #: at most this many autotune trials (DEAR_AUTOTUNE_TRIALS).
+    #: tune the fusion layout: "online" (or true/1) with Bayesian optimization on measured
+    #: iterations, "offline" on the simulator's predictions, then confirmed (DEAR_AUTOTUNE).
+    autotune: Autotune = Autotune.OFF
+    #: at most this many online autotune trials (DEAR_AUTOTUNE_TRIALS).
     autotune_trials: int = 12
+    #: offline: simulated trials (no training iteration each) (DEAR_AUTOTUNE_SIMULATED_TRIALS),
+    #: and how many of the best predicted layouts are confirmed with real iterations, besides
+    #: the current one (DEAR_AUTOTUNE_CONFIRM).
+    autotune_simulated_trials: int = 40
+    autotune_confirm: int = 3
     #: iterations timed per trial (median), after autotune_settle dropped (DEAR_AUTOTUNE_WINDOW,
     #: DEAR_AUTOTUNE_SETTLE).
     autotune_window: int = 5
@@ -72,8 +111,10 @@ class Config:
 
     _ENV = {
         "fusion_threshold": ("DEAR_FUSION_THRESHOLD", _parse_bytes),
-        "autotune": ("DEAR_AUTOTUNE", _parse_bool),
+        "autotune": ("DEAR_AUTOTUNE", parse_autotune),
         "autotune_trials": ("DEAR_AUTOTUNE_TRIALS", int),
+        "autotune_simulated_trials": ("DEAR_AUTOTUNE_SIMULATED_TRIALS", int),
+        "autotune_confirm": ("DEAR_AUTOTUNE_CONFIRM", int),
         "autotune_window": ("DEAR_AUTOTUNE_WINDOW", int),
         "autotune_settle": ("DEAR_AUTOTUNE_SETTLE", int),
         "autotune_log": ("DEAR_AUTOTUNE_LOG", str),
@@ -89,6 +130,7 @@ class Config:
     }
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "autotune", parse_autotune(self.autotune))
         if self.fusion_threshold < 0:
             raise ValueError(f"fusion_threshold must be >= 0 bytes, got {self.fusion_threshold}")
         if self.timeout <= 0:
@@ -101,6 +143,9 @@ class Config:
             raise ValueError("autotune needs trials >= 1, window >= 1 and settle >= 0; got "
                              f"{self.autotune_trials}, {self.autotune_window}, "
                              f"{self.autotune_settle}")
+        if self.autotune_simulated_trials < 1 or self.autotune_confirm < 1:
+            raise ValueError("offline autotune needs simulated trials >= 1 and confirm >= 1; "
+                             f"got {self.autotune_simulated_trials}, {self.autotune_confirm}")
         if self.gloo_collectives not in ("pairwise", "native"):
             raise ValueError(
                 f"gloo_collectives must be 'pairwise' or 'native', got {self.gloo_collectives!r}")

@@ -23,11 +23,12 @@ import logging
 import sys
 import warnings
 import weakref
-from typing import Any, Callable, Iterable, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional, Union
 
 import torch
 
 from . import amp, native, runtime
+from .config import Autotune, parse_autotune
 from .comm.base import ReduceOp, resolve_op
 from .compression import Compression, Compressor
 from .compression import resolve as resolve_compression
@@ -51,7 +52,7 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
                     op: ReduceOp, gradient_predivide_factor: float,
                     fusion: FusionConfig, overlap_allgather: bool,
                     compression: Compressor, groups: Any, sparse_as_dense: bool,
-                    autotune: bool) -> None:
+                    autotune: Autotune) -> None:
         comm = runtime.communicator()
         self._comm = comm
         step = super(_DistributedOptimizer, type(self)).step
@@ -78,7 +79,7 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
         self._buckets: Optional[list[Bucket]] = None
         self._gather_groups: list[GatherGroup] = []
         self._order: list[int] = []            # rank 0's parameter order, for re-layouts
-        self._autotuner = self._make_autotuner(named) if autotune else None
+        self._autotuner = self._make_autotuner(named, autotune) if autotune else None
         self._provisional = False              # plan built before any forward: thrown away
         self._where: list[tuple[Bucket, int]] = []
         self._next_launch = 0                  # position in reduce order (last bucket first)
@@ -369,9 +370,30 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
         self._bind_hooks()
         log.info("dear: %s (%s)", layout.describe(), fusion.describe())
 
-    def _make_autotuner(self, named: list[tuple[str, torch.nn.Parameter]]) -> OnlineAutotuner:
+    def _make_autotuner(self, named: list[tuple[str, torch.nn.Parameter]],
+                        mode: Autotune) -> Any:
+        """OnlineAutotuner or OfflineAutotuner (dear/fusion/offline.py): both are driven by
+        step() through on_step() and switch every rank at the same step."""
         cfg = runtime.config()
         model_bytes = sum(p.numel() * p.element_size() for _, p in named)
+        if mode is Autotune.OFFLINE:
+            if not self._overlap:
+                raise ValueError(
+                    "autotune='offline' simulates DeAR's schedule, all-gathers overlapped with "
+                    "the next forward pass, from a trace of the model's modules: it needs "
+                    "model= and overlap_allgather=True (or use autotune='online')")
+            if self._passes_needed > 1:
+                raise ValueError("autotune='offline' does not model backward_passes_per_step > 1 "
+                                 "(use autotune='online')")
+            from .fusion.offline import OfflineAutotuner
+            return OfflineAutotuner(self, self._comm, self._fusion,
+                                    fingerprint=fusion_file.model_fingerprint(named),
+                                    model_bytes=model_bytes, settle=cfg.autotune_settle,
+                                    window=cfg.autotune_window,
+                                    simulated_trials=cfg.autotune_simulated_trials,
+                                    confirm=cfg.autotune_confirm,
+                                    log_path=cfg.autotune_log or None,
+                                    out_path=cfg.autotune_out or None)
         tuner = FusionTuner(model_bytes, budget=cfg.autotune_trials, initial=self._fusion)
         return OnlineAutotuner(tuner, self._comm, self._fusion,
                                fingerprint=fusion_file.model_fingerprint(named),
@@ -477,26 +499,26 @@ def _hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
 
 
 def _fusion_settings(named: list[tuple[str, torch.nn.Parameter]],
-                     fusion_threshold: Optional[int], autotune: Optional[bool],
-                     fusion_config: Any, groups: Any) -> tuple[FusionConfig, bool]:
-    """The starting layout and whether to tune it: a saved config (argument, then
+                     fusion_threshold: Optional[int], autotune: Optional[Autotune],
+                     fusion_config: Any, groups: Any) -> tuple[FusionConfig, Autotune]:
+    """The starting layout and how to tune it: a saved config (argument, then
     DEAR_FUSION_CONFIG) wins and skips tuning; else the threshold (argument, then
-    DEAR_FUSION_THRESHOLD) for both collectives."""
+    DEAR_FUSION_THRESHOLD) for both collectives, tuned as autotune= (then DEAR_AUTOTUNE) says."""
     cfg = runtime.config()
-    tune = cfg.autotune if autotune is None else bool(autotune)
+    tune = cfg.autotune if autotune is None else autotune
     if isinstance(fusion_config, FusionConfig):
-        return fusion_config, False
+        return fusion_config, Autotune.OFF
     path = fusion_config if fusion_config is not None else (cfg.fusion_config or None)
     if path:
         loaded = fusion_file.load(str(path), fusion_file.model_fingerprint(named))
         if tune:
             log.warning("dear: using the tuned layout in %s (%s); autotune skipped",
                         path, loaded.describe())
-        return loaded, False
+        return loaded, Autotune.OFF
     threshold = cfg.fusion_threshold if fusion_threshold is None else fusion_threshold
     if tune and groups is not None:
-        raise ValueError("autotune=True tunes the bucket layout, but groups= fixes it; "
-                         "pass one or the other")
+        raise ValueError(f"autotune={tune.value!r} tunes the bucket layout, but groups= fixes "
+                         "it; pass one or the other")
     return FusionConfig.single(threshold), tune
 
 
@@ -516,13 +538,17 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          groups: Optional[Any] = None, sparse_as_dense: bool = False,
                          process_set: Any = None, *, model: Optional[torch.nn.Module] = None,
                          fusion_threshold: Optional[int] = None,
-                         overlap_allgather: bool = True, autotune: Optional[bool] = None,
+                         overlap_allgather: bool = True,
+                         autotune: Optional[Union[bool, str]] = None,
                          fusion_config: Optional[Any] = None) -> torch.optim.Optimizer:
     """Wrap `optimizer` so its gradients are averaged with DeAR's decoupled all-reduce.
 
     Accepts everything hvd.DistributedOptimizer accepts, in the same positions. Returns an
     instance of a subclass of the optimizer's own class that shares its state, so isinstance
     checks, LR schedulers and checkpoint code keep working (as in Horovod).
+    `autotune`: True or "online" tunes the fusion layout on measured iterations, "offline" on
+    the simulator's predictions from a traced window, then confirms the best few (None:
+    DEAR_AUTOTUNE).
     """
     if not runtime.is_initialized() and _horovod_is_initialized():
         runtime.init(backend="horovod")        # hvd.init() was called: the one-line swap
@@ -540,6 +566,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         raise ValueError("gradient_predivide_factor only applies to op=dear.Average")
     if fusion_threshold is not None and fusion_threshold < 0:
         raise ValueError(f"fusion_threshold must be >= 0 bytes, got {fusion_threshold}")
+    mode = None if autotune is None else parse_autotune(autotune)
     named = named_params_of(optimizer, named_parameters, model, sparse_as_dense)
     for dtype in {p.dtype for _, p in named}:
         comm.check_dtype(compressor.wire_dtype(dtype))
@@ -547,7 +574,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     cls = type(optimizer.__class__.__name__, (_DistributedOptimizer, optimizer.__class__), {})
     wrapped = cls.__new__(cls)
     wrapped.__dict__.update(optimizer.__dict__)
-    fusion, tune = _fusion_settings(named, fusion_threshold, autotune, fusion_config, groups)
+    fusion, tune = _fusion_settings(named, fusion_threshold, mode, fusion_config, groups)
     wrapped._dear_setup(named, model, backward_passes_per_step, op, gradient_predivide_factor,
                         fusion, overlap_allgather, compressor, groups, sparse_as_dense, tune)
     if getattr(runtime.config(), "trace", ""):  # DEAR_TRACE=dir: dear.diagnose records the run

@@ -12,6 +12,7 @@ from dear.diagnose.costmodel import CostModel
 from dear.diagnose.engine import replay
 from dear.diagnose.graph import Model, Profile, Segment, build_model, collective_samples
 from dear.diagnose.simulate import Schedule, Simulator, predict_iteration_time
+from dear.fusion.fusion_config import FusionConfig
 
 MB = 2**20
 
@@ -240,3 +241,57 @@ def test_concurrent_collectives_share_the_link(tmp_path):
     fitted = CostModel.fit(samples, world_size=2)
     assert fitted.alpha["all_reduce"] == 0.0
     assert fitted.rate["all_reduce"] == pytest.approx(4 * MB / 0.040)   # volume = bytes at N=2
+
+
+def test_dear_smaller_first_all_gather_group_closed_form():
+    # A bucket per 2 MB parameter (rs 2 MB). ag 64 MB gathers both buckets as one message: the
+    # next forward waits for all of it (2 x one) before fc1 can run. A first bucket of its own
+    # (first_bucket, gathered alone) costs the forward one, and bucket 1's all-gather hides
+    # behind fc1 and its update. Backward as before: the last reduce-scatter is exposed.
+    cost = CostModel.ideal(2e9, 0.0, world_size=2)
+    one = cost.time("all_gather", _bucket_bytes(1))
+    assert one < F0 + UPDATE / 2 and one < G0
+    sim = Simulator.from_model(_model(), cost)
+    fused, first = FusionConfig(2 * MB, 64 * MB), FusionConfig(2 * MB, 64 * MB, 2 * MB)
+    assert sim.layout(fused).signature() == (((0,), (1,)), ((0, 1),))
+    assert sim.layout(first).signature() == (((0,), (1,)), ((0,), (1,)))
+    compute = F0 + F1 + G1 + G0 + UPDATE
+    p_fused = sim.predict(Schedule.DEAR, fusion=fused)
+    p_first = sim.predict(Schedule.DEAR, fusion=first)
+    assert p_fused.buckets == p_first.buckets == 2
+    assert p_fused.iteration_time == pytest.approx(compute + 3 * one, rel=1e-9)
+    assert p_first.iteration_time == pytest.approx(compute + 2 * one, rel=1e-9)
+    assert p_fused.comm == pytest.approx(p_first.comm, rel=1e-9)   # same bytes, no latency
+    # fusion_threshold= is FusionConfig.single, as dear's own argument.
+    assert sim.predict(Schedule.DEAR, fusion_threshold=64 * MB).iteration_time == \
+        pytest.approx(sim.predict(Schedule.DEAR, fusion=FusionConfig.single(64 * MB))
+                      .iteration_time, rel=1e-12)
+    with pytest.raises(ValueError, match="fusion= is DeAR's layout"):
+        sim.predict(Schedule.DDP, fusion=fused)
+    with pytest.raises(TypeError, match="FusionConfig"):
+        sim.predict(Schedule.DEAR, fusion=8 * MB)
+
+
+def test_simulated_layout_is_the_optimizers():
+    """The simulator plans with dear.fusion.layout's own function: same buckets, bytes and
+    all-gather groups as the layout the optimizer builds, for every kind of config."""
+    from dear.compression import Compression
+    from dear.fusion.layout import build_layout
+    from tests.workloads import make_net
+    params = list(make_net().parameters())
+    order = [3, 2, 0, 1] + list(range(4, len(params)))
+    model = Model(param_bytes=[p.numel() * 4 for p in params],
+                  param_numel=[p.numel() for p in params], forward_order=order,
+                  backward_order=order[::-1], schedule="dear", buckets=[],
+                  fusion_threshold=None, world_size=2, profiles=[])
+    sim = Simulator.from_model(model, CostModel.ideal(1e9, 0.0, world_size=3))
+    for config in (FusionConfig.single(1024), FusionConfig(700, 5000, 300),
+                   FusionConfig(0, 0), FusionConfig(3000, 3000, 100), FusionConfig(1, 10**6)):
+        for world in (2, 3):
+            real = build_layout(params, order, config, world, None, Compression.none, False)
+            mine = sim.layout(config, world_size=world)
+            assert [ps for ps, _ in mine.buckets] == [list(b.spec.params) for b in real.buckets]
+            assert [nb for _, nb in mine.buckets] == [b.buffer.numel() * 4 for b in real.buckets]
+            assert mine.groups == [[b.spec.index for b in g.buckets]
+                                   for g in real.gather_groups]
+            assert mine.group_bytes() == [g.nbytes for g in real.gather_groups]

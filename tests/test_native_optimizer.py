@@ -13,7 +13,6 @@ from __future__ import annotations
 import functools
 
 import pytest
-import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 

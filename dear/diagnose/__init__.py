@@ -6,8 +6,9 @@
 - `build_report(path)`: per iteration compute, communication, exposed communication, overlap
   ratio, idle gaps, slowest layers, buckets and rank; `plot_timeline` draws the lanes (PNG).
 - `Simulator(path).predict(...)` / `predict_iteration_time(path, ...)`: replay the traced
-  iteration's dependency graph under another schedule, bandwidth, latency, world size or
-  fusion threshold.
+  iteration's dependency graph under another schedule, bandwidth, latency, world size,
+  fusion threshold or DeAR fusion layout (`fusion=FusionConfig(...)`; the objective of
+  dear.fusion.offline's tuner).
 Command line: `python -m dear.diagnose report|simulate TRACE_DIR ...`.
 """
 

@@ -69,6 +69,10 @@ class Model:
     unclaimed: list[int] = dataclasses.field(default_factory=list)  # end of forward_order
     #: per traced iteration, every rank's profile of it (replayed one by one when given)
     iterations: list[list[Profile]] = dataclasses.field(default_factory=list)
+    #: traced all-gather groups (bucket indices, forward order; dear) and the traced
+    #: FusionConfig as a dict (rs_threshold, ag_threshold, first_bucket)
+    gather_groups: list[list[int]] = dataclasses.field(default_factory=list)
+    fusion: Optional[dict[str, Any]] = None
 
 
 def _minus(span: Interval, holes: list[Interval]) -> float:
@@ -182,7 +186,9 @@ def build_model(trace: Trace, iterations: Optional[Sequence[int]] = None) -> Mod
                  schedule=str(meta.get("schedule", "unknown")),
                  buckets=[list(b) for b in meta.get("buckets", [])],
                  fusion_threshold=meta.get("fusion_threshold"),
-                 world_size=trace.world_size, profiles=profiles, iterations=iterations)
+                 world_size=trace.world_size, profiles=profiles, iterations=iterations,
+                 gather_groups=[list(g) for g in meta.get("gather_groups", [])],
+                 fusion=meta.get("fusion"))
 
 
 def collective_samples(trace: Trace, queued: bool = False) -> list[dict[str, Any]]:

@@ -2,14 +2,17 @@
 
     sim = Simulator("traces/")                       # profiles + a cost model fitted on the trace
     sim.predict(Schedule.DDP, bandwidth_bps=10e9, world_size=64)
+    sim.predict(Schedule.DEAR, fusion=FusionConfig(8 << 20, 32 << 20, first_bucket=1 << 20))
     predict_iteration_time("traces/", fusion_threshold=8 << 20)   # the tuner's objective
 
 Schedules (compute segments from `graph`, one program per traced rank, 4 iterations replayed,
 the last one measured so DeAR's all-gathers from the previous step are in it):
-- DEAR: buckets contiguous in forward order (dear's own planner); reduce-scatters from the last
-  bucket to the first as buckets fill in backward; step() waits for them and issues the
-  all-gathers; the next forward waits for a bucket's all-gather and updates it before the first
-  module that needs it.
+- DEAR: buckets and all-gather groups from a FusionConfig (dear.fusion.layout's own planner:
+  reduce-scatter threshold, first bucket, consecutive buckets all-gathered as one message up to
+  the all-gather threshold); reduce-scatters from the last bucket to the first as buckets fill
+  in backward; step() waits for them and issues the all-gathers, group by group; the next
+  forward waits for a bucket's group and updates the bucket before the first module that
+  needs it.
 - DDP: buckets in gradient order, a 1 MB first bucket then the threshold (torch's rule: a bucket
   closes once it reaches the cap); all-reduces in order as buckets fill; backward waits for all.
 - WFBP: as DDP, but buckets never exceed the threshold (dear's planner rule, as Horovod's
@@ -25,6 +28,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from ..fusion.fusion_config import FusionConfig
 from .chrome import Trace, load_trace
 from .costmodel import CostModel
 from .engine import Action, Replay, replay
@@ -59,25 +63,47 @@ class Prediction:
         return (self.comm - self.exposed) / self.comm if self.comm > 0 else None
 
 
-def dear_buckets(model: Model, threshold: Optional[int], world_size: int,
-                 unclaimed_first: bool = False) -> list[tuple[list[int], int]]:
-    """(parameters, wire bytes) per bucket, as dear.fusion.planner lays them out.
+@dataclasses.dataclass
+class DearLayout:
+    """DeAR's layout in the simulator: what is reduce-scattered and what is all-gathered."""
+
+    buckets: list[tuple[list[int], int]]      # (parameters, wire bytes) per bucket, forward order
+    groups: list[list[int]]                   # all-gather groups: bucket indices, forward order
+
+    def signature(self) -> tuple:
+        """Equal for two configs that lay the model out the same way."""
+        return (tuple(tuple(ps) for ps, _ in self.buckets),
+                tuple(tuple(g) for g in self.groups))
+
+    def group_bytes(self) -> list[int]:
+        return [sum(self.buckets[b][1] for b in g) for g in self.groups]
+
+
+def dear_layout(model: Model, fusion: Optional[FusionConfig], world_size: int,
+                unclaimed_first: bool = False) -> DearLayout:
+    """Buckets and all-gather groups as dear.fusion.layout plans them for `fusion` (its own
+    function, on meta tensors). None: the traced layout (dear, same world size), else the
+    traced FusionConfig re-planned, else 25 MB for both collectives.
 
     `unclaimed_first`: put the parameters no module claims first in forward order (where dear
-    updates them: before the root's forward) instead of last (where dear's planner puts them,
-    so their late gradients hold back the last bucket's reduce-scatter until backward ends)."""
-    from ..fusion.planner import plan_buckets
+    updates them: before the root's forward, and where its planner puts them) instead of last
+    (the trace's forward order)."""
+    from ..fusion.layout import plan_layout
     order = model.forward_order
     if unclaimed_first and model.unclaimed:
         order = model.unclaimed + [p for p in order if p not in set(model.unclaimed)]
-    if threshold is None and model.buckets and model.schedule == "dear" \
-            and world_size == model.world_size and not unclaimed_first:
+    dear = model.schedule == "dear"
+    if fusion is None and model.buckets and dear and world_size == model.world_size \
+            and not unclaimed_first:
         groups = model.buckets
+        gathers = model.gather_groups or [[b] for b in range(len(groups))]  # older traces
     else:
-        if threshold is None:
-            threshold = model.fusion_threshold if model.schedule == "dear" else None
-        threshold = DEFAULT_THRESHOLD if threshold is None else threshold
-        specs = plan_buckets(_fake_params(model), order, threshold, world_size)
+        if fusion is None:
+            fusion = (FusionConfig(**model.fusion) if dear and model.fusion
+                      else FusionConfig.single(model.fusion_threshold if dear and
+                                               model.fusion_threshold is not None
+                                               else DEFAULT_THRESHOLD))
+        specs, gathers = plan_layout(_fake_params(model), order, fusion, world_size)
         groups = [list(s.params) for s in specs]
     out = []
     for g in groups:
@@ -85,7 +111,14 @@ def dear_buckets(model: Model, threshold: Optional[int], world_size: int,
         padded = -(-numel // world_size) * world_size
         width = model.param_bytes[g[0]] // max(model.param_numel[g[0]], 1)
         out.append((g, padded * width))
-    return out
+    return DearLayout(out, [list(g) for g in gathers])
+
+
+def dear_buckets(model: Model, threshold: Optional[int], world_size: int,
+                 unclaimed_first: bool = False) -> list[tuple[list[int], int]]:
+    """(parameters, wire bytes) per bucket for one threshold (`dear_layout`'s buckets)."""
+    fusion = None if threshold is None else FusionConfig.single(threshold)
+    return dear_layout(model, fusion, world_size, unclaimed_first).buckets
 
 
 def _dtype_of(nbytes: int, numel: int) -> torch.dtype:
@@ -128,9 +161,10 @@ def ddp_buckets(model: Model, threshold: int, first_bucket: Optional[int]
     return out
 
 
-def _dear_program(prof: Profile, buckets: list[tuple[list[int], int]], numel: list[int]
-                  ) -> list[Action]:
+def _dear_program(prof: Profile, layout: DearLayout, numel: list[int]) -> list[Action]:
+    buckets = layout.buckets
     owner = {p: b for b, (ps, _) in enumerate(buckets) for p in ps}
+    gather = {b: g for g, members in enumerate(layout.groups) for b in members}
     total_numel = max(sum(numel), 1)
     update = [prof.update * sum(numel[p] for p in ps) / total_numel for ps, _ in buckets]
     sizes = [len(ps) for ps, _ in buckets]
@@ -144,8 +178,9 @@ def _dear_program(prof: Profile, buckets: list[tuple[list[int], int]], numel: li
             due = first + sorted({owner[p] for p in seg.needs} & set(pending))
             first = []
             for b in due:
-                if b in pending:
-                    prog += [("wait", ("ag", it - 1, b)), ("compute", update[b], "update")]
+                if b in pending:               # waits for its group's all-gather (once in flight)
+                    prog += [("wait", ("ag", it - 1, gather[b])),
+                             ("compute", update[b], "update")]
                     pending.remove(b)
             prog.append(("compute", seg.duration, "forward"))
         prog.append(("compute", prof.loss, "forward"))
@@ -161,7 +196,7 @@ def _dear_program(prof: Profile, buckets: list[tuple[list[int], int]], numel: li
         prog += [("issue", ("rs", it, b)) for b in range(nxt, -1, -1)]
         prog += [("wait", ("rs", it, b)) for b in reversed(range(len(buckets)))]
         prog.append(("compute", prof.step_extra, "step"))
-        prog += [("issue", ("ag", it, b)) for b in range(len(buckets))]
+        prog += [("issue", ("ag", it, g)) for g in range(len(layout.groups))]
         prog.append(("compute", prof.tail, "idle"))
     prog.append(("mark", "iteration"))
     return prog
@@ -222,36 +257,56 @@ class Simulator:
             return CostModel.ideal(bandwidth_bps, latency_s or 0.0, n)
         return self.fitted.what_if(bandwidth_bps, latency_s, n, traced_bandwidth_bps)
 
+    def layout(self, fusion: Optional[FusionConfig] = None, world_size: Optional[int] = None,
+               unclaimed_first: bool = False) -> DearLayout:
+        """DeAR's buckets and all-gather groups for `fusion` (see `dear_layout`)."""
+        n = self.model.world_size if world_size is None else world_size
+        return dear_layout(self.model, fusion, n, unclaimed_first)
+
     def predict(self, schedule: "Schedule | str" = Schedule.DEAR, *,
                 fusion_threshold: Optional[int] = None, bandwidth_bps: Optional[float] = None,
                 latency_s: Optional[float] = None, world_size: Optional[int] = None,
                 traced_bandwidth_bps: Optional[float] = None,
-                compute_scale: float = 1.0, unclaimed_first: bool = False) -> Prediction:
+                compute_scale: float = 1.0, unclaimed_first: bool = False,
+                fusion: Optional[FusionConfig] = None) -> Prediction:
+        """`fusion_threshold` is one threshold for every schedule (for DeAR:
+        FusionConfig.single, as dear's own fusion_threshold=); `fusion` is DeAR's full layout
+        (reduce-scatter threshold, all-gather threshold, first bucket)."""
         schedule = Schedule(schedule)
         if fusion_threshold is not None and fusion_threshold < 0:
             raise ValueError(f"fusion_threshold must be >= 0 bytes, got {fusion_threshold}")
+        if fusion is not None:
+            if not isinstance(fusion, FusionConfig):
+                raise TypeError(f"fusion must be a dear FusionConfig, got {type(fusion).__name__}")
+            if fusion_threshold is not None or schedule is not Schedule.DEAR:
+                raise ValueError("fusion= is DeAR's layout: give it with Schedule.DEAR and "
+                                 "without fusion_threshold=")
+        elif schedule is Schedule.DEAR and fusion_threshold is not None:
+            fusion = FusionConfig.single(fusion_threshold)
         if not compute_scale > 0:
             raise ValueError(f"compute_scale must be > 0, got {compute_scale}")
         cost = self.cost_model(bandwidth_bps, latency_s, world_size, traced_bandwidth_bps)
         # Each traced iteration replayed on its own; the median one is the prediction (the
         # median of iterations, as measured, rather than an iteration of medians).
-        runs = [self._replay(ps, schedule, fusion_threshold, cost, compute_scale,
+        runs = [self._replay(ps, schedule, fusion_threshold, fusion, cost, compute_scale,
                              unclaimed_first)
                 for ps in (self.model.iterations or [self.model.profiles])]
         runs.sort(key=lambda p: p.iteration_time)
         return runs[len(runs) // 2]
 
     def _replay(self, profiles: list[Profile], schedule: Schedule,
-                fusion_threshold: Optional[int], cost: CostModel,
-                compute_scale: float, unclaimed_first: bool) -> Prediction:
+                fusion_threshold: Optional[int], fusion: Optional[FusionConfig],
+                cost: CostModel, compute_scale: float, unclaimed_first: bool) -> Prediction:
         n = cost.world_size
         m = self.model
         profiles = [_scaled(p, compute_scale) for p in profiles]
         threshold = DEFAULT_THRESHOLD if fusion_threshold is None else fusion_threshold
         if schedule is Schedule.DEAR:
-            buckets = dear_buckets(m, fusion_threshold, n, unclaimed_first)
-            programs = [_dear_program(p, buckets, m.param_numel) for p in profiles]
+            layout = dear_layout(m, fusion, n, unclaimed_first)
+            buckets = layout.buckets
+            programs = [_dear_program(p, layout, m.param_numel) for p in profiles]
             kinds = {"rs": "reduce_scatter", "ag": "all_gather"}
+            nbytes = {"rs": [b for _, b in buckets], "ag": layout.group_bytes()}
         else:
             if schedule is Schedule.ALLREDUCE:
                 buckets = [(list(range(len(m.param_bytes))), sum(m.param_bytes))]
@@ -262,8 +317,8 @@ class Simulator:
             programs = [_allreduce_program(p, buckets, schedule is Schedule.ALLREDUCE)
                         for p in profiles]
             kinds = {"ar": "all_reduce"}
-        sizes = [nbytes for _, nbytes in buckets]
-        result = replay(programs, lambda key: cost.time(kinds[key[0]], sizes[key[2]]))
+            nbytes = {"ar": [b for _, b in buckets]}
+        result = replay(programs, lambda key: cost.time(kinds[key[0]], nbytes[key[0]][key[2]]))
         return _measure(result, schedule, n, len(buckets))
 
 
@@ -296,10 +351,11 @@ def predict_iteration_time(trace: "Trace | str | Simulator",
                            schedule: "Schedule | str" = Schedule.DEAR,
                            bandwidth_bps: Optional[float] = None,
                            latency_s: Optional[float] = None, world_size: Optional[int] = None,
-                           traced_bandwidth_bps: Optional[float] = None) -> float:
-    """Predicted seconds per iteration: a zero-cost objective for the fusion tuner. Pass a
-    `Simulator` to reuse its profiles and fitted cost model across calls."""
+                           traced_bandwidth_bps: Optional[float] = None,
+                           fusion: Optional[FusionConfig] = None) -> float:
+    """Predicted seconds per iteration: a zero-cost objective for the fusion tuner
+    (dear.fusion.offline). Pass a `Simulator` to reuse its profiles and fitted cost model."""
     sim = trace if isinstance(trace, Simulator) else Simulator(trace)
     return sim.predict(schedule, fusion_threshold=fusion_threshold, bandwidth_bps=bandwidth_bps,
                        latency_s=latency_s, world_size=world_size,
-                       traced_bandwidth_bps=traced_bandwidth_bps).iteration_time
+                       traced_bandwidth_bps=traced_bandwidth_bps, fusion=fusion).iteration_time

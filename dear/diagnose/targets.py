@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Optional
 
 import torch
+
+from ..fusion.fusion_config import FusionConfig
 
 
 def collect_params(model: Optional[torch.nn.Module], optimizer: Any
@@ -37,14 +40,19 @@ def describe(model: Optional[torch.nn.Module], optimizer: Any,
     index = {id(p): i for i, (_, p) in enumerate(params)}
     buckets = [[index.get(id(p), -1) for p in b.params]
                for b in getattr(optimizer, "_buckets", None) or ()]
+    gather_groups = [[b.spec.index for b in g.buckets]
+                     for g in getattr(optimizer, "_gather_groups", None) or ()]
+    fusion = getattr(optimizer, "_fusion", None)
+    fusion = fusion if isinstance(fusion, FusionConfig) else None     # dear's layout
     table = [{"name": name or "<root>", "leaf": next(m.children(), None) is None,
               "params": [index[id(p)] for p in m.parameters(recurse=False) if id(p) in index]}
              for name, m in modules]
     return {"version": 1, "schedule": schedule_of(model, optimizer),
             "params": [{"name": n, "numel": p.numel(), "bytes": p.numel() * p.element_size()}
                        for n, p in params],
-            "modules": table, "buckets": buckets,
-            "fusion_threshold": getattr(optimizer, "_threshold", None)}
+            "modules": table, "buckets": buckets, "gather_groups": gather_groups,
+            "fusion": dataclasses.asdict(fusion) if fusion is not None else None,
+            "fusion_threshold": getattr(fusion, "rs_threshold", None)}
 
 
 def schedule_of(model: Any, optimizer: Any) -> str:

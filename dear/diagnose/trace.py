@@ -52,11 +52,16 @@ def _check_iterations(iterations: Any) -> range:
 
 
 class Tracer:
-    """Records the iterations in `iterations` of this rank; see the module docstring."""
+    """Records the iterations in `iterations` of this rank; see the module docstring.
+
+    `inside_step`: started and stopped from inside the optimizer's step() (dear's offline
+    autotuner): the step() running at start() ends no iteration (iteration 0 starts when it
+    returns) and the one running at stop() ends the last iteration."""
 
     def __init__(self, model: Optional[torch.nn.Module] = None, optimizer: Any = None,
                  out: str = "traces", iterations: range = range(10, 20), *,
-                 clock: Clock = time.perf_counter_ns, finish_after_range: bool = False) -> None:
+                 clock: Clock = time.perf_counter_ns, finish_after_range: bool = False,
+                 inside_step: bool = False) -> None:
         if model is None and optimizer is None:
             raise ValueError("dear.diagnose.trace needs a model, an optimizer or both")
         if model is not None and not isinstance(model, torch.nn.Module):
@@ -68,6 +73,7 @@ class Tracer:
         self.iterations = _check_iterations(iterations)
         self.recorder = Recorder(clock)
         self._finish_after_range = finish_after_range
+        self._inside_step = inside_step
         self._count = 0
         self._recording: Optional[int] = None
         self._step_depth = 0
@@ -120,16 +126,21 @@ class Tracer:
         self._hook_params()
         if self.optimizer is not None:
             self._hook_optimizer(self.optimizer)
-        self._set_count(0, clock())
+        if self._inside_step:                  # the running step() ends "iteration -1"
+            self._step_depth, self._step_start = 1, clock()
+        self._set_count(-1 if self._inside_step else 0, clock())
         if self._finish_after_range:
             atexit.register(self.stop)
         return self
 
-    def stop(self) -> Optional[str]:
-        """Detach, wait for the traced collectives to complete, write the trace; return its path."""
+    def stop(self, write: bool = True) -> Optional[str]:
+        """Detach, wait for the traced collectives to complete, write the trace (unless not
+        `write`: `document()` then gives it in memory); return its path."""
         if not self._started or self._stopped:
             return self.path
         self._stopped = True
+        if self._inside_step and self._step_depth == 1:
+            self._step_post()                  # the running step() ends the last iteration
         self._recording = None
         for handle in self._handles:
             handle.remove()
@@ -144,7 +155,7 @@ class Tracer:
         if not self._watcher.close():
             log.warning("dear.diagnose: collectives still in flight after 600 s; their end "
                         "times are missing from the trace")
-        self.path = self.write()
+        self.path = self.write() if write else None
         return self.path
 
     def _install_comm(self) -> Optional[TracingCommunicator]:
@@ -345,9 +356,13 @@ class Tracer:
                                         getattr(self, "_modules", [])),
                 "iterations": [self.iterations.start, self.iterations.stop]}
 
-    def write(self) -> str:
+    def document(self) -> dict[str, Any]:
+        """This rank's Chrome trace document (what `write` saves)."""
         from .chrome import build_trace
-        doc = build_trace(self.recorder, self.describe())
+        return build_trace(self.recorder, self.describe())
+
+    def write(self) -> str:
+        doc = self.document()
         os.makedirs(self.out, exist_ok=True)
         path = os.path.join(self.out, f"rank{self.meta.get('rank', 0)}.json")
         with open(path, "w") as fh:

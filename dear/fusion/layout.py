@@ -11,7 +11,7 @@ from ..compression import Compressor
 from .bucket import Bucket
 from .fusion_config import FusionConfig
 from .gather import GatherGroup, make_groups
-from .planner import plan_buckets, plan_gather_groups
+from .planner import BucketSpec, plan_buckets, plan_gather_groups
 
 
 @dataclasses.dataclass
@@ -33,18 +33,28 @@ class Layout:
                 + [[-1 - b.spec.index for b in g.buckets] for g in self.gather_groups])
 
 
+def plan_layout(params: Sequence[torch.Tensor], order: Sequence[int], fusion: FusionConfig,
+                world_size: int, explicit: Optional[Sequence[Sequence[int]]] = None
+                ) -> tuple[list[BucketSpec], list[list[int]]]:
+    """Bucket specs and all-gather groups (bucket indices) without allocating anything: the
+    one place the rules are applied, for the optimizer and for dear.diagnose's simulator
+    (which passes meta tensors)."""
+    specs = plan_buckets(params, order, fusion.rs_threshold, world_size, explicit,
+                         first_bucket_bytes=fusion.first_bucket)
+    groups = plan_gather_groups(specs, fusion.ag_threshold,
+                                first_alone=fusion.first_bucket is not None)
+    return specs, groups
+
+
 def build_layout(params: Sequence[torch.nn.Parameter], order: Sequence[int],
                  fusion: FusionConfig, world_size: int,
                  explicit: Optional[Sequence[Sequence[int]]], compression: Compressor,
                  sparse_as_dense: bool) -> Layout:
-    specs = plan_buckets(params, order, fusion.rs_threshold, world_size, explicit,
-                         first_bucket_bytes=fusion.first_bucket)
+    specs, plan = plan_layout(params, order, fusion, world_size, explicit)
     buckets = [Bucket(s, [params[i] for i in s.params], compression.wire_dtype(s.dtype),
                       sparse_as_dense) for s in specs]
     where = [(buckets[0], 0)] * len(params)
     for bucket in buckets:
         for j, i in enumerate(bucket.spec.params):
             where[i] = (bucket, j)
-    plan = plan_gather_groups(specs, fusion.ag_threshold,
-                              first_alone=fusion.first_bucket is not None)
     return Layout(buckets, where, make_groups(buckets, plan, world_size))

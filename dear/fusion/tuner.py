@@ -117,6 +117,49 @@ class FusionTuner:
                 for v in (config.rs_threshold, config.ag_threshold, first)]
 
 
+class TrialTimer:
+    """Times a trial from step() to step(): drops `settle` iterations after each switch, then
+    gives the median of the next `window` (and starts over)."""
+
+    def __init__(self, settle: int, window: int,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        if settle < 0 or window < 1:
+            raise ValueError(f"autotune needs settle >= 0 and window >= 1 iterations, got "
+                             f"settle={settle}, window={window}")
+        self.settle, self.window, self._clock = settle, window, clock
+        self.restart()
+
+    def restart(self) -> None:
+        """After a switch: the switch itself is not timed, the next `settle` are dropped."""
+        self._times: list[float] = []
+        self._skip = self.settle
+        self._last: Optional[float] = None
+
+    def tick(self) -> Optional[float]:
+        """Call once per step(); the window's median when it completes, else None."""
+        now = self._clock()
+        if self._last is not None:
+            if self._skip > 0:
+                self._skip -= 1
+            else:
+                self._times.append(now - self._last)
+        self._last = now
+        if len(self._times) < self.window:
+            return None
+        seconds = statistics.median(self._times)
+        self.restart()
+        return seconds
+
+
+def agree(comm: Communicator, decide: Callable[[], tuple[bool, FusionConfig]]
+          ) -> tuple[bool, FusionConfig]:
+    """Rank 0's decision (is tuning over, the next config), on every rank: one small broadcast,
+    issued by every rank at the same step()."""
+    decision: Any = decide() if comm.rank == 0 else None
+    final, config = comm.broadcast_object(decision, 0)
+    return final, config
+
+
 class OnlineAutotuner:
     """Drives a FusionTuner from the optimizer's step(): same decisions on every rank."""
 
@@ -124,20 +167,13 @@ class OnlineAutotuner:
                  fingerprint: str, settle: int = 2, window: int = 5,
                  log_path: Optional[str] = None, out_path: Optional[str] = None,
                  clock: Callable[[], float] = time.perf_counter) -> None:
-        if settle < 0 or window < 1:
-            raise ValueError(f"autotune needs settle >= 0 and window >= 1 iterations, got "
-                             f"settle={settle}, window={window}")
+        self._timer = TrialTimer(settle, window, clock)
         self.tuner, self._comm = tuner, comm
         self.current = start
         self.finished = False
         self.samples_per_iteration: Optional[int] = None
         self._fingerprint = fingerprint
-        self._settle, self._window = settle, window
         self._log_path, self._out_path = log_path, out_path
-        self._clock = clock
-        self._last: Optional[float] = None
-        self._skip = settle
-        self._times: list[float] = []
         self._iteration = 0
         if comm.rank == 0 and log_path:
             open(log_path, "w").close()        # a fresh log per run
@@ -147,23 +183,11 @@ class OnlineAutotuner:
         before the next iteration (the same on every rank, at the same call), or None."""
         if self.finished:
             return None
-        now = self._clock()
         self._iteration += 1
-        if self._last is not None:
-            if self._skip > 0:
-                self._skip -= 1
-            else:
-                self._times.append(now - self._last)
-        self._last = now
-        if len(self._times) < self._window:
+        seconds = self._timer.tick()
+        if seconds is None:
             return None
-        decision: Any = None
-        if self._comm.rank == 0:
-            decision = self._decide(statistics.median(self._times))
-        # One small broadcast per trial, issued by every rank at the same step().
-        final, config = self._comm.broadcast_object(decision, 0)
-        self._times, self._skip = [], self._settle
-        self._last = None                      # the switch itself is not timed
+        final, config = agree(self._comm, lambda: self._decide(seconds))
         self.finished = final
         if config == self.current:
             return None

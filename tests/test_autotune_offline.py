@@ -1,0 +1,198 @@
+"""Offline fusion autotuning (autotune="offline"): the search on a hand-built graph, a 2-rank
+run that traces, simulates, confirms and switches like the online tuner (same layouts on every
+rank, same parameters as a fixed layout, tracer hooks gone), the settings."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import dear
+from dear.config import Autotune, Config, parse_autotune
+from dear.diagnose.costmodel import CostModel
+from dear.diagnose.graph import Model, Profile, Segment
+from dear.diagnose.simulate import Schedule, Simulator
+from dear.fusion import fusion_config
+from dear.fusion.fusion_config import FusionConfig
+from dear.fusion.offline import tune_offline
+from tests.distributed import run_distributed
+from tests.workloads import OPTIMIZERS, batch, make_net
+
+MB = 1 << 20
+
+
+# ------------------------------------------------------------------ the search, simulated
+def _chain(params: int = 8) -> Simulator:
+    """8 parameters of 1 MB, 4 ms of forward and of backward each, on a 1 Gbit/s link with
+    3 ms per latency step: many small buckets pay latency, few large ones hide nothing."""
+    prof = Profile(rank=0, lead=0.0,
+                   forward=[Segment(0.0)] + [Segment(0.004, (i,)) for i in range(params)],
+                   loss=0.0, backward=[Segment(0.004, produces=i) for i in reversed(range(params))],
+                   backward_tail=0.0, update=0.008, step_extra=0.0, tail=0.0)
+    model = Model(param_bytes=[MB] * params, param_numel=[MB // 4] * params,
+                  forward_order=list(range(params)), backward_order=list(reversed(range(params))),
+                  schedule="dear", buckets=[], fusion_threshold=None, world_size=2,
+                  profiles=[prof, prof])
+    return Simulator.from_model(model, CostModel.ideal(1e9, 3e-3, world_size=2))
+
+
+def test_offline_search_finds_what_the_simulator_says_is_best() -> None:
+    sim = _chain()
+    # Ground truth: every distinct layout of a fine grid (quarter powers of two), replayed.
+    sizes = [int(2 ** (20 + k / 4)) for k in range(13)]
+    truth: dict[tuple, float] = {}
+    for rs, ag, first in itertools.product(sizes, sizes, sizes + [None]):
+        config = FusionConfig(rs, ag, first)
+        key = sim.layout(config).signature()
+        if key not in truth:
+            truth[key] = sim.predict(Schedule.DEAR, fusion=config).iteration_time
+    optimum = min(truth.values())
+    default = sim.predict(Schedule.DEAR, fusion=FusionConfig.single(25 * MB)).iteration_time
+    assert optimum < 0.75 * default            # the layout matters on this graph
+    trials: list[tuple[FusionConfig, float]] = []
+    found = tune_offline(sim, 8 * MB, budget=24, top_k=3, initial=FusionConfig.single(25 * MB),
+                         on_trial=lambda c, t: trials.append((c, t)))
+    assert len(trials) == 24 and trials[0][0] == FusionConfig.single(25 * MB)
+    assert len(found) == 3
+    times = [t for _, t in found]
+    assert times == sorted(times) and times[0] == min(t for _, t in trials)
+    layouts = {sim.layout(c).signature() for c, _ in found}
+    assert len(layouts) == 3                   # distinct layouts, not three names for one
+    for config, predicted in found:            # what it reports is what the simulator says
+        assert predicted == sim.predict(Schedule.DEAR, fusion=config).iteration_time
+    assert times[0] <= 1.04 * optimum, (times[0], optimum)
+    with pytest.raises(ValueError, match="top_k"):
+        tune_offline(sim, 8 * MB, budget=2, top_k=0)
+
+
+# --------------------------------------------------------------------- 2 ranks, for real
+STEPS = 20
+
+
+def _hooks(model: torch.nn.Module, opt: torch.optim.Optimizer) -> int:
+    modules = sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())
+    params = sum(len(getattr(p, "_post_accumulate_grad_hooks", None) or {})
+                 for p in model.parameters())
+    return modules + params + len(opt._optimizer_step_pre_hooks) + len(
+        opt._optimizer_step_post_hooks)
+
+
+def _train(autotune: object, out_dir: str, world: int) -> dict:
+    import dear.fusion.tuner as tuner_module
+    tuner_module.MIN_BYTES = 256               # the test model is a few KB: search below 1 MB
+    os.environ.update(DEAR_AUTOTUNE_WINDOW="2", DEAR_AUTOTUNE_SETTLE="1",
+                      DEAR_AUTOTUNE_SIMULATED_TRIALS="8", DEAR_AUTOTUNE_CONFIRM="2",
+                      DEAR_AUTOTUNE_LOG=os.path.join(out_dir, "trials.jsonl"),
+                      DEAR_AUTOTUNE_OUT=os.path.join(out_dir, "fusion.json"))
+    dear.init()
+    rank = dear.rank()
+    model = make_net()
+    opt = dear.DistributedOptimizer(OPTIMIZERS["adam"](model.parameters()), model=model,
+                                    fusion_threshold=1024, autotune=autotune)
+    layouts, hooks, traced = [], [], []
+    for step in range(STEPS):
+        opt.zero_grad()
+        x, y = batch(step, world, rank)
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        layouts.append(opt._layout.signature())
+        hooks.append(_hooks(model, opt))
+        traced.append(type(opt._comm).__name__ == "TracingCommunicator"
+                      or "_apply" in opt.__dict__)
+    tuner = opt._autotuner
+    out = {"params": {k: v.clone() for k, v in model.state_dict().items()},
+           "layouts": layouts, "hooks": hooks, "traced": traced,
+           "plan": getattr(tuner, "plan", None), "finished": getattr(tuner, "finished", None),
+           "current": getattr(tuner, "current", None),
+           "iterations": getattr(tuner, "iterations", None), "fusion": opt._fusion,
+           "fingerprint": fusion_config.model_fingerprint(list(model.named_parameters()))}
+    dear.shutdown()
+    return out
+
+
+def test_offline_run_confirms_switches_everywhere_and_keeps_parameters(tmp_path) -> None:
+    world = 2
+    tuned = run_distributed(_train, world, "offline", str(tmp_path), world, timeout=180)
+    fixed = run_distributed(_train, world, False, str(tmp_path / "fixed"), world, timeout=120)
+    # Every rank held the same layout at every step, and tuning finished within the run: the
+    # first step and settle 1, trace 3 (iteration 0 + window 2), then 3 layouts x (1 untimed
+    # after the switch + settle 1 + window 2).
+    for rank in range(1, world):
+        assert tuned[rank]["layouts"] == tuned[0]["layouts"]
+        assert tuned[rank]["plan"] == tuned[0]["plan"]
+    first = tuned[0]
+    assert first["finished"] and first["iterations"] == 2 + 3 + 3 * 4
+    plan = first["plan"]
+    assert len(plan) == 3 and plan[0][0] == FusionConfig.single(1024)
+    assert all(p is not None and p > 0 for _, p in plan)
+    assert len({json.dumps(lay) for lay in first["layouts"]}) >= 2, "never switched"
+    assert first["fusion"] == first["current"] and first["current"] in [c for c, _ in plan]
+    # The tracer was attached only for its window: hooks and proxies gone, and the hook count
+    # back to what it was before tracing (an untraced iteration pays nothing).
+    assert first["traced"] == [False] + [True] * 3 + [False] * (STEPS - 4)
+    hooks = first["hooks"]
+    assert hooks[0] == hooks[4] == hooks[-1] and hooks[1] == hooks[3] > hooks[0]
+    # Numerics do not depend on the layout (2 shards: a + b == b + a, bit-identical).
+    for rank in range(world):
+        for name, value in fixed[rank]["params"].items():
+            assert torch.equal(tuned[rank]["params"][name], value), name
+    lines = [json.loads(x) for x in open(tmp_path / "trials.jsonl")]
+    simulated = [x for x in lines if x["phase"] == "simulated"]
+    confirmed = [x for x in lines if x["phase"] == "confirmed"]
+    assert len(simulated) == 8 and len(confirmed) == 3 and len(lines) == 11
+    assert all(x["predicted_s"] > 0 and "iteration_time_s" not in x for x in simulated)
+    assert all(x["predicted_s"] > 0 and x["iteration_time_s"] > 0 for x in confirmed)
+    assert [x["trial"] for x in lines] == list(range(1, 12))
+    best = min(confirmed, key=lambda x: x["iteration_time_s"])
+    saved = fusion_config.load(str(tmp_path / "fusion.json"), first["fingerprint"])
+    assert saved == first["current"]
+    assert round(saved.rs_threshold / MB, 3) == best["rs_threshold_mb"]
+    with open(tmp_path / "fusion.json") as f:
+        info = json.load(f)
+    assert info["simulated_trials"] == 8 and info["trials"] == 3
+    assert info["iteration_time_s"] == pytest.approx(best["iteration_time_s"], abs=1e-6)
+
+
+# ------------------------------------------------------------------------------ settings
+def test_autotune_values() -> None:
+    for value, mode in ((True, Autotune.ONLINE), ("1", Autotune.ONLINE),
+                        ("online", Autotune.ONLINE), ("Offline", Autotune.OFFLINE),
+                        (False, Autotune.OFF), ("0", Autotune.OFF), ("false", Autotune.OFF),
+                        (None, Autotune.OFF)):
+        assert parse_autotune(value) is mode
+    assert not Autotune.OFF and Autotune.ONLINE and Autotune.OFFLINE
+    assert Config.from_env({"DEAR_AUTOTUNE": "offline"}).autotune is Autotune.OFFLINE
+    assert Config.from_env({"DEAR_AUTOTUNE": "1"}).autotune is Autotune.ONLINE
+    assert Config(autotune=True).autotune is Autotune.ONLINE
+    with pytest.raises(ValueError, match="DEAR_AUTOTUNE='sideways'"):
+        Config.from_env({"DEAR_AUTOTUNE": "sideways"})
+    with pytest.raises(ValueError, match="confirm"):
+        Config(autotune_confirm=0)
+
+
+@pytest.fixture
+def local_dear():
+    dear.init(backend="local")
+    yield
+    dear.shutdown()
+
+
+def test_bad_autotune_arguments(local_dear) -> None:
+    model = make_net()
+    with pytest.raises(ValueError, match="autotune must be True/False, 'online' or 'offline'"):
+        dear.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model,
+                                  autotune="sideways")
+    with pytest.raises(ValueError, match="needs model="):
+        dear.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                  model.named_parameters(), autotune="offline")
+    with pytest.raises(ValueError, match="backward_passes_per_step"):
+        dear.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model,
+                                  backward_passes_per_step=2, autotune="offline")
+    with pytest.raises(ValueError, match="groups= fixes it"):
+        dear.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model,
+                                  groups=2, autotune="offline")
