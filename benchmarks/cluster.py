@@ -79,16 +79,19 @@ class Shape:
 
     def commands(self, dev: str) -> list[list[str]]:
         """`tc` argument lists shaping egress of `dev` (run inside its namespace)."""
-        burst = self.burst_bytes or max(256 * 1024, int(self.rate_bps / 8 * 0.002))
-        cmds, parent = [], ["root"]
+        cmds = []
         if self.delay_s:
             cmds.append(["qdisc", "add", "dev", dev, "root", "handle", "1:", "netem", "delay",
                          f"{self.delay_s * 1e6:.0f}us", "limit", "100000"])
-            parent = ["parent", "1:1"]
-        cmds.append(["qdisc", "add", "dev", dev, *parent, "handle", "10:", "tbf", "rate",
-                     f"{self.rate_bps:.0f}bit", "burst", str(burst),
-                     "latency", f"{self.queue_s * 1e3:g}ms"])
-        return cmds
+        return cmds + [self.rate_command(dev, "add")]
+
+    def rate_command(self, dev: str, verb: str = "change") -> list[str]:
+        """The tbf qdisc of `dev` (`change`: set a new rate on a running link)."""
+        burst = self.burst_bytes or max(256 * 1024, int(self.rate_bps / 8 * 0.002))
+        parent = ["parent", "1:1"] if self.delay_s else ["root"]
+        return ["qdisc", verb, "dev", dev, *parent, "handle", "10:", "tbf", "rate",
+                f"{self.rate_bps:.0f}bit", "burst", str(burst),
+                "latency", f"{self.queue_s * 1e3:g}ms"]
 
 
 class ClusterError(RuntimeError):
@@ -275,11 +278,20 @@ class EmulatedCluster:
                        HOROVOD_GLOO_RENDEZVOUS_PORT=str(horovod_port))
         if self.shaping:
             env["DEAR_CLUSTER_BANDWIDTH_REQUESTED"] = f"{self.shape.rate_bps:.0f}"
+            env["DEAR_CLUSTER_LINKS"] = ";".join(
+                f"{ns},{dev},{delay:g}" for ns, dev, delay in self.links())
         if self.measured_bps:
             env["DEAR_CLUSTER_BANDWIDTH_MEASURED"] = f"{self.measured_bps:.0f}"
         if self.pin:
             env["OMP_NUM_THREADS"] = "1"
         return env
+
+    def links(self) -> list[tuple[str, str, float]]:
+        """(namespace, device, netem delay) of every shaped egress: ranks' uploads, then the
+        switch ports (downloads)."""
+        sw = f"{PREFIX}{self.tag}-sw"
+        return ([(self.ns(r), self.ifname(r), self.shape.delay_s) for r in range(self.nproc)]
+                + [(sw, f"v{self.tag}s{r}", 0.0) for r in range(self.nproc)])
 
     def _host(self, rank: int) -> str:
         return f"rank{rank}" if self.shaping else "localhost"
@@ -335,6 +347,21 @@ class EmulatedCluster:
             for proc in ranks:
                 _kill_group(proc)
                 self._procs.remove(proc)
+
+
+def set_bandwidth(rate: str | float) -> None:
+    """From inside a run (any rank, root): give every link of this cluster a new rate, both
+    directions, as --bandwidth would have. Lets one run measure several bandwidths in
+    interleaved rounds, so the machine's drift hits every bandwidth alike."""
+    links = os.environ.get("DEAR_CLUSTER_LINKS")
+    if not links:
+        raise ClusterError("set_bandwidth() works only inside a shaped benchmarks.cluster run "
+                           "(DEAR_CLUSTER_LINKS is not set)")
+    bps = parse_rate(rate) if isinstance(rate, str) else float(rate)
+    for link in links.split(";"):
+        ns, dev, delay = link.split(",")
+        _run(["ip", "netns", "exec", ns, "tc",
+              *Shape(bps, float(delay)).rate_command(dev)])
 
 
 def _kill_group(proc: subprocess.Popen) -> None:

@@ -259,6 +259,23 @@ def test_measured_bandwidth_follows_the_requested_rate(owned: Launchers) -> None
 
 @pytest.mark.root
 @needs_root
+def test_set_bandwidth_changes_every_link_of_a_running_cluster(owned: Launchers,
+                                                               monkeypatch) -> None:
+    with EmulatedCluster(2, "1gbit") as c:
+        before = c.measure_bandwidth(both_ways=True)
+        # What a rank sees: the run's links in its environment.
+        monkeypatch.setenv("DEAR_CLUSTER_LINKS", c.env(0, 1)["DEAR_CLUSTER_LINKS"])
+        cluster.set_bandwidth("300mbit")
+        after = c.measure_bandwidth(both_ways=True)
+        assert 0.75e9 < before < 1.05e9 and 0.2e9 < after < 0.32e9, (before, after)
+    monkeypatch.delenv("DEAR_CLUSTER_LINKS")
+    with pytest.raises(cluster.ClusterError, match="DEAR_CLUSTER_LINKS"):
+        cluster.set_bandwidth("1gbit")
+    assert leftovers(os.getpid()) == []
+
+
+@pytest.mark.root
+@needs_root
 @pytest.mark.timeout(30)
 def test_two_runs_at_once_do_not_collide(owned: Launchers) -> None:
     with EmulatedCluster(2) as a, EmulatedCluster(2) as b:
