@@ -99,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------------------- driver
 def validate(args: argparse.Namespace) -> int:
     from benchmarks import results
-    from dear.diagnose import Simulator
+    from dear.diagnose import Simulator, fit_contention
     out = os.path.join(args.workdir, f"rounds-{args.model}")
     schedule = [args.trace_bandwidth] + [b for b in args.bandwidths.split(",") if b]
     path = os.path.join(out, "measured.json")
@@ -120,28 +120,39 @@ def validate(args: argparse.Namespace) -> int:
     link0 = links[args.trace_bandwidth]
     methods = args.methods.split(",")
     rows, data = [], []
+    contention = []
     for r, by_bw in enumerate(measured["rounds"]):
-        sims = {m: Simulator(os.path.join(out, f"r{r}", m)) for m in methods}
+        where = {m: os.path.join(out, f"r{r}", m) for m in methods}
+        sims = {m: Simulator(where[m]) for m in methods}
+        # Compute slowed by the transport on the same core, measured in this round: DeAR's
+        # trace against the all-reduce schedule's (no compute while communicating).
+        k = fit_contention(where["dear"], where["allreduce"])
+        contention.append(k)
+        slowed = {m: Simulator(where[m], contention=k) for m in methods}
         for bw in schedule:
             for method in methods:
                 real = by_bw[bw][method]
-                own = sims[method].predict(method, bandwidth_bps=links[bw],
-                                           traced_bandwidth_bps=link0)
-                from_dear = sims["dear"].predict(method, bandwidth_bps=links[bw],
-                                                 traced_bandwidth_bps=link0)
+                kw = dict(bandwidth_bps=links[bw], traced_bandwidth_bps=link0)
+                own = sims[method].predict(method, **kw)
+                from_dear = sims["dear"].predict(method, **kw)
+                own_k = slowed[method].predict(method, **kw)
                 data.append({"round": r, "bandwidth": bw, "link_bps": links[bw],
                              "method": method, "measured_s": real,
                              "predicted_own_trace_s": own.iteration_time,
                              "predicted_from_dear_trace_s": from_dear.iteration_time,
-                             "predicted_overlap": own.overlap})
+                             "predicted_own_trace_contention_s": own_k.iteration_time,
+                             "contention": k, "predicted_overlap": own.overlap})
                 rows.append([r, bw, f"{links[bw] / 1e9:.2f}", method, round(real * 1e3, 1),
                              round(own.iteration_time * 1e3, 1),
                              f"{own.iteration_time / real - 1:+.1%}",
                              round(from_dear.iteration_time * 1e3, 1),
-                             f"{from_dear.iteration_time / real - 1:+.1%}"])
+                             f"{from_dear.iteration_time / real - 1:+.1%}",
+                             round(own_k.iteration_time * 1e3, 1),
+                             f"{own_k.iteration_time / real - 1:+.1%}"])
     headers = ["round", "bandwidth (tc)", "link (Gbit/s)", "method", "measured (ms)",
                f"predicted from own trace at {args.trace_bandwidth} (ms)", "error",
-               f"predicted from DeAR's trace at {args.trace_bandwidth} (ms)", "error"]
+               f"predicted from DeAR's trace at {args.trace_bandwidth} (ms)", "error",
+               "own trace, with contention (ms)", "error"]
     table = results.markdown_table(headers, rows)
 
     def errors(key: str, where: Any) -> list[float]:
@@ -152,6 +163,14 @@ def validate(args: argparse.Namespace) -> int:
     own_other, dear_other = errors("predicted_own_trace_s", other), \
         errors("predicted_from_dear_trace_s", other)
     own_same = errors("predicted_own_trace_s", same)
+    cont_other = errors("predicted_own_trace_contention_s", other)
+    cont_same = errors("predicted_own_trace_contention_s", same)
+    cont_bw = {bw: statistics.mean(errors("predicted_own_trace_contention_s",
+                                          lambda d, bw=bw: d["bandwidth"] == bw))
+               for bw in schedule[1:]}
+    cont_method = {m: statistics.mean(errors("predicted_own_trace_contention_s",
+                                             lambda d, m=m: other(d) and d["method"] == m))
+                   for m in methods}
     per_method = {m: statistics.mean(errors("predicted_own_trace_s",
                                             lambda d, m=m: other(d) and d["method"] == m))
                   for m in methods}
@@ -170,7 +189,15 @@ def validate(args: argparse.Namespace) -> int:
              + "; per bandwidth " + ", ".join(f"{bw} {e:.1%}" for bw, e in per_bw.items())
              + f"), from DeAR's trace {statistics.mean(dear_other):.1%} (max "
              f"{max(dear_other):.1%}); at the traced bandwidth (untraced iterations of the "
-             f"same round): {statistics.mean(own_same):.1%} (max {max(own_same):.1%}). Link "
+             f"same round): {statistics.mean(own_same):.1%} (max {max(own_same):.1%}).\n\n"
+             f"With contention (compute 1 + k times slower while a collective is in flight, k "
+             f"fitted per round from DeAR's trace against the all-reduce schedule's: "
+             f"{', '.join(f'{k:.2f}' for k in contention)}): mean |error| at the other "
+             f"bandwidths {statistics.mean(cont_other):.1%} (max {max(cont_other):.1%}; per "
+             f"bandwidth " + ", ".join(f"{bw} {e:.1%}" for bw, e in cont_bw.items())
+             + "; per method " + ", ".join(f"{m} {e:.1%}" for m, e in cont_method.items())
+             + f"), at the traced bandwidth {statistics.mean(cont_same):.1%} (max "
+             f"{max(cont_same):.1%}).\n\nLink "
              f"rates: {', '.join(f'{bw} {v / 1e9:.2f}' for bw, v in links.items())} Gbit/s "
              f"(TCP at {args.trace_bandwidth}, scaled).")
     if args.reuse:

@@ -9,9 +9,9 @@ import pytest
 
 from dear.diagnose.chrome import FORMAT_VERSION, load_trace
 from dear.diagnose.costmodel import CostModel
-from dear.diagnose.engine import replay
+from dear.diagnose.engine import replay, replay_contended, stretched
 from dear.diagnose.graph import Model, Profile, Segment, build_model, collective_samples
-from dear.diagnose.simulate import Schedule, Simulator, predict_iteration_time
+from dear.diagnose.simulate import Schedule, Simulator, fit_contention, predict_iteration_time
 from dear.fusion.fusion_config import FusionConfig
 
 MB = 2**20
@@ -295,3 +295,28 @@ def test_simulated_layout_is_the_optimizers():
             assert mine.groups == [[b.spec.index for b in g.buckets]
                                    for g in real.gather_groups]
             assert mine.group_bytes() == [g.nbytes for g in real.gather_groups]
+
+
+def test_compute_slowed_while_the_link_is_busy_closed_form():
+    # 1 s of work from t=0; busy 0.5-1.0 at half speed (k=1): 0.5 + 0.25 by t=1, 0.25 after.
+    assert stretched(0.0, 1.0, [(0.5, 1.0)], 1.0) == pytest.approx(1.25)
+    assert stretched(0.0, 1.0, [(0.5, 1.0)], 0.0) == 1.0
+    assert stretched(2.0, 1.0, [(0.5, 1.0)], 1.0) == pytest.approx(1.0)    # after the busy
+    # A collective of 1 s issued at 0, then 1 s of compute: half speed while it runs.
+    prog = [[("issue", "c"), ("compute", 1.0, "x"), ("wait", "c"), ("mark", "end")]]
+    plain = replay_contended(prog, lambda key: 1.0, 0.0)
+    slowed = replay_contended(prog, lambda key: 1.0, 1.0)
+    assert plain.compute[0][0][:2] == (0.0, 1.0)
+    assert slowed.compute[0][0][:2] == (0.0, pytest.approx(1.5))
+
+
+def test_contention_takes_the_trace_back_to_quiet_compute(tmp_path):
+    trace = load_trace(_synthetic_dear_trace(tmp_path))
+    quiet, slowed = build_model(trace).profiles[0], build_model(trace, contention=1.0).profiles[0]
+    # Compute that overlapped a collective counts half with k = 1; the rest is unchanged.
+    assert slowed.compute < quiet.compute
+    assert slowed.lead == quiet.lead                   # no collective in flight before forward
+    # The overlapped trace against itself as the "clean" one: nothing to explain, k = 0.
+    assert fit_contention(trace, trace) == 0.0
+    with pytest.raises(ValueError, match="contention"):
+        Simulator(trace, contention=-1)

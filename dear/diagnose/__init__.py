@@ -8,7 +8,8 @@
 - `Simulator(path).predict(...)` / `predict_iteration_time(path, ...)`: replay the traced
   iteration's dependency graph under another schedule, bandwidth, latency, world size,
   fusion threshold or DeAR fusion layout (`fusion=FusionConfig(...)`; the objective of
-  dear.fusion.offline's tuner).
+  dear.fusion.offline's tuner). `Simulator(path, contention=fit_contention(overlapped,
+  clean))` also models compute slowed by communication on the same CPU.
 Command line: `python -m dear.diagnose report|simulate TRACE_DIR ...`.
 """
 
@@ -16,9 +17,9 @@ from .chrome import Trace, load_trace
 from .costmodel import CostModel
 from .plot import plot_timeline
 from .report import Report, build_report, format_report
-from .simulate import Prediction, Schedule, Simulator, predict_iteration_time
+from .simulate import Prediction, Schedule, Simulator, fit_contention, predict_iteration_time
 from .trace import Tracer, trace
 
 __all__ = ["CostModel", "Prediction", "Report", "Schedule", "Simulator", "Trace", "Tracer",
-           "build_report", "format_report", "load_trace", "plot_timeline",
+           "build_report", "fit_contention", "format_report", "load_trace", "plot_timeline",
            "predict_iteration_time", "trace"]

@@ -8,12 +8,20 @@ A program is a list of actions:
 Every rank issues the same collectives in the same order (as dear and DDP guarantee). Collective
 number c starts when every rank has issued it and collective c-1 has finished, and lasts
 `cost(key)`: one ring at a time on the link, as Gloo and NCCL's default stream run them.
+
+`contention` k: compute runs 1 + k times slower while a collective is on the link (the CPU
+that computes also runs the transport, as on the emulated cluster's one core per rank).
+`replay_contended` finds the link's busy time and the compute it slows together, by replaying
+until they agree.
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from typing import Callable, Hashable, Sequence
+
+from .intervals import Interval, union
 
 Action = tuple
 
@@ -31,7 +39,43 @@ class Replay:
         return [[t for name, t in marks if name == label] for marks in self.marks]
 
 
-def replay(programs: Sequence[Sequence[Action]], cost: Callable[[Hashable], float]) -> Replay:
+def stretched(start: float, work: float, busy: Sequence[Interval], contention: float) -> float:
+    """Wall time of `work` seconds of compute from `start` when it runs 1 + contention times
+    slower inside the (sorted, disjoint) `busy` intervals."""
+    if contention <= 0 or not busy or work <= 0:
+        return work
+    t, left = start, work
+    i = bisect.bisect_right([end for _, end in busy], t)
+    while i < len(busy):
+        lo, hi = busy[i]
+        if t < lo:                             # free until the next busy interval
+            if left <= lo - t:
+                break
+            left -= lo - t
+            t = lo
+        if left * (1 + contention) <= hi - t:
+            return t + left * (1 + contention) - start
+        left -= (hi - t) / (1 + contention)
+        t, i = hi, i + 1
+    return t + left - start
+
+
+def replay_contended(programs: Sequence[Sequence[Action]], cost: Callable[[Hashable], float],
+                     contention: float = 0.0, passes: int = 8) -> Replay:
+    """`replay` with compute slowed while the link is busy: replayed with the previous pass's
+    busy intervals until they stop moving (a few passes)."""
+    out = replay(programs, cost)
+    for _ in range(passes if contention > 0 else 0):
+        busy = union(out.comm.values())
+        nxt = replay(programs, cost, contention, busy)
+        if nxt.comm == out.comm:
+            return nxt
+        out = nxt
+    return out
+
+
+def replay(programs: Sequence[Sequence[Action]], cost: Callable[[Hashable], float],
+           contention: float = 0.0, busy: Sequence[Interval] = ()) -> Replay:
     ranks = len(programs)
     order: list[Hashable] = [a[1] for a in programs[0] if a[0] == "issue"]
     position = {key: c for c, key in enumerate(order)}
@@ -73,6 +117,7 @@ def replay(programs: Sequence[Sequence[Action]], cost: Callable[[Hashable], floa
                     seconds = float(action[1])
                     if seconds < 0:
                         raise ValueError(f"negative compute time {seconds} ({action[2]})")
+                    seconds = stretched(clock[r], seconds, busy, contention)
                     out.compute[r].append((clock[r], clock[r] + seconds, action[2]))
                     clock[r] += seconds
                 elif kind == "issue":

@@ -18,7 +18,7 @@ import statistics
 from typing import Any, Optional, Sequence
 
 from .chrome import RankTrace, Span, Trace
-from .intervals import Interval, clip, subtract, total, union
+from .intervals import Interval, clip, intersect, subtract, total, union
 
 
 @dataclasses.dataclass
@@ -75,11 +75,8 @@ class Model:
     fusion: Optional[dict[str, Any]] = None
 
 
-def _minus(span: Interval, holes: list[Interval]) -> float:
-    return total(subtract([span], holes))
-
-
-def _rank_profile(rank: RankTrace, iteration: int, comm: list[Interval]) -> Profile:
+def _rank_profile(rank: RankTrace, iteration: int, comm: list[Interval],
+                  contention: float = 0.0) -> Profile:
     spans = [s for s in rank.spans if s.iteration == iteration]
     window = rank.iterations[iteration]
     modules = rank.meta.get("modules", [])
@@ -91,6 +88,14 @@ def _rank_profile(rank: RankTrace, iteration: int, comm: list[Interval]) -> Prof
             f"and one step() per iteration; this one has {len(roots)} forward(s) of the model "
             f"and {len(steps)} step(s) (gradient accumulation is not modelled yet)")
     root, step = roots[0], steps[0]
+
+    def compute_in(span: Interval, holes: list[Interval]) -> float:
+        """Compute time in `span` outside `holes`; with `contention` k, the part spent while a
+        collective was in flight counts 1 / (1 + k): the work it would take on a quiet CPU."""
+        pieces = subtract([span], holes)
+        slowed = total(intersect(pieces, comm)) if contention > 0 else 0.0
+        return total(pieces) - slowed * contention / (1 + contention)
+
     updates = [(s.start, s.end) for s in spans if s.cat == "update"]
     waits = [(s.start, s.end) for s in rank.spans if s.cat == "wait"]    # any iteration's
     not_compute = union(updates + waits)
@@ -108,7 +113,7 @@ def _rank_profile(rank: RankTrace, iteration: int, comm: list[Interval]) -> Prof
             cuts.append((s.start, fresh))
     bounds = [root.start] + [t for t, _ in cuts] + [root.end]
     needs = [first] + [n for _, n in cuts]
-    forward = [Segment(_minus((a, b), not_compute), n)
+    forward = [Segment(compute_in((a, b), not_compute), n)
                for a, b, n in zip(bounds, bounds[1:], needs)]
 
     grads = sorted((s for s in spans if s.cat == "grad"), key=lambda s: s.start)
@@ -121,22 +126,22 @@ def _rank_profile(rank: RankTrace, iteration: int, comm: list[Interval]) -> Prof
             raise ValueError(f"rank {rank.rank} iteration {iteration}: parameter {param} got "
                              "two gradients (several backward passes per step are not modelled)")
         produced.add(param)
-        backward.append(Segment(_minus((cursor, g.start), not_compute), produces=param))
+        backward.append(Segment(compute_in((cursor, g.start), not_compute), produces=param))
         cursor = g.start
     blocked = union(not_compute + clip(comm, cursor, step.start))
-    update_spans = sum(_minus(u, waits) for u in updates)
-    step_compute = _minus((step.start, step.end), waits)
+    update_spans = sum(compute_in(u, waits) for u in updates)
+    step_compute = compute_in((step.start, step.end), waits)
     dear = rank.meta.get("schedule") == "dear"
     return Profile(
         rank=rank.rank,
-        lead=_minus((window.start, root.start), not_compute),
+        lead=compute_in((window.start, root.start), not_compute),
         forward=forward,
-        loss=_minus((root.end, start), not_compute),
+        loss=compute_in((root.end, start), not_compute),
         backward=backward,
-        backward_tail=_minus((cursor, step.start), blocked),
+        backward_tail=compute_in((cursor, step.start), blocked),
         update=update_spans if dear else step_compute,
         step_extra=step_compute if dear else 0.0,
-        tail=_minus((step.end, window.end), not_compute))
+        tail=compute_in((step.end, window.end), not_compute))
 
 
 def _median_profile(profiles: Sequence[Profile]) -> Profile:
@@ -152,15 +157,17 @@ def _median_profile(profiles: Sequence[Profile]) -> Profile:
     return Profile(rank=first.rank, forward=forward, backward=backward, **scalars)
 
 
-def build_model(trace: Trace, iterations: Optional[Sequence[int]] = None) -> Model:
-    """Profiles of every traced rank (median over `iterations`, default all complete ones)."""
+def build_model(trace: Trace, iterations: Optional[Sequence[int]] = None,
+                contention: float = 0.0) -> Model:
+    """Profiles of every traced rank (median over `iterations`, default all complete ones);
+    `contention`: see `_rank_profile` and engine.py."""
     chosen = list(iterations) if iterations is not None else trace.common_iterations()
     if not chosen:
         raise ValueError(f"{trace.path}: no iteration was traced on every rank")
     profiles, per_rank = [], []
     for rank in trace.ranks:
         comm = union((s.start, s.end) for s in rank.spans if s.cat == "comm")
-        per_it = [_rank_profile(rank, it, comm) for it in chosen]
+        per_it = [_rank_profile(rank, it, comm, contention) for it in chosen]
         per_rank.append(per_it)
         same = all(p.structure() == per_it[0].structure() for p in per_it)
         if same:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import statistics
 from typing import Optional, Sequence
 
 import torch
@@ -31,7 +32,7 @@ import torch
 from ..fusion.fusion_config import FusionConfig
 from .chrome import Trace, load_trace
 from .costmodel import CostModel
-from .engine import Action, Replay, replay
+from .engine import Action, Replay, replay_contended
 from .graph import Model, Profile, build_model, collective_samples
 from .intervals import clip, subtract, total, union
 
@@ -231,10 +232,16 @@ class Simulator:
     """A trace's profiles and fitted cost model, replayed under what-if settings."""
 
     def __init__(self, trace: "Trace | str", iterations: Optional[Sequence[int]] = None,
-                 cost: Optional[CostModel] = None) -> None:
+                 cost: Optional[CostModel] = None, contention: float = 0.0) -> None:
+        """`contention` k: compute runs 1 + k times slower while a collective is in flight
+        (see engine.py; `fit_contention` measures it). The trace's compute is taken back to
+        what it would be on a quiet CPU, and replays slow it where the link is busy."""
+        if contention < 0:
+            raise ValueError(f"contention must be >= 0, got {contention}")
         trace = load_trace(trace) if isinstance(trace, str) else trace
         samples = collective_samples(trace)
-        self.model = build_model(trace, iterations)
+        self.contention = contention
+        self.model = build_model(trace, iterations, contention)
         self.fitted: Optional[CostModel] = cost
         if cost is None and samples:
             self.fitted = CostModel.fit(samples, self.model.world_size)
@@ -243,7 +250,7 @@ class Simulator:
     def from_model(cls, model: Model, cost: Optional[CostModel] = None) -> "Simulator":
         """A simulator of hand-made profiles (tests, or a model built elsewhere)."""
         sim = cls.__new__(cls)
-        sim.model, sim.fitted = model, cost
+        sim.model, sim.fitted, sim.contention = model, cost, 0.0
         return sim
 
     def cost_model(self, bandwidth_bps: Optional[float] = None, latency_s: Optional[float] = None,
@@ -318,7 +325,9 @@ class Simulator:
                         for p in profiles]
             kinds = {"ar": "all_reduce"}
             nbytes = {"ar": [b for _, b in buckets]}
-        result = replay(programs, lambda key: cost.time(kinds[key[0]], nbytes[key[0]][key[2]]))
+        result = replay_contended(
+            programs, lambda key: cost.time(kinds[key[0]], nbytes[key[0]][key[2]]),
+            self.contention)
         return _measure(result, schedule, n, len(buckets))
 
 
@@ -344,6 +353,25 @@ def _measure(result: Replay, schedule: Schedule, n: int, nbuckets: int) -> Predi
         rows.append((hi - lo, total(compute), total(union(comm)), total(exposed), total(idle)))
     avg = [sum(col) / len(rows) for col in zip(*rows)]
     return Prediction(schedule, n, *avg, buckets=nbuckets)
+
+
+def fit_contention(overlapped: "Trace | str", clean: "Trace | str") -> float:
+    """k such that compute runs 1 + k times slower while a collective is in flight, from two
+    traces of the same model on the same machine: one whose compute overlaps communication
+    (DeAR, DDP) and one whose does not (the all-reduce schedule: communication after
+    backward). Wall compute C0 of the overlapped trace is its quiet-CPU work W plus
+    busy * k / (1 + k); W is the clean trace's compute; busy (compute time with a collective
+    in flight) comes from building the overlapped profile with k = 1 (C1 = C0 - busy / 2)."""
+    def compute(trace: "Trace | str", k: float) -> float:
+        model = build_model(load_trace(trace) if isinstance(trace, str) else trace,
+                            contention=k)
+        return statistics.mean(p.compute for p in model.profiles)
+    c0, c1, work = compute(overlapped, 0.0), compute(overlapped, 1.0), compute(clean, 0.0)
+    busy = 2 * (c0 - c1)
+    if busy <= 0:
+        raise ValueError("the overlapped trace has no compute while collectives are in flight")
+    x = min(max((c0 - work) / busy, 0.0), 0.9)   # k / (1 + k)
+    return x / (1 - x)
 
 
 def predict_iteration_time(trace: "Trace | str | Simulator",
