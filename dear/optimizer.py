@@ -261,6 +261,14 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
             if bucket.stage is Stage.GATHERING:
                 self._apply(bucket)
 
+    def _shutdown(self) -> None:
+        """dear.shutdown(): apply what is pending; an offline autotune still tracing detaches
+        its tracer (its hooks would otherwise stay on the model)."""
+        self.flush_updates()
+        close = getattr(self._autotuner, "close", None)
+        if close is not None and not self._autotuner.finished:
+            close()
+
     def synchronize(self) -> None:
         """Horovod's meaning. After backward: finish averaging now and put the averaged gradients
         in .grad (then `with optimizer.skip_synchronize(): optimizer.step()`), e.g. to clip or

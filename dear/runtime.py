@@ -77,7 +77,7 @@ def shutdown() -> None:
     if _state.comm is None:
         return
     for opt in list(_state.optimizers):
-        opt.flush_updates()
+        opt._shutdown()
     _state.comm.shutdown()
     if _state.owns_group and dist.is_initialized():
         dist.destroy_process_group()

@@ -158,6 +158,28 @@ def test_offline_run_confirms_switches_everywhere_and_keeps_parameters(tmp_path)
     assert info["iteration_time_s"] == pytest.approx(best["iteration_time_s"], abs=1e-6)
 
 
+def test_shutdown_inside_the_traced_window_detaches_the_tracer(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("DEAR_AUTOTUNE_WINDOW", "5")
+    monkeypatch.setenv("DEAR_AUTOTUNE_SETTLE", "1")
+    monkeypatch.setenv("DEAR_AUTOTUNE_LOG", str(tmp_path / "trials.jsonl"))
+    monkeypatch.setenv("DEAR_AUTOTUNE_OUT", str(tmp_path / "fusion.json"))
+    dear.init(backend="local")
+    model = make_net()
+    opt = dear.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model,
+                                    autotune="offline")
+    hooks = []
+    for step in range(3):                      # step 0 settles, the tracer starts in step 1
+        opt.zero_grad()
+        x, y = batch(step, 1, 0)
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        hooks.append(_hooks(model, opt))
+    assert hooks[2] > hooks[0], "the tracer should be attached inside its window"
+    dear.shutdown()
+    assert _hooks(model, opt) == hooks[0] and opt._autotuner.finished
+    assert not (tmp_path / "fusion.json").exists()
+
+
 # ------------------------------------------------------------------------------ settings
 def test_autotune_values() -> None:
     for value, mode in ((True, Autotune.ONLINE), ("1", Autotune.ONLINE),

@@ -151,6 +151,14 @@ class OfflineAutotuner:
             return None
         return self._confirm_step()
 
+    def close(self) -> None:
+        """Training ended inside the traced window (dear.shutdown()): detach the tracer and
+        plan nothing; the current layout stays."""
+        if self._tracer is not None:
+            self._tracer.stop(write=False)
+            self._tracer = None
+        self.finished = True
+
     # ------------------------------------------------------------------------ trace, plan
     def _start_trace(self) -> None:
         from ..diagnose.trace import Tracer
