@@ -269,7 +269,7 @@ def parse(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--final-rounds", type=int, default=3,
                    help="interleaved rounds of the final comparison (grid best, default, tuners)")
     p.add_argument("--suffix", default="")
-    p.add_argument("--timeout", type=float, default=1800.0)
+    p.add_argument("--timeout", type=float, default=3600.0)
     p.add_argument("--rank-main", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--bandwidth", default="", help=argparse.SUPPRESS)
     p.add_argument("--batch", type=int, default=8, help=argparse.SUPPRESS)
