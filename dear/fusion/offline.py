@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 from ..comm.base import Communicator
 from . import fusion_config
 from .fusion_config import FusionConfig
-from .tuner import FusionTuner, TrialTimer, agree
+from .tuner import FusionTuner, TrialDriver, TrialTimer
 
 if TYPE_CHECKING:
     from ..diagnose.simulate import Simulator
@@ -85,7 +85,7 @@ class _Phase(enum.Enum):
     CONFIRM = "confirm"
 
 
-class OfflineAutotuner:
+class OfflineAutotuner(TrialDriver):
     """Drives offline tuning from the optimizer's step(): the same switches on every rank, at
     the same call, as OnlineAutotuner (whose interface it has: on_step, current, finished)."""
 
@@ -149,7 +149,7 @@ class OfflineAutotuner:
             if self._tracer.iteration >= self._window:
                 self._finish_trace()
             return None
-        return self._confirm_step()
+        return self._timed_switch()
 
     def close(self) -> None:
         """Training ended inside the traced window (dear.shutdown()): detach the tracer and
@@ -236,17 +236,6 @@ class OfflineAutotuner:
         return [(self.current, predicted_now)] + others[:self._confirm]
 
     # -------------------------------------------------------------------------- confirm
-    def _confirm_step(self) -> Optional[FusionConfig]:
-        seconds = self._timer.tick()
-        if seconds is None:
-            return None
-        final, config = agree(self._comm, lambda: self._decide(seconds))
-        self.finished = final
-        if config == self.current:
-            return None
-        self.current = config
-        return config
-
     def _decide(self, seconds: float) -> tuple[bool, FusionConfig]:
         config, predicted = self.plan[len(self.confirmed)]
         self.confirmed.append((config, predicted, seconds))

@@ -151,16 +151,33 @@ class TrialTimer:
         return seconds
 
 
-def agree(comm: Communicator, decide: Callable[[], tuple[bool, FusionConfig]]
-          ) -> tuple[bool, FusionConfig]:
-    """Rank 0's decision (is tuning over, the next config), on every rank: one small broadcast,
-    issued by every rank at the same step()."""
-    decision: Any = decide() if comm.rank == 0 else None
-    final, config = comm.broadcast_object(decision, 0)
-    return final, config
+class TrialDriver:
+    """What both autotuners share: time a trial's window, let rank 0 decide, switch every rank
+    at the same step(). Subclasses set current, finished, _timer, _comm and define _decide."""
+
+    current: FusionConfig
+    finished: bool
+    _timer: TrialTimer
+    _comm: Communicator
+
+    def _decide(self, seconds: float) -> tuple[bool, FusionConfig]:
+        """Rank 0: record the trial that took `seconds`; (is tuning over, next config)."""
+        raise NotImplementedError
+
+    def _timed_switch(self) -> Optional[FusionConfig]:
+        seconds = self._timer.tick()
+        if seconds is None:
+            return None
+        decision: Any = self._decide(seconds) if self._comm.rank == 0 else None
+        # One small broadcast per trial, issued by every rank at the same step().
+        self.finished, config = self._comm.broadcast_object(decision, 0)
+        if config == self.current:
+            return None
+        self.current = config
+        return config
 
 
-class OnlineAutotuner:
+class OnlineAutotuner(TrialDriver):
     """Drives a FusionTuner from the optimizer's step(): same decisions on every rank."""
 
     def __init__(self, tuner: FusionTuner, comm: Communicator, start: FusionConfig, *,
@@ -184,15 +201,7 @@ class OnlineAutotuner:
         if self.finished:
             return None
         self._iteration += 1
-        seconds = self._timer.tick()
-        if seconds is None:
-            return None
-        final, config = agree(self._comm, lambda: self._decide(seconds))
-        self.finished = final
-        if config == self.current:
-            return None
-        self.current = config
-        return config
+        return self._timed_switch()
 
     def _decide(self, seconds: float) -> tuple[bool, FusionConfig]:
         tuner = self.tuner
