@@ -223,6 +223,16 @@ def test_simulate_cli(tmp_path, capsys):
     out = capsys.readouterr().out
     assert out.count("| dear |") == 2 and out.count("| ddp |") == 2
     assert main(["simulate", str(tmp_path / "nowhere")]) == 2
+    # DeAR's full layout and the contention model from the command line, as the API gives them.
+    assert main(["simulate", path, "--bandwidth", "1gbit", "--schedule", "dear",
+                 "--rs-threshold", "2MB", "--contention", "0.5"]) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines()
+               if line.startswith("| dear |"))
+    want = Simulator(path, contention=0.5).predict(
+        Schedule.DEAR, fusion=FusionConfig(2 * MB, 2 * MB, None), bandwidth_bps=1e9)
+    traced = Simulator(path).predict(Schedule.DEAR, bandwidth_bps=1e9)   # one bucket a param
+    assert row.split("|")[4].strip() == f"{want.iteration_time * 1e3:.1f}" != \
+        f"{traced.iteration_time * 1e3:.1f}"
 
 
 def test_concurrent_collectives_share_the_link(tmp_path):

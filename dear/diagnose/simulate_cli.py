@@ -27,8 +27,16 @@ def _seconds(text: str) -> float:
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    from .simulate import Schedule, Simulator
-    sim = Simulator(args.trace)
+    from ..fusion.fusion_config import FusionConfig
+    from .simulate import DEFAULT_THRESHOLD, Schedule, Simulator
+    sim = Simulator(args.trace, contention=args.contention)
+    fusion = None                              # DeAR's full layout, when any part is given
+    if args.rs_threshold is not None or args.ag_threshold is not None \
+            or args.first_bucket is not None:
+        rs = args.rs_threshold if args.rs_threshold is not None else (
+            args.fusion_threshold if args.fusion_threshold is not None else DEFAULT_THRESHOLD)
+        fusion = FusionConfig(rs_threshold=rs, ag_threshold=args.ag_threshold or rs,
+                              first_bucket=args.first_bucket)
     schedules = [Schedule(s) for s in args.schedule.split(",")]
     worlds = [int(w) for w in args.world_size.split(",")] if args.world_size else [None]
     print(f"{args.trace}: traced schedule {sim.model.schedule} on {sim.model.world_size} ranks")
@@ -41,7 +49,9 @@ def _simulate(args: argparse.Namespace) -> int:
     print("|---|---|---|---|---|---|---|---|")
     for n in worlds:
         for schedule in schedules:
-            p = sim.predict(schedule, fusion_threshold=args.fusion_threshold,
+            layout = dict(fusion=fusion) if fusion is not None and schedule is Schedule.DEAR \
+                else dict(fusion_threshold=args.fusion_threshold)
+            p = sim.predict(schedule, **layout,
                             bandwidth_bps=args.bandwidth, latency_s=args.latency, world_size=n,
                             traced_bandwidth_bps=args.traced_bandwidth,
                             compute_scale=args.compute_scale)
@@ -65,6 +75,15 @@ def add_parser(sub: Any) -> None:
                      help="comma-separated world sizes (default: the traced one)")
     sim.add_argument("--fusion-threshold", type=_parse_bytes, default=None,
                      help="bucket size, e.g. 25MB (default: as traced, else 25MB)")
+    sim.add_argument("--rs-threshold", type=_parse_bytes, default=None,
+                     help="DeAR only: reduce-scatter bucket size (default: --fusion-threshold)")
+    sim.add_argument("--ag-threshold", type=_parse_bytes, default=None,
+                     help="DeAR only: all-gather message size (default: the reduce-scatter one)")
+    sim.add_argument("--first-bucket", type=_parse_bytes, default=None,
+                     help="DeAR only: size of the first bucket, gathered alone")
+    sim.add_argument("--contention", type=float, default=0.0,
+                     help="compute 1 + K times slower while a collective is in flight (the "
+                          "transport on the compute's CPU; dear.diagnose.fit_contention)")
     sim.add_argument("--traced-bandwidth", type=_rate, default=None,
                      help="the traced link's rate: --bandwidth then keeps each collective's "
                           "measured efficiency instead of assuming the ideal rate")
