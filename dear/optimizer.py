@@ -265,9 +265,8 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
         """dear.shutdown(): apply what is pending; an offline autotune still tracing detaches
         its tracer (its hooks would otherwise stay on the model)."""
         self.flush_updates()
-        close = getattr(self._autotuner, "close", None)
-        if close is not None and not self._autotuner.finished:
-            close()
+        if self._autotuner is not None:
+            self._autotuner.close()
 
     def synchronize(self) -> None:
         """Horovod's meaning. After backward: finish averaging now and put the averaged gradients

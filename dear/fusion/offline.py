@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import json
 import logging
 import time
 import weakref
@@ -39,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 from ..comm.base import Communicator
 from . import fusion_config
 from .fusion_config import FusionConfig
-from .tuner import FusionTuner, TrialDriver, TrialTimer
+from .tuner import FusionTuner, TrialDriver, sizes_mb
 
 if TYPE_CHECKING:
     from ..diagnose.simulate import Simulator
@@ -102,11 +101,9 @@ class OfflineAutotuner(TrialDriver):
         except ImportError as exc:
             raise ImportError("autotuning needs scikit-optimize: pip install scikit-optimize "
                               "(or pip install 'dear[tune]')") from exc
+        super().__init__(comm, start, fingerprint=fingerprint, settle=settle, window=window,
+                         log_path=log_path, out_path=out_path, clock=clock)
         self._optimizer = weakref.ref(optimizer)   # the optimizer holds this object
-        self._comm = comm
-        self.current = start
-        self.finished = False
-        self.samples_per_iteration: Optional[int] = None
         #: every rank: [(config, predicted s)] confirmed in this order (current first)
         self.plan: list[tuple[FusionConfig, float]] = []
         #: rank 0: [(config, predicted s, measured s)]
@@ -115,18 +112,13 @@ class OfflineAutotuner(TrialDriver):
         #: seconds from the end of the traced window to the plan (rank 0: building the
         #: simulator and searching; the other ranks wait)
         self.search_s: Optional[float] = None
-        self._fingerprint, self._model_bytes, self._seed = fingerprint, model_bytes, seed
-        self._settle, self._window = settle, window
-        self._timer = TrialTimer(settle, window, clock)
+        self._model_bytes, self._seed = model_bytes, seed
+        self._window = window
         self._budget, self._confirm = simulated_trials, confirm
-        self._log_path, self._out_path = log_path, out_path
         self._phase = _Phase.SETTLE
         self._tracer: Any = None
         self._skip = settle
-        self._iteration = 0
         self._lines = 0
-        if comm.rank == 0 and log_path:
-            open(log_path, "w").close()        # a fresh log per run
 
     @property
     def iterations(self) -> int:
@@ -259,29 +251,20 @@ class OfflineAutotuner(TrialDriver):
     # -------------------------------------------------------------------------------- log
     def _log_simulated(self, config: FusionConfig, predicted: float) -> None:
         self.simulated_trials += 1
-        self._write({"phase": "simulated", **_sizes(config), "predicted_s": round(predicted, 6)})
+        self._write({"phase": "simulated", **sizes_mb(config),
+                     "predicted_s": round(predicted, 6)})
 
     def _log_confirmed(self, config: FusionConfig, predicted: float, seconds: float,
                        best: float) -> None:
-        samples = self.samples_per_iteration
         log.info("dear autotune (offline) confirmation %d: %s -> %.4f s/iteration "
                  "(predicted %.4f s)", len(self.confirmed), config.describe(), seconds,
                  predicted)
-        self._write({"phase": "confirmed", "iteration": self._iteration, **_sizes(config),
+        self._write({"phase": "confirmed", "iteration": self._iteration, **sizes_mb(config),
                      "predicted_s": round(predicted, 6),
                      "iteration_time_s": round(seconds, 6),
-                     "samples_per_s": None if not samples else round(samples / seconds, 2),
+                     "samples_per_s": self._samples_per_s(seconds),
                      "best_so_far_s": round(best, 6)})
 
     def _write(self, record: dict[str, Any]) -> None:
         self._lines += 1
-        if self._log_path:
-            with open(self._log_path, "a") as f:   # one line per trial, flushed at once
-                f.write(json.dumps({"trial": self._lines, **record}) + "\n")
-
-
-def _sizes(config: FusionConfig) -> dict[str, Optional[float]]:
-    return {"rs_threshold_mb": round(config.rs_threshold / 2**20, 3),
-            "ag_threshold_mb": round(config.ag_threshold / 2**20, 3),
-            "first_bucket_mb": (None if config.first_bucket is None
-                                else round(config.first_bucket / 2**20, 3))}
+        self._append_log({"trial": self._lines, **record})

@@ -151,14 +151,43 @@ class TrialTimer:
         return seconds
 
 
+def sizes_mb(config: FusionConfig) -> dict[str, Optional[float]]:
+    """A layout as a trial log line writes it."""
+    return {"rs_threshold_mb": round(config.rs_threshold / 2**20, 3),
+            "ag_threshold_mb": round(config.ag_threshold / 2**20, 3),
+            "first_bucket_mb": (None if config.first_bucket is None
+                                else round(config.first_bucket / 2**20, 3))}
+
+
 class TrialDriver:
     """What both autotuners share: time a trial's window, let rank 0 decide, switch every rank
-    at the same step(). Subclasses set current, finished, _timer, _comm and define _decide."""
+    at the same step(), log each trial as a JSON line. Subclasses define _decide."""
 
-    current: FusionConfig
-    finished: bool
-    _timer: TrialTimer
-    _comm: Communicator
+    def __init__(self, comm: Communicator, start: FusionConfig, *, fingerprint: str,
+                 settle: int, window: int, log_path: Optional[str], out_path: Optional[str],
+                 clock: Callable[[], float]) -> None:
+        self._timer = TrialTimer(settle, window, clock)
+        self._comm = comm
+        self.current = start
+        self.finished = False
+        self.samples_per_iteration: Optional[int] = None
+        self._fingerprint = fingerprint
+        self._log_path, self._out_path = log_path, out_path
+        self._iteration = 0
+        if comm.rank == 0 and log_path:
+            open(log_path, "w").close()        # a fresh log per run
+
+    def close(self) -> None:
+        """Training ends (dear.shutdown()): release what tuning holds; nothing by default."""
+
+    def _append_log(self, record: dict[str, Any]) -> None:
+        if self._log_path:
+            with open(self._log_path, "a") as f:  # one line per trial, flushed at once
+                f.write(json.dumps(record) + "\n")
+
+    def _samples_per_s(self, seconds: float) -> Optional[float]:
+        samples = self.samples_per_iteration
+        return None if not samples else round(samples / seconds, 2)
 
     def _decide(self, seconds: float) -> tuple[bool, FusionConfig]:
         """Rank 0: record the trial that took `seconds`; (is tuning over, next config)."""
@@ -184,16 +213,9 @@ class OnlineAutotuner(TrialDriver):
                  fingerprint: str, settle: int = 2, window: int = 5,
                  log_path: Optional[str] = None, out_path: Optional[str] = None,
                  clock: Callable[[], float] = time.perf_counter) -> None:
-        self._timer = TrialTimer(settle, window, clock)
-        self.tuner, self._comm = tuner, comm
-        self.current = start
-        self.finished = False
-        self.samples_per_iteration: Optional[int] = None
-        self._fingerprint = fingerprint
-        self._log_path, self._out_path = log_path, out_path
-        self._iteration = 0
-        if comm.rank == 0 and log_path:
-            open(log_path, "w").close()        # a fresh log per run
+        super().__init__(comm, start, fingerprint=fingerprint, settle=settle, window=window,
+                         log_path=log_path, out_path=out_path, clock=clock)
+        self.tuner = tuner
 
     def on_step(self) -> Optional[FusionConfig]:
         """Call at the end of every step() on every rank. Returns the config to switch to
@@ -222,22 +244,12 @@ class OnlineAutotuner(TrialDriver):
 
     def _log_trial(self, seconds: float) -> None:
         config, k = self.current, len(self.tuner.trials)
-        samples = self.samples_per_iteration
-        record = {
-            "trial": k, "iteration": self._iteration,
-            "rs_threshold_mb": round(config.rs_threshold / 2**20, 3),
-            "ag_threshold_mb": round(config.ag_threshold / 2**20, 3),
-            "first_bucket_mb": (None if config.first_bucket is None
-                                else round(config.first_bucket / 2**20, 3)),
-            "iteration_time_s": round(seconds, 6),
-            "samples_per_s": None if not samples else round(samples / seconds, 2),
-            "best_so_far_s": round(self.tuner.best_time or seconds, 6),
-        }
         log.info("dear autotune trial %d: %s -> %.4f s/iteration", k, config.describe(),
                  seconds)
-        if self._log_path:
-            with open(self._log_path, "a") as f:  # one line per trial, flushed at once
-                f.write(json.dumps(record) + "\n")
+        self._append_log({"trial": k, "iteration": self._iteration, **sizes_mb(config),
+                          "iteration_time_s": round(seconds, 6),
+                          "samples_per_s": self._samples_per_s(seconds),
+                          "best_so_far_s": round(self.tuner.best_time or seconds, 6)})
 
 
 def default_paths(directory: str = ".") -> tuple[str, str]:
