@@ -45,7 +45,7 @@ def stretched(start: float, work: float, busy: Sequence[Interval], contention: f
     if contention <= 0 or not busy or work <= 0:
         return work
     t, left = start, work
-    i = bisect.bisect_right([end for _, end in busy], t)
+    i = bisect.bisect_right(busy, t, key=lambda interval: interval[1])
     while i < len(busy):
         lo, hi = busy[i]
         if t < lo:                             # free until the next busy interval

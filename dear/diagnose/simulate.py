@@ -115,13 +115,6 @@ def dear_layout(model: Model, fusion: Optional[FusionConfig], world_size: int,
     return DearLayout(out, [list(g) for g in gathers])
 
 
-def dear_buckets(model: Model, threshold: Optional[int], world_size: int,
-                 unclaimed_first: bool = False) -> list[tuple[list[int], int]]:
-    """(parameters, wire bytes) per bucket for one threshold (`dear_layout`'s buckets)."""
-    fusion = None if threshold is None else FusionConfig.single(threshold)
-    return dear_layout(model, fusion, world_size, unclaimed_first).buckets
-
-
 def _dtype_of(nbytes: int, numel: int) -> torch.dtype:
     return {2: torch.float16, 8: torch.float64}.get(nbytes // max(numel, 1), torch.float32)
 
@@ -295,32 +288,37 @@ class Simulator:
         cost = self.cost_model(bandwidth_bps, latency_s, world_size, traced_bandwidth_bps)
         # Each traced iteration replayed on its own; the median one is the prediction (the
         # median of iterations, as measured, rather than an iteration of medians).
-        runs = [self._replay(ps, schedule, fusion_threshold, fusion, cost, compute_scale,
-                             unclaimed_first)
+        plan = self._plan(schedule, fusion_threshold, fusion, cost.world_size, unclaimed_first)
+        runs = [self._replay(ps, schedule, plan, cost, compute_scale)
                 for ps in (self.model.iterations or [self.model.profiles])]
         runs.sort(key=lambda p: p.iteration_time)
         return runs[len(runs) // 2]
 
-    def _replay(self, profiles: list[Profile], schedule: Schedule,
-                fusion_threshold: Optional[int], fusion: Optional[FusionConfig],
-                cost: CostModel, compute_scale: float, unclaimed_first: bool) -> Prediction:
-        n = cost.world_size
+    def _plan(self, schedule: Schedule, fusion_threshold: Optional[int],
+              fusion: Optional[FusionConfig], n: int, unclaimed_first: bool
+              ) -> "tuple[list[tuple[list[int], int]], Optional[DearLayout]]":
+        """The schedule's buckets (and DeAR's layout), planned once per prediction."""
         m = self.model
-        profiles = [_scaled(p, compute_scale) for p in profiles]
         threshold = DEFAULT_THRESHOLD if fusion_threshold is None else fusion_threshold
         if schedule is Schedule.DEAR:
             layout = dear_layout(m, fusion, n, unclaimed_first)
-            buckets = layout.buckets
-            programs = [_dear_program(p, layout, m.param_numel) for p in profiles]
+            return layout.buckets, layout
+        if schedule is Schedule.ALLREDUCE:
+            return [(list(range(len(m.param_bytes))), sum(m.param_bytes))], None
+        if schedule is Schedule.DDP:
+            return ddp_buckets(m, threshold, DDP_FIRST_BUCKET), None
+        return wfbp_buckets(m, threshold), None
+
+    def _replay(self, profiles: list[Profile], schedule: Schedule,
+                plan: "tuple[list[tuple[list[int], int]], Optional[DearLayout]]",
+                cost: CostModel, compute_scale: float) -> Prediction:
+        buckets, layout = plan
+        profiles = [_scaled(p, compute_scale) for p in profiles]
+        if layout is not None:
+            programs = [_dear_program(p, layout, self.model.param_numel) for p in profiles]
             kinds = {"rs": "reduce_scatter", "ag": "all_gather"}
             nbytes = {"rs": [b for _, b in buckets], "ag": layout.group_bytes()}
         else:
-            if schedule is Schedule.ALLREDUCE:
-                buckets = [(list(range(len(m.param_bytes))), sum(m.param_bytes))]
-            elif schedule is Schedule.DDP:
-                buckets = ddp_buckets(m, threshold, DDP_FIRST_BUCKET)
-            else:
-                buckets = wfbp_buckets(m, threshold)
             programs = [_allreduce_program(p, buckets, schedule is Schedule.ALLREDUCE)
                         for p in profiles]
             kinds = {"ar": "all_reduce"}
@@ -328,7 +326,7 @@ class Simulator:
         result = replay_contended(
             programs, lambda key: cost.time(kinds[key[0]], nbytes[key[0]][key[2]]),
             self.contention)
-        return _measure(result, schedule, n, len(buckets))
+        return _measure(result, schedule, cost.world_size, len(buckets))
 
 
 def _scaled(p: Profile, k: float) -> Profile:
