@@ -34,19 +34,16 @@ METHODS = "dear,ddp,wfbp,allreduce"
 
 
 # ----------------------------------------------------------------------------- one rank
-def _step(net: Any, opt: Any, batch: Callable, loss_fn: Callable, step: int, rank: int) -> float:
-    x, y = batch(step, rank)
-    start = time.perf_counter()
-    opt.zero_grad()
-    loss_fn(net(x), y).backward()
-    opt.step()
-    return time.perf_counter() - start
-
-
-def _slowest_median(times: list[float]) -> float:
-    t = torch.tensor([statistics.median(times)])
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
+def trace_window(net: Any, opt: Any, batch: Callable, loss_fn: Callable, step: int, where: str,
+                 iterations: int) -> int:
+    """Trace `iterations` iterations into `where`, starting at batch `step`; returns the next
+    batch. Iteration 0 runs traced but unrecorded (so the all-gathers iteration 1 waits for are
+    traced ones) and one more runs after the window (so the last one's complete)."""
+    from benchmarks.train import time_steps
+    from dear import diagnose
+    with diagnose.trace(net, opt, out=where, iterations=range(1, 1 + iterations)):
+        time_steps(net, opt, batch, loss_fn, iterations + 2, step)
+    return step + iterations + 2
 
 
 def run(args: argparse.Namespace) -> int:
@@ -54,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
     with --overhead-rounds, alternating untraced and traced blocks of --iters iterations."""
     import dear
     from benchmarks import baselines
-    from benchmarks.train import make_sgd, workload
+    from benchmarks.train import make_sgd, slowest_median, time_steps, workload
     from dear import diagnose
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -67,32 +64,26 @@ def run(args: argparse.Namespace) -> int:
     step = 0
     for method in args.methods.split(","):
         net, opt = baselines.prepare(method, build(), make_sgd, blocks)
-        for _ in range(args.warmup):
-            _step(net, opt, batch, loss_fn, step, rank)
-            step += 1
+        time_steps(net, opt, batch, loss_fn, args.warmup, step)
+        step += args.warmup
         dist.barrier()
         plain, traced = [], []
         for round_ in range(max(args.overhead_rounds, 1)):
-            for _ in range(args.iters):
-                plain.append(_step(net, opt, batch, loss_fn, step, rank))
-                step += 1
+            plain += time_steps(net, opt, batch, loss_fn, args.iters, step)
+            step += args.iters
             if args.overhead_rounds:
                 where = os.path.join(args.out, "overhead", f"{method}-{round_}")
                 with diagnose.trace(net, opt, out=where, iterations=range(0, args.iters)):
-                    for _ in range(args.iters):
-                        traced.append(_step(net, opt, batch, loss_fn, step, rank))
-                        step += 1
+                    traced += time_steps(net, opt, batch, loss_fn, args.iters, step)
+                step += args.iters
                 dist.barrier()
-        res: dict[str, Any] = {"median_s": _slowest_median(plain), "times": plain}
+        res: dict[str, Any] = {"median_s": slowest_median(plain), "times": plain}
         if traced:
-            res["traced_median_s"] = _slowest_median(traced)
+            res["traced_median_s"] = slowest_median(traced)
             res["traced_times"] = traced
         if args.trace_iters:
-            where = os.path.join(args.out, method)
-            with diagnose.trace(net, opt, out=where, iterations=range(1, 1 + args.trace_iters)):
-                for _ in range(args.trace_iters + 2):
-                    _step(net, opt, batch, loss_fn, step, rank)
-                    step += 1
+            step = trace_window(net, opt, batch, loss_fn, step, os.path.join(args.out, method),
+                                args.trace_iters)
         if method in ("dear", "dear-hvd"):
             opt.flush_updates()
         out["methods"][method] = res

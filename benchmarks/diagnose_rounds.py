@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from benchmarks.diagnose import DEFAULT_WORKDIR, METHODS, _knob_args, _slowest_median, _step
+from benchmarks.diagnose import DEFAULT_WORKDIR, METHODS, _knob_args, trace_window
 
 RESULTS_NAME = "diagnose_validation_rounds"
 
@@ -38,8 +38,7 @@ def run(args: argparse.Namespace) -> int:
     import dear
     from benchmarks import baselines
     from benchmarks.cluster import parse_rate, set_bandwidth
-    from benchmarks.train import make_sgd, workload
-    from dear import diagnose
+    from benchmarks.train import make_sgd, slowest_median, time_steps, workload
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     dear.init(backend="torch")
@@ -60,22 +59,16 @@ def run(args: argparse.Namespace) -> int:
             measured[bw] = {}
             for method in methods:
                 net, opt = prepared[method]
-                for _ in range(args.warmup):
-                    _step(net, opt, batch, loss_fn, step, rank)
-                    step += 1
+                time_steps(net, opt, batch, loss_fn, args.warmup, step)
+                step += args.warmup
                 dist.barrier()
-                times = []
-                for _ in range(args.iters):
-                    times.append(_step(net, opt, batch, loss_fn, step, rank))
-                    step += 1
-                measured[bw][method] = _slowest_median(times)
+                times = time_steps(net, opt, batch, loss_fn, args.iters, step)
+                step += args.iters
+                measured[bw][method] = slowest_median(times)
                 if bw == args.trace_bandwidth:
-                    where = os.path.join(args.out, f"r{r}", method)
-                    with diagnose.trace(net, opt, out=where,
-                                        iterations=range(1, 1 + args.trace_iters)):
-                        for _ in range(args.trace_iters + 2):
-                            _step(net, opt, batch, loss_fn, step, rank)
-                            step += 1
+                    step = trace_window(net, opt, batch, loss_fn, step,
+                                        os.path.join(args.out, f"r{r}", method),
+                                        args.trace_iters)
                 if method in ("dear", "dear-hvd"):
                     opt.flush_updates()        # nothing in flight into the next method's block
                 dist.barrier()
