@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------------------- driver
 def validate(args: argparse.Namespace) -> int:
     from benchmarks import results
-    from dear.diagnose import Simulator, fit_contention
+    from dear.diagnose import Simulator, build_report, fit_contention
     out = os.path.join(args.workdir, f"rounds-{args.model}")
     schedule = [args.trace_bandwidth] + [b for b in args.bandwidths.split(",") if b]
     path = os.path.join(out, "measured.json")
@@ -113,7 +113,7 @@ def validate(args: argparse.Namespace) -> int:
     link0 = links[args.trace_bandwidth]
     methods = args.methods.split(",")
     rows, data = [], []
-    contention = []
+    contention, compute = [], []  # per round: k; median compute per iteration per method
     for r, by_bw in enumerate(measured["rounds"]):
         where = {m: os.path.join(out, f"r{r}", m) for m in methods}
         sims = {m: Simulator(where[m]) for m in methods}
@@ -121,6 +121,8 @@ def validate(args: argparse.Namespace) -> int:
         # trace against the all-reduce schedule's (no compute while communicating).
         k = fit_contention(where["dear"], where["allreduce"])
         contention.append(k)
+        compute.append({m: statistics.median(i.compute for i in build_report(where[m])
+                                             .iterations()) for m in methods})
         slowed = {m: Simulator(where[m], contention=k) for m in methods}
         for bw in schedule:
             for method in methods:
@@ -190,7 +192,11 @@ def validate(args: argparse.Namespace) -> int:
              f"bandwidth " + ", ".join(f"{bw} {e:.1%}" for bw, e in cont_bw.items())
              + "; per method " + ", ".join(f"{m} {e:.1%}" for m, e in cont_method.items())
              + f"), at the traced bandwidth {statistics.mean(cont_same):.1%} (max "
-             f"{max(cont_same):.1%}).\n\nLink "
+             f"{max(cont_same):.1%}). Median compute per traced iteration (ms; the all-reduce "
+             f"schedule computes while nothing is in flight): "
+             + "; ".join(f"round {r}: " + ", ".join(f"{m} {c * 1e3:.0f}" for m, c in row.items())
+                         for r, row in enumerate(compute))
+             + ".\n\nLink "
              f"rates: {', '.join(f'{bw} {v / 1e9:.2f}' for bw, v in links.items())} Gbit/s "
              f"(TCP at {args.trace_bandwidth}, scaled).")
     if args.reuse:
