@@ -94,6 +94,12 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
         self._reduced = False                  # clip_grad_norm_ finished the reduce-scatters
         self._amp_found_inf: Optional[torch.Tensor] = None  # shards unscaled; agreed found-inf
         self._clipped_scaled = False           # clipped without knowing of a GradScaler
+        # dear.KFAC's eigenbasis path (dear/kfac/overlap.py): it edits buckets before the
+        # reduce-scatter and after the all-gather, and needs `_ties` kept in one bucket each.
+        self._transform: Any = None
+        self._ties: list[list[int]] = []
+        self._relayout_wanted = False          # new ties: re-plan when nothing is in flight
+        self._preconditioner_synced = False    # dear.KFAC called synchronize() for this step
         self._hooks: list[Any] = []
         # Parameters' hooks live where the garbage collector cannot follow them: they hold the
         # optimizer weakly, or a dropped optimizer would keep itself and the model alive forever.
@@ -173,6 +179,8 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
             # (and last step's "full"): it waits for step(), which applies it first.
             if bucket.stage is not Stage.IDLE or not bucket.full:
                 return
+            if self._transform is not None:
+                self._transform.before_reduce(bucket)
             bucket.start_reduce_scatter(self._comm, self._prescale)
             self._next_launch += 1
 
@@ -187,13 +195,16 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
                              "update is applied later, in the next forward pass")
         amp.check_contract(self, grad_scaler)
         if self._synchronized:                 # Horovod loop: .grad already holds the average
-            if not self._skip_sync:
+            if not self._skip_sync and not self._preconditioner_synced:
                 warnings.warn("optimizer.step() after optimizer.synchronize() without "
                               "optimizer.skip_synchronize(): the gradients are already "
                               "averaged and are applied as they are")
-            self._synchronized = False
+            self._synchronized = self._preconditioner_synced = False
             if grad_scaler is None or not amp.unscale_averaged_grads(grad_scaler, self):
                 self._inner_step(self)
+            if self._relayout_wanted:          # nothing is in flight after a synchronized step
+                self._relayout_wanted = False
+                self._relayout(self._fusion)
             return
         if self._skip_sync:
             raise RuntimeError("step() inside skip_synchronize() needs optimizer.synchronize() "
@@ -279,6 +290,8 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
         assert self._buckets is not None
         for bucket in self._buckets:
             used = bucket.finish_all_gather()
+            if self._transform is not None:
+                self._transform.after_gather(bucket)
             for p, view, u in zip(bucket.params, bucket.grad_views, used):
                 if u and p.grad is None:
                     p.grad = view.clone()
@@ -288,6 +301,19 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
         self._num_pending = 0
         self._synchronized = True
         self._discard_provisional_plan()
+
+    def _synchronize_for_preconditioner(self) -> None:
+        """dear.KFAC on a step that preconditions .grad: synchronize(), and the step() that
+        follows applies .grad as after Horovod's skip_synchronize(), without a warning."""
+        if self._had_gradients and not self._synchronized:
+            self.synchronize()
+            self._preconditioner_synced = self._synchronized
+
+    def _attach_transform(self, transform: Any, ties: list[list[int]]) -> None:
+        """dear.KFAC's eigenbasis path; with buckets already planned, `ties` take effect at the
+        next synchronized step() (dear.KFAC synchronizes until the layout fits)."""
+        self._transform, self._ties = transform, ties
+        self._relayout_wanted = self._buckets is not None and not transform.layout_fits()
 
     @contextlib.contextmanager
     def skip_synchronize(self) -> Iterator[None]:
@@ -303,6 +329,8 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
         """Run the wrapped optimizer's update on this bucket's parameters only, with the averaged
         gradient as .grad (a view into the gathered buffer); the user's .grad is put back."""
         used = bucket.finish_all_gather()
+        if self._transform is not None:
+            self._transform.after_gather(bucket)
         saved = native.swap_grads(bucket.params, [view if u else None for view, u
                                                   in zip(bucket.grad_views, used)])
         groups = self.param_groups
@@ -366,7 +394,7 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
             size = -(-len(order) // explicit)
             explicit = [order[k:k + size] for k in range(0, len(order), size)]
         layout = build_layout(self._params, order, fusion, self._comm.size, explicit,
-                              self._compression, self._sparse_as_dense)
+                              self._compression, self._sparse_as_dense, self._ties)
         self._fusion = fusion
         self._layout = layout
         self._buckets, self._where = layout.buckets, layout.where

@@ -258,6 +258,26 @@ def reference_run(name: str, world: int, steps: int, opt_lr: float = 0.05,
     return out
 
 
+def reference_params(name: str, world: int, steps: int, opt_lr: float = 0.05,
+                     **kfac: Any) -> list[dict[str, Tensor]]:
+    """Parameters after every step of SGD(opt_lr) training with the reference (index 0: the
+    initial ones)."""
+    model = make_model(name)
+    ref = ReferenceKFAC(model, **kfac)
+    opt = torch.optim.SGD(model.parameters(), lr=opt_lr)
+    out = [params_of(model)]
+    for step in range(steps):
+        ref.backward_on_shards([batch(name, step, world, r) for r in range(world)])
+        ref.step()
+        opt.step()
+        out.append(params_of(model))
+    return out
+
+
+def params_of(model: nn.Module) -> dict[str, Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
 def max_rel_diff(a: dict[str, Tensor], b: dict[str, Tensor]) -> float:
     assert a.keys() == b.keys(), (sorted(a), sorted(b))
     return max(float((a[k] - b[k]).abs().max() / b[k].abs().max().clamp(min=1e-30)) for k in a)

@@ -23,6 +23,20 @@ def test_zero_threshold_is_one_bucket_per_parameter_and_huge_is_one():
     assert len(plan_buckets(ps, list(range(4)), 1 << 30, 1)) == 1
 
 
+def test_tied_parameters_share_a_bucket():
+    ps = params(*[(10, torch.float32)] * 5)
+    # threshold 0: one bucket per parameter, except a tie (dear.KFAC's weight and bias), which
+    # is placed where its first member comes in the order, even when the members are apart
+    specs = plan_buckets(ps, [0, 1, 2, 3, 4], 0, 1, tied=[[1, 2], [4, 0]])
+    assert [s.params for s in specs] == [(0, 4), (1, 2), (3,)]
+    # a tie may overshoot the threshold rather than be split
+    specs = plan_buckets(ps, [0, 1, 2, 3, 4], 80, 1, tied=[[1, 2]])
+    assert [s.params for s in specs] == [(0,), (1, 2), (3, 4)]
+    # explicit groups win over ties
+    specs = plan_buckets(ps, [0, 1, 2, 3, 4], 0, 1, [[2, 3]], tied=[[1, 2]])
+    assert [s.params for s in specs] == [(0,), (1,), (2, 3), (4,)]
+
+
 def test_dtypes_never_mix():
     ps = params((4, torch.float32), (4, torch.float16), (4, torch.float16), (4, torch.float32))
     specs = plan_buckets(ps, list(range(4)), 1 << 30, 1)

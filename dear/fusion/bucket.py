@@ -48,6 +48,9 @@ class Bucket:
         self.used = [0.0] * len(self.params)
         self.num_packed = 0
         self.stage = Stage.IDLE
+        # What a gradient transform did to the packed gradients before the reduce-scatter
+        # (dear.KFAC's eigenbasis rotation, dear/kfac/overlap.py), undone after the all-gather.
+        self.transformed: Optional[object] = None
         self._work: Optional[Work] = None
         # Native path (csrc/, `native` None: DEAR_NATIVE and whether it was built): hooks only
         # record gradients; C++ packs the bucket, flags and padding when the last one arrives.
@@ -162,3 +165,4 @@ class Bucket:
         self.used = [0.0] * len(self.params)
         self.num_packed = 0
         self.stage = Stage.IDLE
+        self.transformed = None

@@ -34,13 +34,14 @@ class Layout:
 
 
 def plan_layout(params: Sequence[torch.Tensor], order: Sequence[int], fusion: FusionConfig,
-                world_size: int, explicit: Optional[Sequence[Sequence[int]]] = None
+                world_size: int, explicit: Optional[Sequence[Sequence[int]]] = None,
+                tied: Sequence[Sequence[int]] = ()
                 ) -> tuple[list[BucketSpec], list[list[int]]]:
     """Bucket specs and all-gather groups (bucket indices) without allocating anything: the
     one place the rules are applied, for the optimizer and for dear.diagnose's simulator
     (which passes meta tensors)."""
     specs = plan_buckets(params, order, fusion.rs_threshold, world_size, explicit,
-                         first_bucket_bytes=fusion.first_bucket)
+                         first_bucket_bytes=fusion.first_bucket, tied=tied)
     groups = plan_gather_groups(specs, fusion.ag_threshold,
                                 first_alone=fusion.first_bucket is not None)
     return specs, groups
@@ -49,8 +50,8 @@ def plan_layout(params: Sequence[torch.Tensor], order: Sequence[int], fusion: Fu
 def build_layout(params: Sequence[torch.nn.Parameter], order: Sequence[int],
                  fusion: FusionConfig, world_size: int,
                  explicit: Optional[Sequence[Sequence[int]]], compression: Compressor,
-                 sparse_as_dense: bool) -> Layout:
-    specs, plan = plan_layout(params, order, fusion, world_size, explicit)
+                 sparse_as_dense: bool, tied: Sequence[Sequence[int]] = ()) -> Layout:
+    specs, plan = plan_layout(params, order, fusion, world_size, explicit, tied)
     buckets = [Bucket(s, [params[i] for i in s.params], compression.wire_dtype(s.dtype),
                       sparse_as_dense) for s in specs]
     where = [(buckets[0], 0)] * len(params)

@@ -39,18 +39,25 @@ def _padded(numel: int, world_size: int) -> int:
 
 def plan_buckets(params: Sequence[torch.Tensor], order: Sequence[int], threshold_bytes: int,
                  world_size: int, explicit: Optional[Sequence[Sequence[int]]] = None,
-                 first_bucket_bytes: Optional[int] = None) -> list[BucketSpec]:
+                 first_bucket_bytes: Optional[int] = None,
+                 tied: Sequence[Sequence[int]] = ()) -> list[BucketSpec]:
     """Group `params` (visited in `order`) into buckets of at most `threshold_bytes` of gradient.
 
     A bucket never mixes dtypes or devices; a parameter larger than the threshold gets a bucket
     of its own; a threshold of 0 gives one bucket per parameter. `explicit` groups (Horovod's
     `groups=`) become one bucket each, placed where their first member comes in `order`.
     `first_bucket_bytes`, if given, is the threshold of the first bucket instead.
+    `tied` parameters (dear.KFAC's weight and bias of one layer) are never split between
+    buckets: they join the bucket of the first of them in `order`, as one unit.
     """
     if sorted(order) != list(range(len(params))):
         raise ValueError("order must be a permutation of the parameter indices")
     position = {idx: k for k, idx in enumerate(order)}
     group_of = {idx: g for g, members in enumerate(explicit or ()) for idx in members}
+    tie_of = {idx: sorted(members, key=position.__getitem__)
+              for members in tied if not any(m in group_of for m in members)
+              and len({(params[m].dtype, params[m].device) for m in members}) == 1
+              for idx in members}
     groups: list[list[int]] = []
     current: list[int] = []
     current_bytes = 0
@@ -67,8 +74,11 @@ def plan_buckets(params: Sequence[torch.Tensor], order: Sequence[int], threshold
                 current, current_bytes = [], 0
             groups.append(members)
             continue
+        unit = tie_of.get(idx, [idx])
+        if unit[0] != idx:
+            continue                            # placed with the first of its tie
         p = params[idx]
-        nbytes = p.numel() * p.element_size()
+        nbytes = sum(params[m].numel() * params[m].element_size() for m in unit)
         same_kind = bool(current) and (params[current[0]].dtype == p.dtype
                                        and params[current[0]].device == p.device)
         limit = (first_bucket_bytes if first_bucket_bytes is not None and not groups
@@ -76,7 +86,7 @@ def plan_buckets(params: Sequence[torch.Tensor], order: Sequence[int], threshold
         if current and (not same_kind or current_bytes + nbytes > limit):
             groups.append(current)
             current, current_bytes = [], 0
-        current.append(idx)
+        current.extend(unit)
         current_bytes += nbytes
     if current:
         groups.append(current)

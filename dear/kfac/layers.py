@@ -65,28 +65,39 @@ class KFACLayer:
     def batch_g(self, g: Tensor) -> Tensor:
         raise NotImplementedError
 
+    def matrix_of(self, weight: Tensor, bias: Tensor | None) -> Tensor:
+        """(g_dim, a_dim): a weight-shaped tensor with a bias-shaped one as the last column (the
+        gradient, or anything laid out like it: a fusion bucket's slots)."""
+        m = weight.reshape(weight.shape[0], -1)
+        if bias is not None:
+            m = torch.cat([m, bias.reshape(-1, 1)], dim=1)
+        return m
+
+    def write_matrix(self, matrix: Tensor, weight: Tensor, bias: Tensor | None) -> None:
+        """The inverse of matrix_of: copy a (g_dim, a_dim) matrix into the two tensors."""
+        n = weight[0].numel()
+        weight.copy_(matrix[:, :n].reshape(weight.shape))
+        if bias is not None:
+            bias.copy_(matrix[:, n].reshape(bias.shape))
+
     def grad_matrix(self) -> Tensor | None:
-        """(g_dim, a_dim): weight gradient with the bias gradient as the last column; None when
-        the weight has no gradient (the layer took no part in the loss)."""
+        """The gradient as matrix_of lays it out; None when the weight has no gradient (the
+        layer took no part in the loss)."""
         w = self.weight.grad
         if w is None:
             return None
-        m = w.reshape(w.shape[0], -1)
+        b = None
         if self.bias is not None:
             b = self.bias.grad if self.bias.grad is not None else torch.zeros_like(self.bias)
-            m = torch.cat([m, b.reshape(-1, 1)], dim=1)
-        return m
+        return self.matrix_of(w, b)
 
     def set_grad(self, matrix: Tensor) -> None:
         """Write a (g_dim, a_dim) matrix back into .grad (in place, keeping the tensors)."""
-        w = self.weight
-        assert w.grad is not None
-        n = w.grad[0].numel()
-        w.grad.copy_(matrix[:, :n].reshape(w.grad.shape))
-        if self.bias is not None:
-            if self.bias.grad is None:
-                self.bias.grad = torch.zeros_like(self.bias)
-            self.bias.grad.copy_(matrix[:, n].reshape(self.bias.grad.shape))
+        assert self.weight.grad is not None
+        if self.bias is not None and self.bias.grad is None:
+            self.bias.grad = torch.zeros_like(self.bias)
+        self.write_matrix(matrix, self.weight.grad,
+                          None if self.bias is None else self.bias.grad)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r}, A {self.a_dim}, G {self.g_dim})"
@@ -167,13 +178,11 @@ class EmbeddingLayer(KFACLayer):
     def batch_g(self, g: Tensor) -> Tensor:
         return covariance(g.detach().reshape(-1, g.shape[-1]).to(factor_dtype(g)))
 
-    def grad_matrix(self) -> Tensor | None:
-        w = self.weight.grad
-        return None if w is None else w.t()
+    def matrix_of(self, weight: Tensor, bias: Tensor | None) -> Tensor:
+        return weight.t()
 
-    def set_grad(self, matrix: Tensor) -> None:
-        assert self.weight.grad is not None
-        self.weight.grad.copy_(matrix.t())
+    def write_matrix(self, matrix: Tensor, weight: Tensor, bias: Tensor | None) -> None:
+        weight.copy_(matrix.t())
 
 
 def _padding(conv: nn.Conv2d) -> tuple[int, int]:

@@ -26,13 +26,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .. import runtime
 from .assignment import EVERYWHERE
 from .comm import Transport, measure_network
 from .costs import CostModel, NetworkModel, calibrate
 from .enums import ComputeMethod, Strategy, parse
 from .exchange import BroadcastExchange, FactorExchange
 from .linalg import Decomposition, flat_size, flatten, precondition, unflatten
+from .overlap import DearLink
 from .options import NAMES, Hyper, Hyperparameters, check, find_layers, resolve
 from .planner import LayerShape, Plan, PlanInputs, make_plan
 from .state import LayerState
@@ -94,6 +94,10 @@ class KFAC:
         self._force_decompose = False
         self._factor_step_cache = (-1, False)
         self._model = model
+        # With dear.DistributedOptimizer: eigenbasis preconditioning on its reduced shards
+        # (dear/kfac/overlap.py); decided at the first step, once the plan is known.
+        self._link: DearLink | None = None
+        self.overlapped_steps = 0                  # steps preconditioned on DeAR's shards
         self._hooks = [s.layer.module.register_forward_hook(functools.partial(self._on_forward, s))
                        for s in self.layers]
 
@@ -154,18 +158,39 @@ class KFAC:
     # ------------------------------------------------------------------ step
     @torch.no_grad()
     def step(self) -> None:
-        """Precondition the gradients in .grad (call after backward, before optimizer.step)."""
-        _check_not_pending_dear(self.layers)
+        """Precondition the gradients in .grad (call after backward, before optimizer.step).
+        With dear.DistributedOptimizer, the averaged gradients it holds (dear/kfac/overlap.py)."""
         hyper = self.hyperparameters()
         if self.plan is None:
             self._make_plan(hyper)
+        decompose = self.steps % hyper.inv_update_freq == 0 or self._force_decompose
+        on_shards = self._dear.begin_step(decompose)
         if self.steps % hyper.factor_update_freq == 0:
             self._update_factors(hyper.factor_decay)
-        if self.steps % hyper.inv_update_freq == 0 or self._force_decompose:
+        if decompose:
             self._update_decompositions(hyper)
             self._force_decompose = False
-        self._precondition(hyper)
+        if on_shards:
+            self._dear.overlap.precondition_shards(  # type: ignore[union-attr]
+                hyper.damping, hyper.lr, hyper.kl_clip)
+            self.overlapped_steps += 1
+        else:
+            self._precondition(hyper)
         self.steps += 1
+        self._dear.end_step(self._keeps_bases())
+
+    def _keeps_bases(self) -> bool:
+        """Whether the next step preconditions with the decompositions held now."""
+        freq = self.hyperparameters().inv_update_freq
+        return self.steps % freq != 0 and not self._force_decompose
+
+    @property
+    def _dear(self) -> DearLink:
+        if self._link is None:
+            assert self.plan is not None
+            everywhere = self.size == 1 or self.plan.strategy is Strategy.COMM_OPT
+            self._link = DearLink(self.layers, self.method is ComputeMethod.EIGEN and everywhere)
+        return self._link
 
     def _make_plan(self, hyper: Hyperparameters) -> None:
         order = self._order + [s.index for s in self.layers if s.index not in self._order]
@@ -345,6 +370,8 @@ class KFAC:
             s.g_dec = _decomposition(saved.get("G_dec"), self.method) if same_method else None
         # Decompositions missing where factors exist are recomputed at the next step, by every
         # rank's plan (all ranks load the same checkpoint, so they agree).
+        if self._link is not None:          # the armed eigenbases are no longer ours
+            self._link.disarm()
         self._force_decompose = "layers" not in state or not same_method or any(
             (s.a is not None and s.a_dec is None) for s in self.layers)
 
@@ -352,6 +379,8 @@ class KFAC:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+        if self._link is not None:
+            self._link.disarm()
 
 
 def _clone(t: Tensor | None) -> Tensor | None:
@@ -371,17 +400,3 @@ def _decomposition(saved: dict[str, Any] | None, method: ComputeMethod
     if saved is None:
         return None
     return Decomposition(method, _clone(saved["q"]), _clone(saved["d"]), _clone(saved["inv"]))
-
-
-def _check_not_pending_dear(layers: list[LayerState]) -> None:
-    """With dear.DistributedOptimizer, .grad holds this rank's gradient until synchronize():
-    preconditioning it would be silently lost (DeAR already took the raw gradient)."""
-    if not runtime.is_initialized():
-        return
-    params = {p for s in layers for p in s.layer.module.parameters(recurse=False)}
-    for opt in list(runtime._state.optimizers):
-        if getattr(opt, "_grads_since_step", False) and any(p in params for p in opt._params):
-            raise RuntimeError(
-                "dear.KFAC.step() with dear.DistributedOptimizer needs the averaged gradients: "
-                "call optimizer.synchronize() after backward, then precond.step(), then "
-                "`with optimizer.skip_synchronize(): optimizer.step()` (Horovod's K-FAC loop)")
