@@ -1,6 +1,8 @@
 """dear.KFAC benchmarks: iteration time of distributed K-FAC variants, and convergence on digits.
 
     make kfac-bench      # all of it: emulated 2-node cluster (root; else loopback) + digits
+    python -m benchmarks.cluster --nproc 2 --bandwidth 1gbit -- python -m benchmarks.kfac \
+        iteration --model resnet --methods sgd,spd,dear-sync,dear-overlap --name kfac.dear
     python -m benchmarks.cluster --nproc 2 --bandwidth 1gbit -- \
         python -m benchmarks.kfac iteration --model resnet --inv-freqs 1,10 --name kfac
     python -m benchmarks.kfac convergence        # one process, sklearn's digits
@@ -16,6 +18,12 @@ Iteration methods (gradients averaged by torch DDP in every method, SGD with mom
   pad     PAD-KFAC: factors (upper triangles, from the hooks) REDUCED to the layer's owner,
           owners are contiguous blocks (DP); owners precondition and broadcast the gradient
   mem-opt factors all-reduced, LPT owners precondition and broadcast (KAISA's MEM-OPT)
+  dear-sync     SPD with gradients averaged by dear.DistributedOptimizer, Horovod's loop
+                (synchronize(); precond.step(); step() in skip_synchronize()): the all-gathers
+                complete before preconditioning
+  dear-overlap  the same with the plain loop (backward(); precond.step(); step()): between
+                decompositions, preconditioning in the eigenbasis on DeAR's reduced shards and
+                the all-gathers overlapped with the next forward (dear/kfac/overlap.py)
 Timing: mean over whole inverse intervals (a median would skip the inverse steps).
 """
 
@@ -45,6 +53,8 @@ METHODS: dict[str, dict[str, Any]] = {
     "spd": dict(strategy="comm-opt"),
     "pad": dict(strategy="pad"),
     "mem-opt": dict(strategy="mem-opt"),
+    "dear-sync": dict(strategy="comm-opt"),
+    "dear-overlap": dict(strategy="comm-opt"),
 }
 
 
@@ -169,11 +179,19 @@ def _launcher_note() -> str:
 
 def _time_method(method: str, inv_freq: int, make: Callable[[], nn.Module],
                  batch: Callable[[int, int], Any], warmup: int, intervals: int) -> dict[str, Any]:
+    import dear
     from dear.kfac import KFAC
     rank = dist.get_rank()
     torch.manual_seed(0)
-    model = nn.parallel.DistributedDataParallel(make())
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    with_dear = method.startswith("dear-")
+    if with_dear:
+        dear.init()                            # reuses this process group
+        model = make()
+        opt = dear.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01,
+                                                        momentum=0.9), model=model)
+    else:
+        model = nn.parallel.DistributedDataParallel(make())
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     precond = None
     if method != "sgd":
         precond = KFAC(model, inv_update_freq=inv_freq, **KFAC_ARGS, **METHODS[method])
@@ -188,17 +206,28 @@ def _time_method(method: str, inv_freq: int, make: Callable[[], nn.Module],
         loss = F.cross_entropy(model(x), y)
         loss.backward()
         mid = time.perf_counter()
+        if method == "dear-sync":
+            opt.synchronize()
         if precond is not None:
             precond.step()
         pre_times.append(time.perf_counter() - mid)
-        opt.step()
+        if method == "dear-sync":
+            with opt.skip_synchronize():
+                opt.step()
+        else:
+            opt.step()
         times.append(time.perf_counter() - start)
         losses.append(loss.item())
+    if with_dear:
+        overlapped = precond.overlapped_steps if precond is not None else 0
+        dear.shutdown()                        # applies the last pending update
     timed = times[warmup:]
     slowest = torch.tensor([statistics.mean(timed)])
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     out = {"mean_s": slowest.item(), "median_s": statistics.median(timed),
            "precond_mean_s": statistics.mean(pre_times[warmup:]), "losses": losses}
+    if with_dear:
+        out["overlapped_steps"] = overlapped
     if precond is not None:
         out["plan"] = {"strategy": precond.plan.strategy.value,
                        "estimates": precond.plan.estimates,
@@ -316,8 +345,11 @@ def everything(argv: list[str]) -> int:
     args = p.parse_args(argv)
     shaping = [] if not args.no_shaping and os.geteuid() == 0 else ["--no-shaping"]
     status = 0
+    with_dear = ["--methods", "sgd,spd,dear-sync,dear-overlap"]
     for extra in (["collectives"], ["iteration", "--model", "resnet", "--name", "kfac"],
-                  ["iteration", "--model", "bert", "--name", "kfac.bert"]):
+                  ["iteration", "--model", "bert", "--name", "kfac.bert"],
+                  ["iteration", "--model", "resnet", *with_dear, "--name", "kfac.dear"],
+                  ["iteration", "--model", "bert", *with_dear, "--name", "kfac.dear.bert"]):
         cmd = [sys.executable, "-m", "benchmarks.cluster", "--nproc", "2", "--bandwidth",
                args.bandwidth, *shaping, "--timeout", "3000", "--",
                sys.executable, "-m", "benchmarks.kfac", *extra]

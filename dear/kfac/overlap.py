@@ -24,7 +24,7 @@ import dataclasses
 import logging
 import math
 import weakref
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -42,7 +42,7 @@ class Rotation:
     """The eigenbases one backward pass rotates with. A bucket rotated with it is rotated back
     with the same tensors, whatever the preconditioner holds by then (a load_state_dict)."""
 
-    bases: dict[int, tuple[Tensor, Optional[Tensor], Tensor, Tensor]]  # QG, QA, dG, dA
+    bases: dict[int, tuple[Tensor, Tensor | None, Tensor, Tensor]]  # QG, QA, dG, dA
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +51,7 @@ class _Slot:
 
     layer: LayerState
     weight: int
-    bias: Optional[int]
+    bias: int | None
 
 
 class EigenbasisOverlap:
@@ -64,7 +64,7 @@ class EigenbasisOverlap:
         index = optimizer._index
         self._params = [(s, index[s.layer.weight],
                          None if s.layer.bias is None else index[s.layer.bias]) for s in layers]
-        self.armed: Optional[Rotation] = None
+        self.armed: Rotation | None = None
         self._layout: Any = None
         self._slots: dict[int, list[_Slot]] = {}
         self._scales: dict[int, tuple[Tensor, Tensor]] = {}
@@ -89,7 +89,7 @@ class EigenbasisOverlap:
         where = opt._where
         return all(b is None or where[w][0] is where[b][0] for _, w, b in self._params)
 
-    def arm(self, rotation: Optional[Rotation]) -> None:
+    def arm(self, rotation: Rotation | None) -> None:
         """Rotate the buckets reduced from now on with `rotation` (None: leave them alone)."""
         self.armed = rotation
 
@@ -165,7 +165,7 @@ class EigenbasisOverlap:
         return self._slots.get(bucket.spec.index, [])
 
     @staticmethod
-    def _views(bucket: Bucket, slot: _Slot) -> tuple[Tensor, Optional[Tensor]]:
+    def _views(bucket: Bucket, slot: _Slot) -> tuple[Tensor, Tensor | None]:
         return (bucket.grad_views[slot.weight],
                 None if slot.bias is None else bucket.grad_views[slot.bias])
 
@@ -200,7 +200,7 @@ class EigenbasisOverlap:
         return self._scales
 
 
-def _slot_view(flat: Tensor, bucket: Bucket, j: Optional[int]) -> Optional[Tensor]:
+def _slot_view(flat: Tensor, bucket: Bucket, j: int | None) -> Tensor | None:
     """Parameter j's place in a tensor laid out like the bucket's buffer."""
     if j is None:
         return None
@@ -208,7 +208,7 @@ def _slot_view(flat: Tensor, bucket: Bucket, j: Optional[int]) -> Optional[Tenso
     return flat[offset:offset + numel].view(bucket.params[j].shape)
 
 
-def rotation_of(layers: list[LayerState]) -> Optional[Rotation]:
+def rotation_of(layers: list[LayerState]) -> Rotation | None:
     """The eigenbases of every layer that has both factors and both decompositions (the others
     are left to the optimizer unpreconditioned, as in the synchronous path); None if none has."""
     bases = {}
@@ -227,7 +227,7 @@ class DearLink:
     def __init__(self, layers: list[LayerState], eigen_everywhere: bool) -> None:
         self._layers = layers
         self._eigen_everywhere = eigen_everywhere   # method eigen, every rank every basis
-        self.overlap: Optional[EigenbasisOverlap] = None
+        self.overlap: EigenbasisOverlap | None = None
         self._decided = False
 
     def _optimizers(self) -> list[Any]:
