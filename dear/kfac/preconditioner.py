@@ -11,6 +11,8 @@ Life of one step (read top to bottom):
             precondition (COMM_OPT: every rank, every layer; MEM_OPT/PAD: owners, then a
             broadcast of the preconditioned gradients); KL-clip with the global scale; write
             the result into .grad.
+With dear.DistributedOptimizer, steps that keep the decompositions precondition its reduced shards
+in the eigenbasis instead (dear/kfac/overlap.py); the others call its synchronize() first.
 The first step also learns the execution order and how often each layer runs per step, then
 makes the plan on rank 0 (broadcast): until then nothing is pipelined.
 """
@@ -43,9 +45,9 @@ log = logging.getLogger("dear")
 class KFAC:
     """K-FAC preconditioner (kfac-pytorch's conventions) with SPD/PAD-style distribution.
 
-    Loop: `loss.backward(); precond.step(); optimizer.step()`. With a Horovod-style optimizer
-    (hvd or dear.DistributedOptimizer): `loss.backward(); optimizer.synchronize();
-    precond.step(); with optimizer.skip_synchronize(): optimizer.step()`.
+    Loop: `loss.backward(); precond.step(); optimizer.step()` (one process, torch DDP,
+    dear.DistributedOptimizer). With hvd.DistributedOptimizer: `loss.backward();
+    optimizer.synchronize(); precond.step(); with optimizer.skip_synchronize(): optimizer.step()`.
     Every hyperparameter may be a callable of the step (precond.steps).
     """
 
