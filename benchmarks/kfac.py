@@ -2,7 +2,8 @@
 
     make kfac-bench      # all of it: emulated 2-node cluster (root; else loopback) + digits
     python -m benchmarks.cluster --nproc 2 --bandwidth 1gbit -- python -m benchmarks.kfac \
-        iteration --model resnet --methods sgd,spd,dear-sync,dear-overlap --name kfac.dear
+        iteration --model resnet --methods sgd,spd,dear-sync,dear-overlap --rounds 3 \
+        --name kfac.dear
     python -m benchmarks.cluster --nproc 2 --bandwidth 1gbit -- \
         python -m benchmarks.kfac iteration --model resnet --inv-freqs 1,10 --name kfac
     python -m benchmarks.kfac convergence        # one process, sklearn's digits
@@ -243,23 +244,31 @@ def iteration(argv: list[str]) -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--intervals", type=int, default=4,
                    help="timed iterations: this many (freq 1) or this many inverse intervals")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="measure every method this many times, interleaved, in an order "
+                        "rotated each round; report the median (this machine drifts by more "
+                        "than the differences measured)")
     p.add_argument("--name", default="")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     make, batch = bench_model(args.model)
-    report: dict[str, dict[str, Any]] = {}
-    for freq in map(int, args.inv_freqs.split(",")):
-        for method in args.methods.split(","):
-            if method == "sgd" and "sgd" in report:
-                continue
+    methods = args.methods.split(",")
+    runs = [(m, f) for f in map(int, args.inv_freqs.split(",")) for m in methods
+            if m != "sgd" or f == int(args.inv_freqs.split(",")[0])]
+    rounds: dict[str, list[dict[str, Any]]] = {}
+    for r in range(args.rounds):
+        shift = r % len(runs)
+        for method, freq in runs[shift:] + runs[:shift]:
             res = _time_method(method, freq, make, batch, args.warmup, args.intervals)
             key = method if method == "sgd" else f"{method}@{freq}"
-            report[key] = res
+            rounds.setdefault(key, []).append(res)
             if rank == 0:
-                print(f"{args.model} {key}: {res['mean_s'] * 1e3:.0f} ms/iteration "
-                      f"(precond.step {res['precond_mean_s'] * 1e3:.0f} ms)", flush=True)
+                print(f"{args.model} round {r + 1} {key}: {res['mean_s'] * 1e3:.0f} "
+                      f"ms/iteration (precond.step {res['precond_mean_s'] * 1e3:.0f} ms)",
+                      flush=True)
+    report = {key: _median_round(results) for key, results in rounds.items()}
     if rank == 0:
         rows = []
         for key, res in report.items():
@@ -274,17 +283,44 @@ def iteration(argv: list[str]) -> int:
         table = results.markdown_table(
             ["model", "method", "inv_update_freq", "mean iteration (ms)", "precond.step (ms)",
              "speed-up vs naive", "speed vs SGD"], rows)
+        pairs = _per_round_ratios(rounds)
+        if pairs:
+            table += "\n\n" + pairs
         print(table)
         if args.name:
             bw = os.environ.get("DEAR_CLUSTER_BANDWIDTH_MEASURED")
             results.write(args.name, f"dear.KFAC iteration time, {args.model}", {
                 "args": vars(args), "world": dist.get_world_size(), "kfac_args": KFAC_ARGS,
-                "bandwidth_measured_bps": float(bw) if bw else None, "methods": report},
-                table, "Mean over the timed iterations of the slowest rank; factor updates "
-                "every iteration. Gradients averaged by torch DDP in every method. "
-                + _launcher_note())
+                "bandwidth_measured_bps": float(bw) if bw else None, "methods": report,
+                "rounds": rounds},
+                table, "Mean over the timed iterations of the slowest rank (with --rounds, the "
+                "median over rounds of it); factor updates every iteration. Gradients averaged "
+                "by torch DDP, except in dear-sync and dear-overlap "
+                "(dear.DistributedOptimizer). " + _launcher_note())
     dist.destroy_process_group()
     return 0
+
+
+def _median_round(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """The round with the median mean iteration time (its other figures with it)."""
+    ordered = sorted(results, key=lambda res: res["mean_s"])
+    return {**ordered[(len(ordered) - 1) // 2], "round_means_s": [r["mean_s"] for r in results]}
+
+
+def _per_round_ratios(rounds: dict[str, list[dict[str, Any]]]) -> str:
+    """dear-sync / dear-overlap iteration time within each round (same machine state)."""
+    lines = []
+    for key, syncs in rounds.items():
+        if not key.startswith("dear-sync@"):
+            continue
+        overlaps = rounds.get(key.replace("dear-sync", "dear-overlap"))
+        if not overlaps:
+            continue
+        ratios = [s["mean_s"] / o["mean_s"] for s, o in zip(syncs, overlaps)]
+        lines.append(f"- inv_update_freq {key.split('@')[1]}: dear-sync / dear-overlap "
+                     f"iteration time per round {[round(x, 3) for x in ratios]}, median "
+                     f"{statistics.median(ratios):.3f}")
+    return "\n".join(lines)
 
 
 # ----------------------------------------------------------------- reduce implementations
@@ -345,7 +381,7 @@ def everything(argv: list[str]) -> int:
     args = p.parse_args(argv)
     shaping = [] if not args.no_shaping and os.geteuid() == 0 else ["--no-shaping"]
     status = 0
-    with_dear = ["--methods", "sgd,spd,dear-sync,dear-overlap"]
+    with_dear = ["--methods", "sgd,spd,dear-sync,dear-overlap", "--rounds", "3"]
     for extra in (["collectives"], ["iteration", "--model", "resnet", "--name", "kfac"],
                   ["iteration", "--model", "bert", "--name", "kfac.bert"],
                   ["iteration", "--model", "resnet", *with_dear, "--name", "kfac.dear"],

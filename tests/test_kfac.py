@@ -281,3 +281,46 @@ def test_dear_optimizer_plain_loop_matches_the_reference(reload_at):
                               {k: want[5][k] - want[0][k] for k in got}) < 1e-9
     finally:
         dear.shutdown()
+
+
+def test_kfac_joining_dear_training_late_replans_and_matches_horovods_loop():
+    """DeAR trains two steps with a bucket per parameter (a layer's weight and bias apart), then
+    dear.KFAC joins: its first step synchronizes and the buckets are re-planned with each layer
+    in one bucket, after which steps overlap. Compared with the same run in Horovod's loop
+    (synchronize(); precond.step(); step() in skip_synchronize()), checked against the
+    reference elsewhere."""
+    def run(plain: bool) -> tuple[dict, int, bool]:
+        dear.init(backend="local")
+        try:
+            model = W.make_model("cnn")
+            opt = dear.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                            model=model, fusion_threshold=0)
+            precond = None
+            for step in range(7):
+                if step == 2:
+                    precond = KFAC(model, **{**KFAC_ARGS, "inv_update_freq": 3})
+                x, y = W.batch("cnn", step, 1)
+                opt.zero_grad()
+                W.loss_fn(model(x), y).backward()
+                if precond is None:
+                    opt.step()
+                elif plain:
+                    precond.step()
+                    opt.step()
+                else:
+                    opt.synchronize()
+                    precond.step()
+                    with opt.skip_synchronize():
+                        opt.step()
+            opt.flush_updates()
+            conv = model.conv1
+            together = opt._where[opt._index[conv.weight]][0] is opt._where[
+                opt._index[conv.bias]][0]
+            return W.params_of(model), precond.overlapped_steps, together
+        finally:
+            dear.shutdown()
+
+    got, overlapped, together = run(plain=True)
+    want, none, _ = run(plain=False)
+    assert together and overlapped == 3 and none == 0     # K-FAC steps 1, 2 and 4 of 0..4
+    assert W.max_rel_diff(got, want) < 1e-10

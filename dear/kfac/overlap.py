@@ -66,6 +66,7 @@ class EigenbasisOverlap:
                          None if s.layer.bias is None else index[s.layer.bias]) for s in layers]
         self.armed: Rotation | None = None
         self._layout: Any = None
+        self._fits = False
         self._slots: dict[int, list[_Slot]] = {}
         self._scales: dict[int, tuple[Tensor, Tensor]] = {}
         self._scale_key: Any = None
@@ -81,13 +82,14 @@ class EigenbasisOverlap:
         return [[w, b] for _, w, b in self._params if b is not None]
 
     def layout_fits(self) -> bool:
-        """Every layer's weight and bias share a bucket in the optimizer's current layout (an
-        explicit groups= can split them)."""
+        """Every layer's weight and bias share a bucket in the optimizer's current layout: not
+        yet when the buckets were planned before dear.KFAC came (re-planned at the next step()),
+        never when an explicit groups= splits them."""
         opt = self._optimizer()
         if opt is None or opt._buckets is None:
             return opt is not None
-        where = opt._where
-        return all(b is None or where[w][0] is where[b][0] for _, w, b in self._params)
+        self._refresh(opt)
+        return self._fits
 
     def arm(self, rotation: Rotation | None) -> None:
         """Rotate the buckets reduced from now on with `rotation` (None: leave them alone)."""
@@ -96,7 +98,7 @@ class EigenbasisOverlap:
     # ------------------------------------------------------------ called by the optimizer
     def before_reduce(self, bucket: Bucket) -> None:
         rotation = self.armed
-        if rotation is None:
+        if rotation is None or not self.layout_fits():
             return
         for slot in self._slots_of(bucket):
             bases = rotation.bases.get(slot.layer.index)
@@ -155,14 +157,21 @@ class EigenbasisOverlap:
         opt = self._optimizer()
         if opt is None:
             return []
-        if opt._layout is not self._layout:     # built or re-planned (autotune)
-            self._layout, self._slots, self._scales = opt._layout, {}, {}
-            self._scale_key = None
-            for state, w, b in self._params:
-                home, j = opt._where[w]
-                self._slots.setdefault(home.spec.index, []).append(
-                    _Slot(state, j, None if b is None else opt._where[b][1]))
+        self._refresh(opt)
         return self._slots.get(bucket.spec.index, [])
+
+    def _refresh(self, opt: Any) -> None:
+        if opt._layout is self._layout:
+            return
+        # built, or re-planned (new ties, autotune): where each layer's slots are now
+        self._layout, self._slots, self._scales = opt._layout, {}, {}
+        self._scale_key = None
+        where = opt._where
+        self._fits = all(b is None or where[w][0] is where[b][0] for _, w, b in self._params)
+        for state, w, b in self._params:
+            home, j = where[w]
+            self._slots.setdefault(home.spec.index, []).append(
+                _Slot(state, j, None if b is None else where[b][1]))
 
     @staticmethod
     def _views(bucket: Bucket, slot: _Slot) -> tuple[Tensor, Tensor | None]:
@@ -249,7 +258,7 @@ class DearLink:
         opt = optimizers[0]
         overlap = self.overlap
         if (overlap is not None and overlap.armed is not None and not decompose
-                and opt._had_gradients and not opt._synchronized):
+                and opt._had_gradients and not opt._synchronized and overlap.layout_fits()):
             return True
         if overlap is not None:
             overlap.arm(None)
@@ -260,8 +269,7 @@ class DearLink:
     def end_step(self, keeps_bases: bool) -> None:
         """Arm the next backward's rotation when the next step keeps this step's eigenbases."""
         if self.overlap is not None:
-            self.overlap.arm(rotation_of(self._layers)
-                             if keeps_bases and self.overlap.layout_fits() else None)
+            self.overlap.arm(rotation_of(self._layers) if keeps_bases else None)
 
     def disarm(self) -> None:
         if self.overlap is not None:
