@@ -16,7 +16,6 @@ import sys
 import time
 
 import torch
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 import dear

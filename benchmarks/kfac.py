@@ -197,7 +197,7 @@ def _time_method(method: str, inv_freq: int, make: Callable[[], nn.Module],
     if method != "sgd":
         precond = KFAC(model, inv_update_freq=inv_freq, **KFAC_ARGS, **METHODS[method])
     iters = intervals * inv_freq if inv_freq > 1 else intervals
-    times, pre_times, losses = [], [], []
+    times, pre_times, losses, phases = [], [], [], []
     for step in range(warmup + iters):
         x, y = batch(step, rank)
         if step == warmup:
@@ -205,8 +205,10 @@ def _time_method(method: str, inv_freq: int, make: Callable[[], nn.Module],
         start = time.perf_counter()
         opt.zero_grad()
         loss = F.cross_entropy(model(x), y)
+        forward = time.perf_counter()
         loss.backward()
         mid = time.perf_counter()
+        phases.append([forward - start, mid - forward])
         if method == "dear-sync":
             opt.synchronize()
         if precond is not None:
@@ -225,7 +227,9 @@ def _time_method(method: str, inv_freq: int, make: Callable[[], nn.Module],
     timed = times[warmup:]
     slowest = torch.tensor([statistics.mean(timed)])
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    forward_s, backward_s = (statistics.mean(p[k] for p in phases[warmup:]) for k in (0, 1))
     out = {"mean_s": slowest.item(), "median_s": statistics.median(timed),
+           "forward_mean_s": forward_s, "backward_mean_s": backward_s,
            "precond_mean_s": statistics.mean(pre_times[warmup:]), "losses": losses}
     if with_dear:
         out["overlapped_steps"] = overlapped
@@ -266,8 +270,9 @@ def iteration(argv: list[str]) -> int:
             rounds.setdefault(key, []).append(res)
             if rank == 0:
                 print(f"{args.model} round {r + 1} {key}: {res['mean_s'] * 1e3:.0f} "
-                      f"ms/iteration (precond.step {res['precond_mean_s'] * 1e3:.0f} ms)",
-                      flush=True)
+                      f"ms/iteration (forward {res['forward_mean_s'] * 1e3:.0f}, backward "
+                      f"{res['backward_mean_s'] * 1e3:.0f}, precond.step "
+                      f"{res['precond_mean_s'] * 1e3:.0f} ms)", flush=True)
     report = {key: _median_round(results) for key, results in rounds.items()}
     if rank == 0:
         rows = []

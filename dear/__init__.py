@@ -17,5 +17,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Average", "Compression", "atomic_save", "DistributedOptimizer", "KFAC", "ReduceOp", "Sum", "allreduce", "broadcast_optimizer_state",
-    "broadcast_parameters", "init", "native_available", "is_initialized", "local_rank", "rank", "shutdown", "size",
+    "broadcast_parameters", "diagnose", "init", "native_available", "is_initialized", "local_rank",
+    "rank", "shutdown", "size",
 ]

@@ -164,7 +164,7 @@ def test_grad_scaler_matches_ddp_with_an_overflow_on_one_rank(mode: str, ref: st
         ours, theirs = res[mode], res[ref]
         scales = theirs["scales"]
         skipped = [s for s in range(STEPS) if scales[s] < (scales[s - 1] if s else 2.0**16)]
-        assert skipped == SKIPPED, f"DDP reference did not skip exactly the injected steps"
+        assert skipped == SKIPPED, "DDP reference did not skip exactly the injected steps"
         assert ours["scales"] == scales, f"rank {rank}: skip decisions differ from DDP"
         assert ours["adam_steps"] == {STEPS - len(SKIPPED)}, "a skipped step touched Adam's state"
         assert max_diff(ours["params"], theirs["params"]) <= 1e-6, f"rank {rank} differs from DDP"

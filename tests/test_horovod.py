@@ -6,7 +6,6 @@ tolerance is the same everywhere."""
 
 import os
 
-import pytest
 import torch
 
 from tests.horovod_launch import horovod_available, run_horovod

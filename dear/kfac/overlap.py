@@ -98,34 +98,32 @@ class EigenbasisOverlap:
     # ------------------------------------------------------------ called by the optimizer
     def before_reduce(self, bucket: Bucket) -> None:
         rotation = self.armed
-        if rotation is None or not self.layout_fits():
-            return
-        for slot in self._slots_of(bucket):
-            bases = rotation.bases.get(slot.layer.index)
-            if bases is None:
-                continue
-            q_g, q_a = bases[0], bases[1]
-            weight, bias = self._views(bucket, slot)
-            v = q_g.t() @ slot.layer.layer.matrix_of(weight, bias).to(q_g.dtype)
-            slot.layer.layer.write_matrix(v if q_a is None else v @ q_a, weight, bias)
-        bucket.transformed = rotation
+        if rotation is not None and self.layout_fits() and self._slots_of(bucket):
+            self._rotate(bucket, rotation, back=False)
+            bucket.transformed = rotation
 
     def after_gather(self, bucket: Bucket) -> None:
         rotation = bucket.transformed
-        if not isinstance(rotation, Rotation):
-            return
+        if isinstance(rotation, Rotation):
+            self._rotate(bucket, rotation, back=True)
+            bucket.transformed = None
+
+    def _rotate(self, bucket: Bucket, rotation: Rotation, back: bool) -> None:
+        """In the bucket, each layer's [g_W | g_b] to QG^T . QA, or (back) QG . QA^T."""
         for slot in self._slots_of(bucket):
             bases = rotation.bases.get(slot.layer.index)
             if bases is None:
                 continue
             q_g, q_a = bases[0], bases[1]
-            weight, bias = self._views(bucket, slot)
-            p = q_g @ slot.layer.layer.matrix_of(weight, bias).to(q_g.dtype)
-            slot.layer.layer.write_matrix(p if q_a is None else p @ q_a.t(), weight, bias)
-        bucket.transformed = None
+            weight, bias = _slot_views(bucket.buffer, bucket, slot)
+            m = slot.layer.layer.matrix_of(weight, bias).to(q_g.dtype)
+            m = (q_g if back else q_g.t()) @ m
+            if q_a is not None:
+                m = m @ (q_a.t() if back else q_a)
+            slot.layer.layer.write_matrix(m, weight, bias)
 
     # ------------------------------------------------------------ called by dear.KFAC
-    def precondition_shards(self, damping: float, lr: float, kl_clip: float) -> None:
+    def precondition_shards(self, damping: float, lr: float, kl_clip: float | None) -> None:
         """Finish the reduce-scatters, divide this rank's shards by D, KL-clip with the global
         scale. Collectives: one scalar all-gather (when kl_clip), the same on every rank."""
         opt = self._optimizer()
@@ -173,11 +171,6 @@ class EigenbasisOverlap:
             self._slots.setdefault(home.spec.index, []).append(
                 _Slot(state, j, None if b is None else where[b][1]))
 
-    @staticmethod
-    def _views(bucket: Bucket, slot: _Slot) -> tuple[Tensor, Tensor | None]:
-        return (bucket.grad_views[slot.weight],
-                None if slot.bias is None else bucket.grad_views[slot.bias])
-
     def _scales_for(self, buckets: list[Bucket], rotation: Rotation, damping: float,
                     rank: int) -> dict[int, tuple[Tensor, Tensor]]:
         """Per bucket, this rank's shard of 1/D (zero outside preconditioned layers, in float64
@@ -198,10 +191,8 @@ class EigenbasisOverlap:
                 d_g, d_a = bases[2], bases[3]
                 inv = 1.0 / (d_g.double().unsqueeze(1) * d_a.double().unsqueeze(0) + damping)
                 layer = slot.layer.layer
-                layer.write_matrix(inv, _slot_view(inv_d, bucket, slot.weight),
-                                   _slot_view(inv_d, bucket, slot.bias))
-                layer.write_matrix(torch.zeros_like(inv), _slot_view(keep, bucket, slot.weight),
-                                   _slot_view(keep, bucket, slot.bias))
+                layer.write_matrix(inv, *_slot_views(inv_d, bucket, slot))
+                layer.write_matrix(torch.zeros_like(inv), *_slot_views(keep, bucket, slot))
             length = bucket.spec.shard_numel
             self._scales[bucket.spec.index] = (inv_d[rank * length:(rank + 1) * length].clone(),
                                                keep[rank * length:(rank + 1) * length].clone())
@@ -209,23 +200,28 @@ class EigenbasisOverlap:
         return self._scales
 
 
-def _slot_view(flat: Tensor, bucket: Bucket, j: int | None) -> Tensor | None:
-    """Parameter j's place in a tensor laid out like the bucket's buffer."""
-    if j is None:
-        return None
-    offset, numel = bucket.spec.offsets[j], bucket.spec.numels[j]
-    return flat[offset:offset + numel].view(bucket.params[j].shape)
+def _slot_views(flat: Tensor, bucket: Bucket, slot: _Slot) -> tuple[Tensor, Tensor | None]:
+    """A layer's weight and bias places in a tensor laid out like the bucket's buffer."""
+    spec = bucket.spec
+
+    def view(j: int) -> Tensor:
+        return flat[spec.offsets[j]:spec.offsets[j] + spec.numels[j]].view(bucket.params[j].shape)
+    return view(slot.weight), None if slot.bias is None else view(slot.bias)
 
 
-def rotation_of(layers: list[LayerState]) -> Rotation | None:
+def rotation_of(layers: list[LayerState], previous: Rotation | None = None) -> Rotation | None:
     """The eigenbases of every layer that has both factors and both decompositions (the others
-    are left to the optimizer unpreconditioned, as in the synchronous path); None if none has."""
+    are left to the optimizer unpreconditioned, as in the synchronous path); None if none has.
+    `previous` when nothing changed, so what was derived from it (1/D) is kept."""
     bases = {}
     for s in layers:
         if s.a is None or s.g is None or s.a_dec is None or s.g_dec is None:
             continue
         assert s.g_dec.q is not None and s.g_dec.d is not None and s.a_dec.d is not None
         bases[s.index] = (s.g_dec.q, s.a_dec.q, s.g_dec.d, s.a_dec.d)
+    if previous is not None and previous.bases.keys() == bases.keys() and all(
+            x is y for i in bases for x, y in zip(bases[i], previous.bases[i])):
+        return previous
     return Rotation(bases) if bases else None
 
 
@@ -237,6 +233,7 @@ class DearLink:
         self._layers = layers
         self._eigen_everywhere = eigen_everywhere   # method eigen, every rank every basis
         self.overlap: EigenbasisOverlap | None = None
+        self._last: Rotation | None = None          # the bases armed last
         self._decided = False
 
     def _optimizers(self) -> list[Any]:
@@ -269,7 +266,8 @@ class DearLink:
     def end_step(self, keeps_bases: bool) -> None:
         """Arm the next backward's rotation when the next step keeps this step's eigenbases."""
         if self.overlap is not None:
-            self.overlap.arm(rotation_of(self._layers) if keeps_bases else None)
+            self._last = rotation_of(self._layers, self._last) if keeps_bases else None
+            self.overlap.arm(self._last)
 
     def disarm(self) -> None:
         if self.overlap is not None:
