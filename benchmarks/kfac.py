@@ -258,9 +258,9 @@ def iteration(argv: list[str]) -> int:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     make, batch = bench_model(args.model)
-    methods = args.methods.split(",")
-    runs = [(m, f) for f in map(int, args.inv_freqs.split(",")) for m in methods
-            if m != "sgd" or f == int(args.inv_freqs.split(",")[0])]
+    freqs = [int(f) for f in args.inv_freqs.split(",")]
+    runs = [(m, f) for f in freqs for m in args.methods.split(",")
+            if m != "sgd" or f == freqs[0]]          # SGD has no inverse frequency: once
     rounds: dict[str, list[dict[str, Any]]] = {}
     for r in range(args.rounds):
         shift = r % len(runs)

@@ -289,9 +289,7 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
         self._communicate()
         assert self._buckets is not None
         for bucket in self._buckets:
-            used = bucket.finish_all_gather()
-            if self._transform is not None:
-                self._transform.after_gather(bucket)
+            used = self._finish_all_gather(bucket)
             for p, view, u in zip(bucket.params, bucket.grad_views, used):
                 if u and p.grad is None:
                     p.grad = view.clone()
@@ -328,9 +326,7 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
     def _apply(self, bucket: Bucket) -> None:
         """Run the wrapped optimizer's update on this bucket's parameters only, with the averaged
         gradient as .grad (a view into the gathered buffer); the user's .grad is put back."""
-        used = bucket.finish_all_gather()
-        if self._transform is not None:
-            self._transform.after_gather(bucket)
+        used = self._finish_all_gather(bucket)
         saved = native.swap_grads(bucket.params, [view if u else None for view, u
                                                   in zip(bucket.grad_views, used)])
         groups = self.param_groups
@@ -347,6 +343,14 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
             native.swap_grads(bucket.params, saved)
             bucket.reset()
             self._num_pending -= 1
+
+    def _finish_all_gather(self, bucket: Bucket) -> list[bool]:
+        """The averaged gradients in the bucket's buffer (dear.KFAC's rotation undone); which
+        parameters any rank produced a gradient for."""
+        used = bucket.finish_all_gather()
+        if self._transform is not None:
+            self._transform.after_gather(bucket)
+        return used
 
     def _group_members(self, bucket: Bucket) -> list[list[torch.nn.Parameter]]:
         members = getattr(bucket, "group_members", None)

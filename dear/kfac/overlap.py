@@ -231,6 +231,7 @@ class DearLink:
 
     def __init__(self, layers: list[LayerState], eigen_everywhere: bool) -> None:
         self._layers = layers
+        self._params = {p for s in layers for p in s.layer.module.parameters(recurse=False)}
         self._eigen_everywhere = eigen_everywhere   # method eigen, every rank every basis
         self.overlap: EigenbasisOverlap | None = None
         self._last: Rotation | None = None          # the bases armed last
@@ -239,9 +240,8 @@ class DearLink:
     def _optimizers(self) -> list[Any]:
         if not runtime.is_initialized():
             return []
-        params = {p for s in self._layers for p in s.layer.module.parameters(recurse=False)}
         return [opt for opt in list(runtime._state.optimizers)
-                if any(p in params for p in opt._params)]
+                if any(p in self._params for p in opt._params)]
 
     def begin_step(self, decompose: bool) -> bool:
         """True: precondition the reduced shards (`precondition_shards`); False: .grad holds the
@@ -259,8 +259,8 @@ class DearLink:
             return True
         if overlap is not None:
             overlap.arm(None)
-        for opt in optimizers:
-            opt._synchronize_for_preconditioner()
+        for each in optimizers:
+            each._synchronize_for_preconditioner()
         return False
 
     def end_step(self, keeps_bases: bool) -> None:
