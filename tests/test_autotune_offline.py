@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 
 import pytest
 import torch
@@ -21,7 +20,7 @@ from dear.fusion import fusion_config
 from dear.fusion.fusion_config import FusionConfig
 from dear.fusion.offline import tune_offline
 from tests.distributed import run_distributed
-from tests.workloads import OPTIMIZERS, batch, make_net
+from tests.workloads import batch, make_net, train_autotuned
 
 MB = 1 << 20
 
@@ -83,27 +82,15 @@ def _hooks(model: torch.nn.Module, opt: torch.optim.Optimizer) -> int:
 
 
 def _train(autotune: object, out_dir: str, world: int) -> dict:
-    import dear.fusion.tuner as tuner_module
-    tuner_module.MIN_BYTES = 256               # the test model is a few KB: search below 1 MB
-    os.environ.update(DEAR_AUTOTUNE_WINDOW="2", DEAR_AUTOTUNE_SETTLE="1",
-                      DEAR_AUTOTUNE_SIMULATED_TRIALS="8", DEAR_AUTOTUNE_CONFIRM="2",
-                      DEAR_AUTOTUNE_LOG=os.path.join(out_dir, "trials.jsonl"),
-                      DEAR_AUTOTUNE_OUT=os.path.join(out_dir, "fusion.json"))
-    dear.init()
-    rank = dear.rank()
-    model = make_net()
-    opt = dear.DistributedOptimizer(OPTIMIZERS["adam"](model.parameters()), model=model,
-                                    fusion_threshold=1024, autotune=autotune)
-    layouts, hooks, traced = [], [], []
-    for step in range(STEPS):
-        opt.zero_grad()
-        x, y = batch(step, world, rank)
-        F.mse_loss(model(x), y).backward()
-        opt.step()
-        layouts.append(opt._layout.signature())
-        hooks.append(_hooks(model, opt))
-        traced.append(type(opt._comm).__name__ == "TracingCommunicator"
-                      or "_apply" in opt.__dict__)
+    def observe(model: torch.nn.Module, opt: object) -> tuple:
+        return (opt._layout.signature(), _hooks(model, opt),  # type: ignore[attr-defined]
+                type(opt._comm).__name__ == "TracingCommunicator"  # type: ignore[attr-defined]
+                or "_apply" in opt.__dict__)
+    model, opt, seen = train_autotuned(
+        autotune, out_dir, world, STEPS,
+        dict(DEAR_AUTOTUNE_WINDOW="2", DEAR_AUTOTUNE_SETTLE="1",
+             DEAR_AUTOTUNE_SIMULATED_TRIALS="8", DEAR_AUTOTUNE_CONFIRM="2"), observe)
+    layouts, hooks, traced = (list(column) for column in zip(*seen))
     tuner = opt._autotuner
     out = {"params": {k: v.clone() for k, v in model.state_dict().items()},
            "layouts": layouts, "hooks": hooks, "traced": traced,

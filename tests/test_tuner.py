@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import random
 
 import pytest
@@ -17,7 +16,7 @@ from dear.fusion import fusion_config
 from dear.fusion.fusion_config import FusionConfig
 from dear.fusion.tuner import FusionTuner
 from tests.distributed import run_distributed
-from tests.workloads import OPTIMIZERS, batch, make_net
+from tests.workloads import OPTIMIZERS, batch, make_net, train_autotuned
 
 MB = 1 << 20
 
@@ -104,24 +103,10 @@ STEPS = 14
 
 
 def _train(autotune: bool, out_dir: str, world: int) -> dict:
-    import dear.fusion.tuner as tuner_module
-    tuner_module.MIN_BYTES = 256               # the test model is a few KB: search below 1 MB
-    os.environ.update(DEAR_AUTOTUNE_WINDOW="1", DEAR_AUTOTUNE_SETTLE="0",
-                      DEAR_AUTOTUNE_TRIALS="6",
-                      DEAR_AUTOTUNE_LOG=os.path.join(out_dir, "trials.jsonl"),
-                      DEAR_AUTOTUNE_OUT=os.path.join(out_dir, "fusion.json"))
-    dear.init()
-    rank = dear.rank()
-    model = make_net()
-    opt = dear.DistributedOptimizer(OPTIMIZERS["adam"](model.parameters()), model=model,
-                                    fusion_threshold=1024, autotune=autotune)
-    layouts = []
-    for step in range(STEPS):
-        opt.zero_grad()
-        x, y = batch(step, world, rank)
-        F.mse_loss(model(x), y).backward()
-        opt.step()
-        layouts.append(opt._layout.signature())
+    model, _, layouts = train_autotuned(
+        autotune, out_dir, world, STEPS,
+        dict(DEAR_AUTOTUNE_WINDOW="1", DEAR_AUTOTUNE_SETTLE="0", DEAR_AUTOTUNE_TRIALS="6"),
+        lambda model, opt: opt._layout.signature())
     params = {k: v.clone() for k, v in model.state_dict().items()}
     dear.shutdown()
     return {"params": params, "layouts": layouts}

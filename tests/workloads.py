@@ -93,3 +93,32 @@ def state_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys()
     return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+
+
+def train_autotuned(autotune: object, out_dir: str, world: int, steps: int,
+                    settings: dict[str, str], observe: Callable[[Any, Any], Any]
+                    ) -> tuple[torch.nn.Module, Any, list[Any]]:
+    """On a rank: dear.init(), Adam on make_net() with the fusion autotuner (`settings`: its
+    DEAR_AUTOTUNE_* variables; log and output in out_dir; a search space below 1 MB for this
+    small model), `steps` iterations, `observe(model, optimizer)` after each step. The caller
+    reads what it needs, then calls dear.shutdown()."""
+    import os
+
+    import dear
+    import dear.fusion.tuner as tuner_module
+    tuner_module.MIN_BYTES = 256
+    os.environ.update(settings, DEAR_AUTOTUNE_LOG=os.path.join(out_dir, "trials.jsonl"),
+                      DEAR_AUTOTUNE_OUT=os.path.join(out_dir, "fusion.json"))
+    dear.init()
+    rank = dear.rank()
+    model = make_net()
+    opt = dear.DistributedOptimizer(OPTIMIZERS["adam"](model.parameters()), model=model,
+                                    fusion_threshold=1024, autotune=autotune)
+    seen = []
+    for step in range(steps):
+        opt.zero_grad()
+        x, y = batch(step, world, rank)
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        seen.append(observe(model, opt))
+    return model, opt, seen
