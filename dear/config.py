@@ -82,6 +82,12 @@ class Config:
     #: exchange on private Gloo groups, bandwidth-optimal) or "horovod" (Horovod's own
     #: collectives) (DEAR_HOROVOD_DATA_PLANE).
     horovod_data_plane: str = "gloo"
+    #: backend "mpi": "thread" (a helper thread drives MPI progress, so collectives overlap
+    #: compute) or "none" (progress only inside wait()) (DEAR_MPI_PROGRESS).
+    mpi_progress: str = "thread"
+    #: seconds the MPI progress thread sleeps between two MPI_Testsome calls while a collective
+    #: is in flight (DEAR_MPI_PROGRESS_INTERVAL).
+    mpi_progress_interval: float = 1e-4
     #: log level of the "dear" logger (DEAR_LOG_LEVEL).
     log_level: str = "WARNING"
     #: use the C++ extension (csrc/) for bucket bookkeeping and packing where it was built;
@@ -125,6 +131,8 @@ class Config:
         "trace_iterations": ("DEAR_TRACE_ITERATIONS", str),
         "gloo_collectives": ("DEAR_GLOO_COLLECTIVES", str),
         "horovod_data_plane": ("DEAR_HOROVOD_DATA_PLANE", str),
+        "mpi_progress": ("DEAR_MPI_PROGRESS", str),
+        "mpi_progress_interval": ("DEAR_MPI_PROGRESS_INTERVAL", float),
         "log_level": ("DEAR_LOG_LEVEL", str),
         "native": ("DEAR_NATIVE", _parse_bool),
     }
@@ -149,6 +157,11 @@ class Config:
         if self.gloo_collectives not in ("pairwise", "native"):
             raise ValueError(
                 f"gloo_collectives must be 'pairwise' or 'native', got {self.gloo_collectives!r}")
+        if self.mpi_progress not in ("thread", "none"):
+            raise ValueError(f"mpi_progress must be 'thread' or 'none', got {self.mpi_progress!r}")
+        if self.mpi_progress_interval < 0:
+            raise ValueError(f"mpi_progress_interval must be >= 0 seconds, got "
+                             f"{self.mpi_progress_interval}")
         if self.horovod_data_plane not in ("gloo", "horovod"):
             raise ValueError(f"horovod_data_plane must be 'gloo' or 'horovod', got "
                              f"{self.horovod_data_plane!r}")

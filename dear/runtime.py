@@ -16,7 +16,7 @@ from .config import Config
 
 log = logging.getLogger("dear")
 
-_BACKENDS = ("auto", "torch", "horovod", "local", "nccl")
+_BACKENDS = ("auto", "torch", "horovod", "local", "nccl", "mpi")
 
 
 class _State:
@@ -31,9 +31,11 @@ _state = _State()
 
 def init(backend: str = "auto", **config: Any) -> None:
     """Start dear. `auto`: Horovod when launched by horovodrun (HOROVOD_RANK set); else reuse
-    torch.distributed's default group, or start one from torchrun's variables (NCCL with CUDA,
-    Gloo otherwise); else run alone as a world of size 1. `nccl`: NCCL directly, without
-    torch.distributed's process group (dear/comm/nccl.py; needs CUDA)."""
+    torch.distributed's default group, or start one from the launcher's variables (torchrun,
+    srun, mpirun: dear/launch.py; NCCL with CUDA, Gloo otherwise); else run alone as a world of
+    size 1. `nccl`: NCCL directly, without torch.distributed's process group
+    (dear/comm/nccl.py; needs CUDA). `mpi`: MPI non-blocking collectives through mpi4py on CPU
+    tensors (dear/comm/mpi.py; launch with mpirun)."""
     if backend not in _BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; expected one of {_BACKENDS}")
     if _state.comm is not None:
@@ -57,6 +59,13 @@ def _make_communicator(backend: str, cfg: Config) -> tuple[Communicator, bool]:
     if backend == "nccl":                  # direct NCCL: csrc/ communicator or nccl4py
         from .comm import nccl
         return nccl.create(cfg.timeout), False
+    if backend == "mpi":
+        from .comm.mpi import MPICommunicator
+        return MPICommunicator(timeout=cfg.timeout, progress=cfg.mpi_progress,
+                               interval=cfg.mpi_progress_interval), False
+    if not dist.is_initialized() and "WORLD_SIZE" not in os.environ:
+        from . import launch
+        launch.setup_env()                 # srun / mpirun: their variables as torchrun's
     from .comm.torch_dist import TorchCommunicator, init_process_group_from_env
     owns = False
     if not dist.is_initialized() and "WORLD_SIZE" in os.environ:

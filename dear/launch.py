@@ -1,0 +1,231 @@
+"""Where this process sits in the job, read from whatever launched it: torchrun, srun or mpirun.
+
+torch.distributed's env:// rendezvous reads RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT, which
+only torchrun sets. `detect()` reads the same facts from the other launchers people use on
+clusters, and `export()` writes them as torchrun would, so dear.init() starts the process group
+the same way under every launcher:
+
+    launcher       rank                    size                   local rank
+    torchrun       RANK                    WORLD_SIZE             LOCAL_RANK
+    Open MPI       OMPI_COMM_WORLD_RANK    OMPI_COMM_WORLD_SIZE   OMPI_COMM_WORLD_LOCAL_RANK
+    MPICH, Intel   PMI_RANK                PMI_SIZE               MPI_LOCALRANKID
+    srun (Slurm)   SLURM_PROCID            SLURM_NTASKS           SLURM_LOCALID
+
+Checked in that order: under `mpirun` inside a Slurm allocation the SLURM_* variables describe
+the batch step, not the MPI job, so MPI's own variables win. Master address and port: MASTER_ADDR
+and MASTER_PORT when set; under srun the first host of SLURM_STEP_NODELIST (or SLURM_JOB_NODELIST,
+compressed lists like `node[01-04,07]` expanded) and a port derived from the job id, the same on
+every task; under mpirun, agreed through MPI when mpi4py is importable (rank 0's address and a
+port free on it, broadcast), else 127.0.0.1 when every rank is on this host.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import socket
+from typing import Mapping, MutableMapping, Optional
+
+#: first port tried when nothing names one (torchrun's default)
+DEFAULT_PORT = 29500
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """This process's place in the job, as one launcher describes it."""
+
+    launcher: str                    # "torchrun", "openmpi", "pmi" (MPICH / Intel MPI), "slurm"
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    master_addr: Optional[str]       # None: to be agreed (MPI) or unknown
+    master_port: Optional[int]
+
+
+def _int(env: Mapping[str, str], *names: str) -> Optional[int]:
+    for name in names:
+        value = env.get(name, "").strip()
+        if value:
+            try:
+                return int(value)
+            except ValueError:
+                raise ValueError(f"{name}={value!r} is not an integer") from None
+    return None
+
+
+def expand_hostlist(text: str) -> list[str]:
+    """Slurm's compressed host list to host names: 'node[01-03,07],gpu-a[1-2]-ib,login' ->
+    node01 node02 node03 node07 gpu-a1-ib gpu-a2-ib login. Zero padding is kept; several
+    bracket groups in one name multiply ('r[1-2]n[1-2]' -> r1n1 r1n2 r2n1 r2n2)."""
+    hosts: list[str] = []
+    depth, start = 0, 0
+    parts: list[str] = []
+    for i, ch in enumerate(text):
+        depth += ch == "["
+        depth -= ch == "]"
+        if depth < 0:
+            raise ValueError(f"unbalanced brackets in host list {text!r}")
+        if ch == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    if depth:
+        raise ValueError(f"unbalanced brackets in host list {text!r}")
+    parts.append(text[start:])
+    for part in (p.strip() for p in parts):
+        if part:
+            hosts.extend(_expand_one(part))
+    return hosts
+
+
+def _expand_one(name: str) -> list[str]:
+    m = re.search(r"\[([^\]]*)\]", name)
+    if m is None:
+        return [name]
+    head, tail = name[:m.start()], name[m.end():]
+    out: list[str] = []
+    for item in m.group(1).split(","):
+        lo, sep, hi = item.strip().partition("-")
+        if not lo.isdigit() or (sep and not hi.isdigit()):
+            raise ValueError(f"bad range {item!r} in host list entry {name!r}")
+        if not sep:
+            values = [lo]
+        else:
+            width = len(lo) if lo.startswith("0") or len(lo) == len(hi) else 0
+            values = [str(v).zfill(width) for v in range(int(lo), int(hi) + 1)]
+        for value in values:
+            out.extend(_expand_one(head + value + tail))
+    return out
+
+
+def _slurm_tasks_on_node(env: Mapping[str, str]) -> Optional[int]:
+    """Tasks of this step on this node, from SLURM_STEP_TASKS_PER_NODE ('2(x3),1') and
+    SLURM_NODEID."""
+    spec = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
+    node = _int(env, "SLURM_NODEID")
+    if not spec or node is None:
+        return None
+    counts: list[int] = []
+    for item in spec.split(","):
+        m = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", item)
+        if m is None:
+            return None
+        counts += [int(m.group(1))] * int(m.group(2) or 1)
+    return counts[node] if node < len(counts) else None
+
+
+def detect(environ: Optional[Mapping[str, str]] = None) -> Optional[Placement]:
+    """This process's placement from the launcher's variables; None when none is recognised."""
+    env = os.environ if environ is None else environ
+    addr = env.get("MASTER_ADDR") or None
+    port = _int(env, "MASTER_PORT")
+    if "RANK" in env and "WORLD_SIZE" in env:
+        size = _int(env, "WORLD_SIZE") or 1
+        return Placement("torchrun", _int(env, "RANK") or 0, size, _int(env, "LOCAL_RANK") or 0,
+                         _int(env, "LOCAL_WORLD_SIZE") or size, addr, port)
+    if "OMPI_COMM_WORLD_RANK" in env and "OMPI_COMM_WORLD_SIZE" in env:
+        size = _int(env, "OMPI_COMM_WORLD_SIZE") or 1
+        return Placement("openmpi", _int(env, "OMPI_COMM_WORLD_RANK") or 0, size,
+                         _int(env, "OMPI_COMM_WORLD_LOCAL_RANK") or 0,
+                         _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE") or size, addr, port)
+    if "PMI_RANK" in env and "PMI_SIZE" in env:
+        size = _int(env, "PMI_SIZE") or 1
+        return Placement("pmi", _int(env, "PMI_RANK") or 0, size,
+                         _int(env, "MPI_LOCALRANKID", "PMI_LOCAL_RANK") or 0,
+                         _int(env, "MPI_LOCALNRANKS", "PMI_LOCAL_SIZE") or size, addr, port)
+    if "SLURM_PROCID" in env and ("SLURM_NTASKS" in env or "SLURM_NPROCS" in env):
+        size = _int(env, "SLURM_NTASKS", "SLURM_NPROCS") or 1
+        if addr is None:
+            nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") \
+                or env.get("SLURM_NODELIST") or ""
+            hosts = expand_hostlist(nodes)
+            addr = hosts[0] if hosts else None
+        if port is None:
+            # The same on every task of the job; steps of one job differ (the step id).
+            job = _int(env, "SLURM_JOB_ID", "SLURM_JOBID") or 0
+            step = _int(env, "SLURM_STEP_ID", "SLURM_STEPID") or 0
+            port = 20000 + (job * 7 + step) % 20000
+        local_size = _slurm_tasks_on_node(env) or _int(env, "SLURM_NTASKS_PER_NODE") or size
+        return Placement("slurm", _int(env, "SLURM_PROCID") or 0, size,
+                         _int(env, "SLURM_LOCALID") or 0, local_size, addr, port)
+    return None
+
+
+def _agree_through_mpi(placement: Placement) -> Placement:
+    """Rank 0's address and a port free on it, broadcast through MPI (mpi4py), for an mpirun
+    launch without MASTER_ADDR/MASTER_PORT. Without mpi4py: 127.0.0.1 if the whole job is on this
+    host, else an error that says what to set."""
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        MPI = None
+    if MPI is None:
+        if placement.local_size != placement.size:
+            raise RuntimeError(
+                f"dear.init(): launched by {placement.launcher} over several hosts without "
+                "MASTER_ADDR/MASTER_PORT and without mpi4py to agree on them: export "
+                "MASTER_ADDR=<first host> MASTER_PORT=<free port> to every rank (mpirun -x), "
+                "or pip install mpi4py")
+        return dataclasses.replace(placement, master_addr=placement.master_addr or "127.0.0.1",
+                                   master_port=placement.master_port or DEFAULT_PORT)
+    comm = MPI.COMM_WORLD
+    if comm.Get_size() != placement.size:
+        raise RuntimeError(f"mpi4py sees {comm.Get_size()} ranks but {placement.launcher}'s "
+                           f"variables say {placement.size}: is mpi4py built for this MPI?")
+    host = socket.gethostname()
+    hosts = comm.allgather(host)
+    proposal = None
+    if comm.Get_rank() == 0:
+        addr = placement.master_addr
+        if addr is None:
+            addr = "127.0.0.1" if all(h == host for h in hosts) else _address_of(host)
+        port = placement.master_port or _free_port()
+        proposal = (addr, port)
+    addr, port = comm.bcast(proposal, root=0)
+    return dataclasses.replace(placement, master_addr=addr, master_port=port)
+
+
+def _address_of(host: str) -> str:
+    try:
+        return socket.gethostbyname(host)
+    except OSError:
+        return host
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("", 0))
+        return int(sock.getsockname()[1])
+
+
+def export(placement: Placement, environ: Optional[MutableMapping[str, str]] = None) -> Placement:
+    """Write the placement as torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK,
+    LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), agreeing on the master through MPI where the
+    launcher gave none; variables already set are kept. Returns the completed placement."""
+    env = os.environ if environ is None else environ
+    if placement.launcher in ("openmpi", "pmi") and (placement.master_addr is None
+                                                     or placement.master_port is None):
+        placement = _agree_through_mpi(placement)
+    if placement.master_addr is None:
+        raise RuntimeError(f"dear.init(): no master address for the {placement.launcher} "
+                           "launch: set MASTER_ADDR (and MASTER_PORT)")
+    values = {"RANK": placement.rank, "WORLD_SIZE": placement.size,
+              "LOCAL_RANK": placement.local_rank, "LOCAL_WORLD_SIZE": placement.local_size,
+              "MASTER_ADDR": placement.master_addr,
+              "MASTER_PORT": placement.master_port or DEFAULT_PORT}
+    for name, value in values.items():
+        env.setdefault(name, str(value))
+    return placement
+
+
+def setup_env(environ: Optional[MutableMapping[str, str]] = None) -> Optional[Placement]:
+    """detect() then export(): after it, torch.distributed's env:// rendezvous works under srun
+    and mpirun as under torchrun. None (nothing written) when no launcher is recognised."""
+    placement = detect(environ)
+    if placement is None or placement.launcher == "torchrun":
+        return placement
+    return export(placement, environ)
+
+
+__all__ = ["Placement", "detect", "expand_hostlist", "export", "setup_env"]
