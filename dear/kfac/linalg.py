@@ -8,6 +8,11 @@ A diagonal factor (Embedding's A) is its own eigendecomposition: Q = I, d = the 
 
 A `Decomposition` is what one factor contributes; it travels between ranks as one flat tensor
 (`flatten` / `unflatten`), so its layout is fixed by the method and the factor's size.
+
+Every tensor of a Decomposition is contiguous (row-major). eigh and inv return column-major
+matrices; a rank that receives one gets a row-major copy of the same values, and a matrix
+product rounds differently with the other layout. Making the decomposing rank copy too keeps
+replicas bitwise equal (the same bits, the same layout, the same products on every rank).
 """
 
 from __future__ import annotations
@@ -42,9 +47,18 @@ def flat_size(method: ComputeMethod, dim: int, diagonal: bool) -> int:
 
 
 def decompose(factor: Tensor, method: ComputeMethod, damping: float,
-              diagonal: bool = False) -> Decomposition:
-    """The decomposition of one (running-average) factor. Raises DecompositionError rather than
-    returning something non-finite."""
+              diagonal: bool = False, dtype: torch.dtype | None = None) -> Decomposition:
+    """The decomposition of one (running-average) factor, stored in `dtype` (default: the
+    factor's; kfac-pytorch's inv_dtype). Raises DecompositionError rather than returning
+    something non-finite."""
+    result = _decompose(factor, method, damping, diagonal)
+    out = dtype or factor.dtype
+    return Decomposition(method, *(None if t is None else t.to(out).contiguous()
+                                   for t in (result.q, result.d, result.inv)))
+
+
+def _decompose(factor: Tensor, method: ComputeMethod, damping: float,
+               diagonal: bool) -> Decomposition:
     if not torch.isfinite(factor).all():
         raise DecompositionError("factor has non-finite entries")
     if diagonal:
