@@ -4,6 +4,7 @@ instead of hanging or silently diverging later."""
 from __future__ import annotations
 
 import inspect
+import sys
 from typing import Iterable, Optional
 
 import torch
@@ -83,3 +84,100 @@ def check_same_across_ranks(named: list[tuple[str, torch.nn.Parameter]],
                 raise ValueError(f"parameter {a[0]} differs across ranks: {a[1:]} on rank "
                                  f"{comm.rank}, {b[1:]} on rank {r}; every rank must build the "
                                  "same model")
+
+
+# ------------------------------------------------------------------ wrapping twice (issue 16)
+def _is_horovod_optimizer(optimizer: object) -> bool:
+    """hvd.DistributedOptimizer builds a class from horovod.torch.optimizer's methods."""
+    return any(getattr(klass.__dict__.get("synchronize"), "__module__", "")
+               .startswith("horovod.") for klass in type(optimizer).__mro__)
+
+
+def check_not_wrapped(optimizer: torch.optim.Optimizer) -> None:
+    """dear over dear, or dear over hvd.DistributedOptimizer: refused with what to do."""
+    if any("_dear_setup" in klass.__dict__ for klass in type(optimizer).__mro__):
+        raise TypeError(
+            "this optimizer is already a dear.DistributedOptimizer; wrap the plain torch "
+            "optimizer once and use the result (wrapping twice would average every gradient "
+            "twice)")
+    if _is_horovod_optimizer(optimizer):
+        raise TypeError(
+            "this optimizer is already a hvd.DistributedOptimizer, which averages the gradients "
+            "itself; wrap the plain torch optimizer with dear.DistributedOptimizer INSTEAD of "
+            "hvd.DistributedOptimizer (the one-line swap), not on top of it")
+
+
+def refuse_construction(obj: object) -> None:
+    """A dear optimizer class is only ever instantiated by dear.DistributedOptimizer (which
+    never calls __init__); reaching __init__ means someone (hvd.DistributedOptimizer) is
+    wrapping an optimizer dear already wrapped."""
+    raise TypeError(
+        f"{type(obj).__name__} here is a dear.DistributedOptimizer, which must not be wrapped "
+        "again (e.g. by hvd.DistributedOptimizer: both would average every gradient) nor "
+        "re-instantiated from its class; wrap the plain torch optimizer with either "
+        "dear.DistributedOptimizer or hvd.DistributedOptimizer, once")
+
+
+def _ddp_owning(param: torch.nn.Parameter) -> bool:
+    """Whether a live DistributedDataParallel holds `param` (DDP keeps its parameters in the
+    list `_module_parameters`). Looks two referrer levels up from one parameter."""
+    import gc
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    for holder in gc.get_referrers(param):
+        if not isinstance(holder, list):
+            continue
+        for owner in gc.get_referrers(holder):
+            if isinstance(owner, DDP) or (isinstance(owner, dict)
+                                          and owner.get("_module_parameters") is holder):
+                return True
+    return False
+
+
+def warn_if_ddp(model: Optional[torch.nn.Module],
+                named: list[tuple[str, torch.nn.Parameter]]) -> None:
+    """A DDP-wrapped model under dear's optimizer all-reduces every gradient twice (DDP's own,
+    then dear's): correct values, double the communication. Warn."""
+    import warnings
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    inner = getattr(model, "_orig_mod", model)          # torch.compile's wrapper
+    wrapped = inner is not None and any(isinstance(m, DDP) for m in inner.modules())
+    if not wrapped and named and dist.is_available() and dist.is_initialized():
+        wrapped = _ddp_owning(named[0][1])
+    if wrapped:
+        warnings.warn(
+            "dear.DistributedOptimizer got the parameters of a DistributedDataParallel model: "
+            "DDP all-reduces the gradients in backward and dear averages them again, so every "
+            "gradient is communicated twice (the values stay right). Give dear the plain model "
+            "(ddp.module, not wrapped in DDP) and train that", UserWarning, stacklevel=3)
+
+
+# ------------------------------------------------------------------------ Horovod's arguments
+def check_process_set(process_set: object) -> None:
+    """Horovod's process_set=: the global set (its default) or None; dear averages over every
+    rank of its communicator, so a subset is refused."""
+    if process_set is None:
+        return
+    hvd = sys.modules.get("horovod.torch")
+    global_set = getattr(hvd, "global_process_set", None) if hvd is not None else None
+    if global_set is not None and (process_set is global_set
+                                   or getattr(process_set, "process_set_id", None) == 0):
+        return
+    ranks = getattr(process_set, "ranks", None)
+    raise ValueError(
+        f"process_set={process_set!r}{f' (ranks {ranks})' if ranks else ''} is not supported: "
+        "dear averages over every rank it was started with. Pass hvd.global_process_set (or "
+        "leave the default)")
+
+
+def horovod_groups(num_groups: int, groups: object) -> object:
+    """Horovod's deprecated num_groups= (its 7th positional argument) means groups=num_groups."""
+    if num_groups:
+        import warnings
+        warnings.warn("num_groups is deprecated in Horovod, which replaced it by groups=; dear "
+                      "takes it as groups=num_groups", DeprecationWarning, stacklevel=3)
+        if groups is None:
+            return num_groups
+    return groups

@@ -1,0 +1,67 @@
+"""DDP's `broadcast_buffers=True` under DeAR: every rank takes one rank's module buffers
+(BatchNorm's running statistics, num_batches_tracked, any registered buffer), so evaluation and
+checkpoints do not depend on the rank.
+
+DDP broadcasts rank 0's buffers at the start of every training forward. dear does it once per
+iteration, inside step() (or synchronize()), after the reduce-scatters have finished and before
+the all-gathers start: a point every rank reaches in the same order relative to dear's other
+collectives, where nothing else is in flight (so the broadcast does not wait behind the
+all-gathers that overlap the next forward). Buffers change only in forward passes, so the values
+every rank holds at each step() are exactly the ones DDP's ranks hold then: rank 0's (the root
+never receives, so its own buffers evolve as DDP's rank 0's do). What differs: between the
+forwards of one step (backward_passes_per_step > 1) each rank's buffers evolve from its own
+values until step() brings them back to the root's.
+
+Under dear.join() the root is the highest rank that has not joined, as DDP's Join does.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from .comm.base import Communicator
+
+
+class BufferBroadcast:
+    """Callable: broadcast `model`'s buffers from `root` to every rank, in place."""
+
+    def __init__(self, model: torch.nn.Module, comm: Communicator) -> None:
+        self._model = model
+        self._comm = comm
+        self.root = 0                          # dear.join() moves it to an active rank
+        mine = [(n, tuple(b.shape), str(b.dtype)) for n, b in model.named_buffers()]
+        for dtype in {b.dtype for b in model.buffers()}:
+            comm.check_dtype(dtype)
+        if comm.size > 1:                      # same buffers everywhere, or the copy corrupts
+            for r, theirs in enumerate(comm.all_gather_object(mine)):
+                if theirs != mine:
+                    raise ValueError(
+                        f"the model's buffers differ between rank {comm.rank} and rank {r} "
+                        f"({len(mine)} vs {len(theirs)} buffers, or other shapes/dtypes); "
+                        "broadcast_buffers=True needs the same model on every rank")
+
+    @staticmethod
+    def wanted(model: Optional[torch.nn.Module], broadcast_buffers: bool) -> bool:
+        return bool(broadcast_buffers and model is not None
+                    and next(model.buffers(), None) is not None)
+
+    def __call__(self) -> None:
+        if self._comm.size == 1:
+            return
+        # Read the buffers again each time: a module may have reassigned one.
+        by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+        for buf in self._model.buffers():
+            by_kind.setdefault((buf.dtype, buf.device), []).append(buf)
+        pending = []
+        with torch.no_grad():
+            for bufs in by_kind.values():
+                flat = _flatten_dense_tensors(bufs)
+                pending.append((bufs, flat, self._comm.broadcast(flat, self.root)))
+            for bufs, flat, work in pending:
+                work.wait()
+                if self._comm.rank != self.root:
+                    for buf, value in zip(bufs, _unflatten_dense_tensors(flat, bufs)):
+                        buf.copy_(value)

@@ -1,0 +1,100 @@
+"""broadcast_buffers (issue 16, item 3): with model= dear gives every rank rank 0's module
+buffers, as DDP does by default, so BatchNorm's running statistics (and so evaluation and
+checkpoints) do not depend on the rank. Compared with DDP on 2 and 3 Gloo ranks."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import dear
+from tests.distributed import run_distributed
+
+STEPS = 5
+PER_RANK = 6
+
+
+class BNNet(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(8, 16)
+        self.bn1 = torch.nn.BatchNorm1d(16)
+        self.fc2 = torch.nn.Linear(16, 16)
+        self.bn2 = torch.nn.BatchNorm1d(16, momentum=None)   # cumulative: num_batches_tracked
+        self.head = torch.nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.bn1(self.fc1(x)))
+        return self.head(F.relu(self.bn2(self.fc2(h))))
+
+
+def _data(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    # Each rank's batch has its own mean and scale, so unsynchronised running stats drift apart.
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return (torch.randn(PER_RANK, 8, generator=g) * (1 + rank) + rank,
+            torch.randn(PER_RANK, 3, generator=g))
+
+
+def _train(kind: str) -> dict[str, torch.Tensor]:
+    rank = dear.rank()
+    torch.manual_seed(0)
+    model = BNNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    if kind == "ddp":
+        net = torch.nn.parallel.DistributedDataParallel(model)
+    else:
+        net = model
+        opt = dear.DistributedOptimizer(opt, model=model, fusion_threshold=1024,
+                                        **({"broadcast_buffers": False} if kind == "off" else {}))
+    for step in range(STEPS):
+        opt.zero_grad()
+        x, y = _data(step, rank)
+        F.mse_loss(net(x), y).backward()
+        opt.step()
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}   # flushes dear
+    model.eval()
+    state["eval_output"] = model(_data(99, 0)[0]).detach()
+    return state
+
+
+def _ranks() -> dict:
+    dear.init()
+    out = {kind: _train(kind) for kind in ("ddp", "dear", "off")}
+    dear.shutdown()
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def results(world: int) -> list[dict]:
+    return run_distributed(_ranks, world, timeout=180)
+
+
+def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
+
+
+BUFFERS = ("bn1.running_mean", "bn1.running_var", "bn2.running_mean", "bn2.running_var")
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_running_stats_equal_across_ranks_and_to_ddp(world: int) -> None:
+    ranks = results(world)
+    # DDP broadcasts at the start of the next forward, so after the last step its ranks still
+    # hold their own buffers; its rank 0 holds what every DDP rank would read next.
+    ddp = ranks[0]["ddp"]
+    for rank, res in enumerate(ranks):
+        mine = res["dear"]
+        for name in (*BUFFERS, "bn2.num_batches_tracked", "eval_output"):
+            # Bit-identical across ranks: they are copies of rank 0's.
+            assert torch.equal(mine[name], ranks[0]["dear"][name]), (rank, name)
+        for name in (*BUFFERS, "fc1.weight", "head.weight", "eval_output"):
+            # Same math as DDP, gradients only summed in another order: float32 rounding,
+            # relative to each tensor's scale (1e-5 is ~80 ulps after 5 steps).
+            assert rel_diff(mine[name], ddp[name]) < 1e-5, (rank, name)
+        assert torch.equal(mine["bn2.num_batches_tracked"], ddp["bn2.num_batches_tracked"])
+    # Without the broadcast, each rank keeps its own statistics (what dear did before).
+    assert not torch.equal(ranks[1]["off"]["bn1.running_mean"], ranks[0]["off"]["bn1.running_mean"])
