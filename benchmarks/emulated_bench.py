@@ -1,0 +1,542 @@
+"""DeAR against DDP, WFBP, Horovod and FSDP2 on an emulated accelerator (benchmarks.emulated):
+real gradient volumes, compute that sleeps and leaves the cores to the network.
+
+    python -m benchmarks.emulated_bench --setups resnet50:2,bert_base:2 \
+        --methods ddp,wfbp,horovod,fsdp2,dear,dear:first_bucket=2MB --rounds 3
+
+A setup is MODEL:RANKS[:BANDWIDTH[:SCALE]] (defaults per setup in SETUPS). Each runs on the
+emulated cluster (benchmarks.cluster: a network namespace per rank, tbf-shaped links; root) or,
+without root or with --no-shaping, on loopback. In one run, interleaved in rounds (method order
+rotated each round, so drift hits every method alike):
+- T_comm: the fastest measured way to all-reduce the whole gradient (benchmarks.train's
+  measure_comm: torch's all_reduce, or dear's reduce-scatter + all-gather);
+- the compute time: --compute-ms, else T_comm x --balance (default 1: the balanced regime, where
+  overlap decides everything); per-layer times from FLOPs (or --trace DIR: a dear.diagnose trace);
+- T_compute: every rank trains the emulated model alone at once, no communication;
+- every method: warm-up, then timed iterations, split into forward, backward and step.
+Reported: median iteration, x T_lb (T_lb = max(T_compute, T_comm)), x DDP, DeAR's bound
+max(T_fwd, T_comm/2) + max(T_bwd, T_comm/2) and DDP's T_fwd + max(T_bwd, T_comm) beside it;
+where time goes (forward wait = forward - the forward alone, backward extra, step wait); CPU:
+CPU seconds per iteration of each rank's process (all its threads) and the machine's busy cores
+(/proc/stat, everything on the machine). Losses are compared with DDP's (same data, same
+deterministic emulated gradients).
+
+Methods: a name from METHODS, optionally with keyword options after colons,
+`NAME[:KEY=VALUE[:KEY=VALUE...]]`; values: 2MB / 512KB / 1GB (bytes), true/false, none,
+numbers, else strings. `dear:...` options go to dear.DistributedOptimizer (rs_threshold,
+ag_threshold and first_bucket make a FusionConfig: missing sizes default to fusion_threshold or
+DEAR_FUSION_THRESHOLD); `ddp:...` to DistributedDataParallel; `wfbp:threshold=8MB`. To add a
+method, add a function to METHODS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import os
+import re
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from benchmarks import emulated, results
+
+DEFAULT_METHODS = "ddp,wfbp,horovod,fsdp2,dear,dear:first_bucket=2MB"
+LOSS_RTOL = 1e-3
+# (model, ranks) -> (bandwidth, scale). Scale: parameters' sizes divided by it, bandwidth too,
+# where the ranks' network work would saturate this 2-core machine (see the results' notes).
+SETUPS: dict[tuple[str, int], tuple[str, int]] = {
+    ("resnet50", 2): ("1gbit", 1), ("resnet50", 4): ("500mbit", 2), ("resnet50", 8): ("250mbit", 4),
+    ("vgg16", 2): ("500mbit", 4), ("vgg16", 4): ("250mbit", 8), ("vgg16", 8): ("125mbit", 16),
+    ("bert_base", 2): ("1gbit", 2), ("bert_base", 4): ("500mbit", 4),
+    ("bert_base", 8): ("250mbit", 8),
+}
+OptFactory = Callable[[Any], torch.optim.Optimizer]
+
+
+# ---------------------------------------------------------------- methods
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+    label: str                                    # as given, e.g. dear:first_bucket=2MB
+    base: str
+    options: dict[str, Any]
+
+
+def parse_value(text: str) -> Any:
+    low = text.strip().lower()
+    if low in ("true", "false"):
+        return low == "true"
+    if low == "none":
+        return None
+    m = re.fullmatch(r"([\d.]+)\s*(b|kb|kib|mb|mib|gb|gib)", low)
+    if m:
+        unit = {"b": 1, "kb": 2**10, "kib": 2**10, "mb": 2**20, "mib": 2**20, "gb": 2**30,
+                "gib": 2**30}[m.group(2)]
+        return int(float(m.group(1)) * unit)
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def parse_method(text: str) -> Method:
+    base, *opts = text.strip().split(":")
+    if base not in METHODS:
+        raise ValueError(f"unknown method {base!r} in {text!r}; expected one of {sorted(METHODS)}")
+    options = {}
+    for opt in opts:
+        key, sep, value = opt.partition("=")
+        if not sep or not key:
+            raise ValueError(f"bad option {opt!r} in {text!r}: expected KEY=VALUE")
+        options[key.strip()] = parse_value(value)
+    return Method(text.strip(), base, options)
+
+
+def parse_methods(text: str) -> list[Method]:
+    return [parse_method(m) for m in text.split(",") if m.strip()]
+
+
+def _ddp(model: emulated.EmulatedModel, make_opt: OptFactory, opts: dict[str, Any]) -> tuple:
+    net = torch.nn.parallel.DistributedDataParallel(model, **opts)
+    return net, make_opt(model.parameters())
+
+
+def _fsdp2(model: emulated.EmulatedModel, make_opt: OptFactory, opts: dict[str, Any]) -> tuple:
+    from benchmarks.baselines import fsdp2_wrap
+    net = fsdp2_wrap(model, lambda m: m.blocks())
+    return net, make_opt(net.parameters())
+
+
+def _wfbp(model: emulated.EmulatedModel, make_opt: OptFactory, opts: dict[str, Any]) -> tuple:
+    from benchmarks.baselines import WFBP
+    return model, WFBP(model, make_opt(model.parameters()), **opts)
+
+
+def _allreduce(model: emulated.EmulatedModel, make_opt: OptFactory, opts: dict[str, Any]) -> tuple:
+    from benchmarks.baselines import AllReduceAfterBackward
+    return model, AllReduceAfterBackward(model, make_opt(model.parameters()))
+
+
+def _horovod(model: emulated.EmulatedModel, make_opt: OptFactory, opts: dict[str, Any]) -> tuple:
+    import horovod.torch as hvd
+    hvd.init()
+    opt = make_opt(model.parameters())
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    return model, hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(), **opts)
+
+
+def _dear(model: emulated.EmulatedModel, make_opt: OptFactory, opts: dict[str, Any]) -> tuple:
+    import dear
+    from dear.fusion.fusion_config import FusionConfig
+    opts = dict(opts)
+    sizes = {k: opts.pop(k) for k in ("rs_threshold", "ag_threshold", "first_bucket") if k in opts}
+    if sizes:
+        default = opts.pop("fusion_threshold", None) or dear.runtime.config().fusion_threshold
+        opts["fusion_config"] = FusionConfig(sizes.get("rs_threshold", default),
+                                             sizes.get("ag_threshold", default),
+                                             sizes.get("first_bucket"))
+    return model, dear.DistributedOptimizer(make_opt(model.parameters()), model=model, **opts)
+
+
+# name -> build(model, optimizer factory, options) -> (module to call, object with
+# zero_grad() and step()). Add a method here.
+METHODS: dict[str, Callable[..., tuple]] = {
+    "ddp": _ddp, "fsdp2": _fsdp2, "wfbp": _wfbp, "allreduce": _allreduce, "horovod": _horovod,
+    "dear": _dear,
+}
+
+
+def make_optimizer(update: str) -> OptFactory:
+    return lambda params: emulated.EmulatedSGD(params, lr=0.01, momentum=0.9, update=update)
+
+
+# ---------------------------------------------------------------- one method, one rank
+
+
+def _busy_jiffies() -> tuple[int, int]:
+    """(busy, total) CPU jiffies of the whole machine since boot."""
+    with open("/proc/stat") as fh:
+        fields = [int(v) for v in fh.readline().split()[1:]]
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+    return sum(fields) - idle, sum(fields)
+
+
+def train(method: Method, model_spec: emulated.ModelSpec, warmup: int, iters: int,
+          batch_size: int, update: str = "probe") -> dict[str, Any]:
+    """Train a fresh emulated model with `method` on this rank: per-iteration times (total and
+    forward / backward / step), losses, CPU use over the timed iterations, final parameters
+    (update="full" only: to compare methods' numbers)."""
+    rank = dist.get_rank()
+    model = emulated.EmulatedModel(model_spec)
+    net, opt = METHODS[method.base](model, make_optimizer(update), method.options)
+    rec: dict[str, list[float]] = {"total": [], "forward": [], "backward": [], "step": []}
+    losses: list[float] = []
+    cpu0 = busy0 = wall0 = 0.0
+    for step in range(warmup + iters):
+        x, y = emulated.make_batch(step, rank, batch_size)
+        if step == warmup:
+            dist.barrier()
+            cpu0, busy0, wall0 = time.process_time(), _busy_jiffies(), time.perf_counter()
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        loss = emulated.loss_fn(net(x), y)
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        opt.step()
+        t3 = time.perf_counter()
+        if step >= warmup:
+            for key, value in zip(rec, (t3 - t0, t1 - t0, t2 - t1, t3 - t2)):
+                rec[key].append(value)
+        losses.append(loss.item())
+    wall = time.perf_counter() - wall0
+    busy1 = _busy_jiffies()
+    cpu = time.process_time() - cpu0
+    if method.base == "dear":
+        opt.synchronize()                          # the last step's updates
+    params = ({n: p.detach().clone() for n, p in model.named_parameters()}
+              if update == "full" else None)
+    from benchmarks.baselines import release
+    release(opt)
+    del net, opt, model
+    gc.collect()
+    if method.base == "horovod":                  # its background thread would take CPU from
+        import horovod.torch as hvd                # every method measured after it
+        hvd.shutdown()
+    return {"times": rec, "losses": losses, "cpu_s": cpu, "wall_s": wall,
+            "machine_busy": (busy1[0] - busy0[0]) / max(1, busy1[1] - busy0[1]),
+            "loadavg": os.getloadavg()[0], "params": params}
+
+
+def compute_only(model_spec: emulated.ModelSpec, warmup: int, iters: int, batch_size: int
+                 ) -> dict[str, Any]:
+    """Every rank trains alone at once: the emulated compute with no communication."""
+    model = emulated.EmulatedModel(model_spec)
+    opt = make_optimizer("probe")(model.parameters())
+    rec: dict[str, list[float]] = {"total": [], "forward": [], "backward": [], "step": []}
+    for step in range(warmup + iters):
+        x, y = emulated.make_batch(step, dist.get_rank(), batch_size)
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        loss = emulated.loss_fn(model(x), y)
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        opt.step()
+        t3 = time.perf_counter()
+        if step >= warmup:
+            for key, value in zip(rec, (t3 - t0, t1 - t0, t2 - t1, t3 - t2)):
+                rec[key].append(value)
+    return {"times": rec}
+
+
+# ---------------------------------------------------------------- the worker (every rank)
+
+
+def worker(args: argparse.Namespace) -> int:
+    import dear
+    from benchmarks.train import measure_comm
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    dear.init(backend="torch")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    methods = parse_methods(args.methods)
+    if any(m.base == "horovod" for m in methods) and "HOROVOD_RANK" not in os.environ:
+        raise SystemExit("method 'horovod' needs Horovod's launcher (benchmarks.cluster "
+                         "--horovod; the driver does it when Horovod is installed)")
+    model_spec = emulated.spec(args.model, args.scale)
+    comm = measure_comm(model_spec.numel, args.comm_repeats)
+    t = torch.tensor([min(comm.values()), comm["all_reduce"], comm["rs_ag"]])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)         # the slowest rank's view
+    t_comm = t[0].item()
+    comm = {"all_reduce": t[1].item(), "rs_ag": t[2].item()}
+    compute_s = args.compute_ms / 1e3 if args.compute_ms else t_comm * args.balance
+    if args.trace:
+        model_spec = emulated.times_from_trace(model_spec, args.trace,
+                                               compute_s if args.compute_ms else None)
+    else:
+        model_spec = model_spec.timed(compute_s, args.backward_factor)
+    runs: dict[str, list[dict[str, Any]]] = {m.label: [] for m in methods}
+    compute: list[dict[str, Any]] = []
+    for r in range(args.rounds):
+        compute.append(compute_only(model_spec, args.warmup, args.iters, args.batch))
+        shift = r % len(methods)
+        for method in methods[shift:] + methods[:shift]:
+            if rank == 0:
+                print(f"emulated: {args.model} x{world} round {r + 1}: {method.label}",
+                      file=sys.stderr, flush=True)
+            runs[method.label].append(train(method, model_spec, args.warmup, args.iters,
+                                            args.batch))
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, {"runs": runs, "compute": compute})
+    dear.shutdown()
+    dist.destroy_process_group()
+    if rank == 0:
+        report = summarize(gathered, methods, model_spec, comm, t_comm, args)
+        with open(args.out, "w") as fh:
+            json.dump(report, fh, indent=2, default=str)
+    return 0
+
+
+def _phase_medians(per_rank: list[list[dict[str, Any]]]) -> dict[str, float]:
+    """Per phase: each rank's median over every round's timed iterations, slowest rank."""
+    out = {}
+    for key in ("total", "forward", "backward", "step"):
+        out[key] = max(statistics.median([t for run in runs for t in run["times"][key]])
+                       for runs in per_rank)
+    return out
+
+
+def summarize(gathered: list[dict[str, Any]], methods: list[Method],
+              model_spec: emulated.ModelSpec, comm: dict[str, float], t_comm: float,
+              args: argparse.Namespace) -> dict[str, Any]:
+    world = len(gathered)
+    base = _phase_medians([g["compute"] for g in gathered])
+    t_compute = base["total"]
+    t_lb = max(t_compute, t_comm)
+    fwd, bwd = model_spec.forward_total, model_spec.backward_total
+    report: dict[str, Any] = {
+        "model": args.model, "ranks": world, "scale": args.scale,
+        "numel": model_spec.numel, "gradient_mb": model_spec.numel * 4 / 2**20,
+        "batch_per_rank": args.batch, "t_comm_s": t_comm, "comm_s": comm,
+        "t_compute_s": t_compute, "compute_phases_s": base,
+        "emulated_forward_s": fwd, "emulated_backward_s": bwd, "t_lb_s": t_lb,
+        "dear_bound_s": max(fwd, t_comm / 2) + max(bwd, t_comm / 2),
+        "ddp_bound_s": fwd + max(bwd, t_comm),
+        "bandwidth_measured_bps": float(os.environ.get("DEAR_CLUSTER_BANDWIDTH_MEASURED", 0))
+        or None, "methods": {}}
+    ref = None
+    for method in methods:
+        per_rank = [g["runs"][method.label] for g in gathered]
+        ph = _phase_medians(per_rank)
+        totals = sorted(t for runs in per_rank for run in runs for t in run["times"]["total"])
+        q = statistics.quantiles(totals, n=4) if len(totals) > 1 else [totals[0]] * 3
+        runs0 = per_rank[0]
+        cpu = statistics.mean(run["cpu_s"] / args.iters for runs in per_rank for run in runs)
+        res = {
+            "median_s": ph["total"], "q1_s": q[0], "q3_s": q[2],
+            "forward_s": ph["forward"], "backward_s": ph["backward"], "step_s": ph["step"],
+            "forward_wait_s": ph["forward"] - base["forward"],
+            "backward_extra_s": ph["backward"] - base["backward"],
+            "step_wait_s": ph["step"] - base["step"],
+            "ratio_lb": ph["total"] / t_lb,
+            "samples_per_s": args.batch * world / ph["total"],
+            "cpu_s_per_iter_per_rank": cpu,
+            "machine_busy_cores": statistics.mean(r["machine_busy"] for r in runs0)
+            * (os.cpu_count() or 1),
+            "loadavg": max(r["loadavg"] for r in runs0),
+            "losses": runs0[0]["losses"],
+        }
+        rounds_agree = all(_rel_diff(r["losses"], runs0[0]["losses"]) <= LOSS_RTOL for r in runs0)
+        res["rounds_agree"] = rounds_agree
+        if method.label == "ddp":
+            ref = res["losses"]
+        report["methods"][method.label] = res
+    ddp = report["methods"].get("ddp")
+    for res in report["methods"].values():
+        res["ratio_ddp"] = res["median_s"] / ddp["median_s"] if ddp else None
+        if ref is not None:
+            res["loss_rel_diff"] = _rel_diff(res["losses"], ref)
+            res["loss_matches_ddp"] = res["loss_rel_diff"] <= LOSS_RTOL
+    return report
+
+
+def _rel_diff(a: list[float], b: list[float]) -> float:
+    return max((abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b)), default=0.0)
+
+
+# ---------------------------------------------------------------- the driver
+
+
+def parse_setup(text: str) -> tuple[str, int, str, int]:
+    parts = text.strip().split(":")
+    model, nproc = parts[0], int(parts[1]) if len(parts) > 1 else 2
+    if model not in emulated.MODELS:
+        raise ValueError(f"unknown model {model!r} in setup {text!r}; expected one of "
+                         f"{emulated.MODELS}")
+    bandwidth, scale = SETUPS.get((model, nproc), ("1gbit", 1))
+    if len(parts) > 2 and parts[2]:
+        bandwidth = parts[2]
+    if len(parts) > 3 and parts[3]:
+        scale = int(parts[3])
+    return model, nproc, bandwidth, scale
+
+
+def horovod_installed() -> bool:
+    try:
+        import horovod.torch as hvd
+    except ImportError:
+        return False
+    return hasattr(hvd, "init")
+
+
+def run_setup(setup: str, args: argparse.Namespace, shaping: bool) -> dict[str, Any]:
+    from benchmarks.cluster import EmulatedCluster
+
+    model, nproc, bandwidth, scale = parse_setup(setup)
+    methods = args.methods
+    use_hvd = "horovod" in [m.base for m in parse_methods(methods)]
+    if use_hvd and not horovod_installed():
+        methods = ",".join(m.label for m in parse_methods(methods) if m.base != "horovod")
+        print("emulated: Horovod is not installed; skipping it (make horovod)", file=sys.stderr)
+        use_hvd = False
+    load_before = os.getloadavg()
+    fd, out = tempfile.mkstemp(prefix="dear-emulated-", suffix=".json")
+    os.close(fd)
+    cmd = [sys.executable, "-m", "benchmarks.emulated_bench", "--worker", "--out", out,
+           "--model", model, "--scale", str(scale), "--methods", methods,
+           "--rounds", str(args.rounds), "--warmup", str(args.warmup), "--iters", str(args.iters),
+           "--batch", str(args.batch), "--comm-repeats", str(args.comm_repeats),
+           "--balance", str(args.balance), "--compute-ms", str(args.compute_ms),
+           "--backward-factor", str(args.backward_factor)]
+    if args.trace:
+        cmd += ["--trace", args.trace]
+    try:
+        with EmulatedCluster(nproc, bandwidth, shaping=shaping, horovod=use_hvd) as cluster:
+            measured = cluster.measure_bandwidth() if shaping and nproc >= 2 else None
+            if measured:
+                print(f"emulated: {model} x{nproc}: link requested {bandwidth}, measured "
+                      f"{measured / 1e9:.3f} Gbit/s", file=sys.stderr, flush=True)
+            code = cluster.run(cmd, timeout=args.timeout)
+        if code != 0:
+            raise SystemExit(f"emulated: {setup} failed (exit {code})")
+        with open(out) as fh:
+            report = json.load(fh)
+    finally:
+        os.remove(out)
+    report.update(setup=setup, bandwidth_requested=bandwidth if shaping else None,
+                  shaping=shaping, loadavg_before=load_before, loadavg_after=os.getloadavg())
+    return report
+
+
+def table(reports: list[dict[str, Any]]) -> tuple[str, str]:
+    rows = []
+    for rep in reports:
+        where = f"{rep['model']} x{rep['ranks']}" + (f" (1/{rep['scale']})" if rep["scale"] > 1
+                                                     else "")
+        for label, r in rep["methods"].items():
+            rows.append([where, label, round(r["median_s"] * 1e3), round(r["ratio_lb"], 3),
+                         round(r["ratio_ddp"], 3) if r.get("ratio_ddp") else "-",
+                         round(r["forward_wait_s"] * 1e3), round(r["backward_extra_s"] * 1e3),
+                         round(r["step_wait_s"] * 1e3), round(r["cpu_s_per_iter_per_rank"], 3),
+                         round(r["machine_busy_cores"], 2),
+                         ("ok" if r.get("loss_matches_ddp", True) else "DIFFERS")
+                         + ("" if r["rounds_agree"] else ", rounds differ")])
+    headers = ["setup", "method", "iter (ms)", "x T_lb", "x DDP", "fwd wait (ms)",
+               "bwd extra (ms)", "step wait (ms)", "CPU s/iter/rank", "busy cores",
+               "loss vs DDP"]
+    notes = []
+    for rep in reports:
+        link = rep.get("bandwidth_measured_bps")
+        notes.append(
+            f"- {rep['model']} x{rep['ranks']}: gradient {rep['gradient_mb']:.1f} MB"
+            + (f" (every parameter's first dimension / {rep['scale']}, bandwidth scaled alike)"
+               if rep["scale"] > 1 else "")
+            + f"; T_compute {rep['t_compute_s'] * 1e3:.0f} ms (emulated forward "
+            f"{rep['emulated_forward_s'] * 1e3:.0f} + backward {rep['emulated_backward_s'] * 1e3:.0f}"
+            f"); T_comm {rep['t_comm_s'] * 1e3:.0f} ms (all_reduce "
+            f"{rep['comm_s']['all_reduce'] * 1e3:.0f}, dear rs+ag {rep['comm_s']['rs_ag'] * 1e3:.0f})"
+            f"; T_lb {rep['t_lb_s'] * 1e3:.0f} ms; bounds x T_lb: DeAR "
+            f"{rep['dear_bound_s'] / rep['t_lb_s']:.2f}, DDP {rep['ddp_bound_s'] / rep['t_lb_s']:.2f}"
+            f"; link {rep.get('bandwidth_requested') or 'loopback'}"
+            + (f", measured {link / 1e9:.3f} Gbit/s" if link else "")
+            + f"; load average before/after {rep['loadavg_before'][0]:.2f}/"
+            f"{rep['loadavg_after'][0]:.2f}")
+    return results.markdown_table(headers, rows), "\n".join(notes)
+
+
+EXPLAIN = """Emulated accelerator (benchmarks/emulated.py): every layer keeps the real model's
+parameters; its forward and backward sleep their FLOP share of the compute time (backward = 2 x
+forward), so the cores are left to the network, as on a GPU cluster. fwd wait, bwd extra and step
+wait: the method's forward, backward and step() minus the same phases with no communication
+(DDP waits for its all-reduces inside backward; DeAR for its all-gathers in forward and its
+reduce-scatters in step()). CPU s/iter/rank: CPU time of a rank's process (all threads) per
+iteration; busy cores: the whole machine's (2 cores; other work on it included)."""
+
+
+def chart(reports: list[dict[str, Any]], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(reports), figsize=(4.5 * len(reports), 4), squeeze=False)
+    for ax, rep in zip(axes[0], reports):
+        labels = list(rep["methods"])
+        ax.bar(range(len(labels)), [rep["methods"][m]["ratio_lb"] for m in labels],
+               color=["tab:red" if m.startswith("dear") else "tab:gray" for m in labels])
+        ax.axhline(1.0, color="black", linewidth=1, linestyle="--")
+        ax.axhline(rep["dear_bound_s"] / rep["t_lb_s"], color="tab:red", linewidth=1,
+                   linestyle=":", label="DeAR bound")
+        ax.set_xticks(range(len(labels)), labels, rotation=35, ha="right", fontsize=8)
+        ax.set_title(f"{rep['model']} x{rep['ranks']}: T_lb {rep['t_lb_s'] * 1e3:.0f} ms")
+        ax.set_ylabel("iteration / T_lb")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--setups", default="resnet50:2",
+                   help="MODEL:RANKS[:BANDWIDTH[:SCALE]],... (defaults per setup: SETUPS)")
+    p.add_argument("--methods", default=DEFAULT_METHODS)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--iters", type=int, default=6)
+    p.add_argument("--batch", type=int, default=32, help="nominal batch per rank (samples/s)")
+    p.add_argument("--comm-repeats", type=int, default=3)
+    p.add_argument("--balance", type=float, default=1.0,
+                   help="compute time = T_comm x this (unless --compute-ms)")
+    p.add_argument("--compute-ms", type=float, default=0.0)
+    p.add_argument("--backward-factor", type=float, default=emulated.BACKWARD_FACTOR)
+    p.add_argument("--trace", default="", help="per-layer times from this dear.diagnose trace")
+    p.add_argument("--name", default="emulated", help="results/<name>.{json,md,png}")
+    p.add_argument("--no-shaping", action="store_true", help="loopback, no root needed")
+    p.add_argument("--timeout", type=float, default=1200.0, help="per setup, seconds")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--out", default="", help=argparse.SUPPRESS)
+    p.add_argument("--model", default="resnet50", help=argparse.SUPPRESS)
+    p.add_argument("--scale", type=int, default=1, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        return worker(args)
+    parse_methods(args.methods)                    # fail early on a typo
+    setups = [s for s in args.setups.split(",") if s.strip()]
+    for s in setups:
+        parse_setup(s)
+    from benchmarks.cluster import check_can_shape
+    shaping = not args.no_shaping
+    if shaping and (why := check_can_shape()):
+        print(f"emulated: {why}; running on loopback (unshaped)", file=sys.stderr)
+        shaping = False
+    reports = [run_setup(s, args, shaping) for s in setups]
+    text, notes = table(reports)
+    print(text)
+    print(notes)
+    png = os.path.join(results.RESULTS_DIR, f"{args.name}.png")
+    chart(reports, png)
+    results.write(args.name, "DeAR vs baselines on an emulated accelerator",
+                  {"shaping": shaping, "reports": reports}, text,
+                  f"{notes}\n\n{EXPLAIN}\n\n![x T_lb]({os.path.basename(png)})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,130 @@
+"""The emulated accelerator (benchmarks/emulated.py): the real models' parameters, compute that
+sleeps instead of using the CPU, and methods that agree with DDP on it."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from benchmarks import emulated, emulated_bench
+from benchmarks import models as real_models
+from tests.distributed import run_distributed
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _shapes(model: torch.nn.Module) -> list[tuple[str, tuple[int, ...]]]:
+    return [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+
+
+@pytest.mark.parametrize("name,count", [("resnet50", 25_557_032), ("vgg16", 138_357_544),
+                                        ("bert_base", 109_483_778)])
+def test_parameters_are_the_real_models(name: str, count: int) -> None:
+    """Names, shapes and order of benchmarks.models' plain-torch ResNet-50 / VGG-16 / BERT-Base
+    (whose counts test_models checks against torchvision's and Hugging Face's)."""
+    with torch.device("meta"):
+        real = real_models.build(name).make_model()
+    emu = emulated.EmulatedModel(emulated.spec(name))
+    assert _shapes(emu) == _shapes(real)
+    assert sum(p.numel() for p in emu.parameters()) == count
+    # FSDP2 shards the real model's blocks
+    assert [n for n, m in emu.named_modules() if m in set(emu.blocks())] == list(emu.spec.blocks)
+
+
+def test_scaled_model_divides_first_dimensions() -> None:
+    full, quarter = emulated.spec("resnet50"), emulated.spec("resnet50", scale=4)
+    assert quarter.scale == 4 and len(quarter.layers) == len(full.layers)
+    for a, b in zip(full.layers, quarter.layers):
+        for (_, sa), (_, sb) in zip(a.params, b.params):
+            assert sb == (max(1, round(sa[0] / 4)),) + sa[1:]
+    assert 0.24 < quarter.numel / full.numel < 0.26
+
+
+def test_times_follow_flops_and_compute_leaves_the_cpu_free() -> None:
+    s = emulated.spec("resnet50", scale=16).timed(0.15)
+    assert s.forward_total == pytest.approx(0.05) and s.backward_total == pytest.approx(0.10)
+    convs = {layer.name: t for layer, t in zip(s.layers, s.forward_s)}
+    assert convs["layer1.0.conv2"] > 10 * convs["layer1.0.bn2"]     # a 3x3 conv vs its norm
+    torch.manual_seed(0)
+    model = emulated.EmulatedModel(s)
+    x, y = emulated.make_batch(0, 0, 4)
+    emulated.loss_fn(model(x), y).backward()                          # first touches memory
+    for p in model.parameters():
+        p.grad = None
+    cpu, wall = time.process_time(), time.perf_counter()
+    emulated.loss_fn(model(x), y).backward()
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    assert wall >= 0.15
+    assert cpu < 0.5 * wall, f"{cpu:.3f} s of CPU in {wall:.3f} s: compute is not sleeping"
+    # gradients: every parameter's shape, the probe's exact gradient, a data-dependent level
+    for p in model.parameters():
+        assert p.grad is not None and p.grad.shape == p.shape
+
+
+def test_gradients_flow_in_reverse_layer_order_and_are_deterministic() -> None:
+    s = emulated.spec("bert_base", scale=32)
+    order: list[str] = []
+    runs = []
+    for _ in range(2):
+        model = emulated.EmulatedModel(s)
+        if not order:
+            for n, p in model.named_parameters():
+                p.register_post_accumulate_grad_hook(lambda p, n=n: order.append(n))
+        x, y = emulated.make_batch(3, 1, 4)
+        emulated.loss_fn(model(x), y).backward()
+        runs.append([p.grad.clone() for p in model.parameters()])
+    names = [n for n, _ in model.named_parameters()]
+    layer_of = {n: n.rsplit(".", 1)[0] for n in names}
+    layers = [layer.name for layer in s.layers]
+    seen = [layer_of[n] for n in order]
+    assert sorted(set(seen), key=seen.index) == layers[::-1]
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+def test_method_specs() -> None:
+    m = emulated_bench.parse_method("dear:first_bucket=2MB:overlap_allgather=false")
+    assert m.base == "dear" and m.label == "dear:first_bucket=2MB:overlap_allgather=false"
+    assert m.options == {"first_bucket": 2 * 2**20, "overlap_allgather": False}
+    assert emulated_bench.parse_method("wfbp:threshold=512KB").options == {"threshold": 2**19}
+    assert emulated_bench.parse_value("0.5") == 0.5 and emulated_bench.parse_value("x") == "x"
+    with pytest.raises(ValueError, match="unknown method"):
+        emulated_bench.parse_method("dearr")
+    with pytest.raises(ValueError, match="KEY=VALUE"):
+        emulated_bench.parse_method("dear:first_bucket")
+    assert emulated_bench.parse_setup("resnet50:8") == ("resnet50", 8, "250mbit", 4)
+    assert emulated_bench.parse_setup("vgg16:2:2gbit:1") == ("vgg16", 2, "2gbit", 1)
+
+
+def _train_methods(labels: list[str]) -> dict[str, tuple[list[float], dict[str, torch.Tensor]]]:
+    import torch.distributed as dist
+
+    import dear
+    dist.init_process_group("gloo")
+    dear.init(backend="torch")
+    s = emulated.spec("resnet50", scale=64)
+    out = {}
+    for label in labels:
+        res = emulated_bench.train(emulated_bench.parse_method(label), s, warmup=0, iters=4,
+                                   batch_size=4, update="full")
+        out[label] = (res["losses"], res["params"])
+    dear.shutdown()
+    return out
+
+
+def test_dear_equals_ddp_on_the_emulated_model_two_ranks() -> None:
+    labels = ["ddp", "dear", "dear:fusion_threshold=64KB:first_bucket=16KB", "wfbp"]
+    per_rank = run_distributed(_train_methods, 2, labels, timeout=100)
+    for rank in per_rank:
+        ddp_losses, ddp_params = rank["ddp"]
+        assert len(ddp_losses) == 4 and ddp_losses[0] != ddp_losses[-1]
+        for label in labels[1:]:
+            losses, params = rank[label]
+            assert losses == pytest.approx(ddp_losses, rel=1e-5), label
+            for name, p in ddp_params.items():
+                torch.testing.assert_close(params[name], p, rtol=1e-5, atol=1e-6,
+                                           msg=f"{label}: {name}")
+    # both ranks hold the same model (the average of both ranks' gradients)
+    for name, p in per_rank[0]["dear"][1].items():
+        assert torch.equal(p, per_rank[1]["dear"][1][name])
