@@ -4,6 +4,7 @@ from .checkpoint import atomic_save
 from .comm.base import ReduceOp
 from .compression import Compression
 from . import diagnose  # the dear.diagnose subpackage: trace, report, simulate
+from .join import join
 from .kfac import KFAC
 from .native import native_available
 from .optimizer import DistributedOptimizer
@@ -17,6 +18,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Average", "Compression", "atomic_save", "DistributedOptimizer", "KFAC", "ReduceOp", "Sum", "allreduce", "broadcast_optimizer_state",
-    "broadcast_parameters", "diagnose", "init", "native_available", "is_initialized", "local_rank",
+    "broadcast_parameters", "diagnose", "init", "join", "native_available", "is_initialized", "local_rank",
     "rank", "shutdown", "size",
 ]

@@ -1,0 +1,151 @@
+"""dear.join(): uneven inputs, as DDP's `Join` and Horovod's `hvd.join()`.
+
+    with dear.join(optimizer):
+        for x, y in loader:                  # ranks may hold different numbers of batches
+            optimizer.zero_grad()
+            loss_fn(model(x), y).backward()
+            optimizer.step()
+
+Collective order. Inside the context every rank that still has data starts each iteration (its
+first training forward after a step()) with one tiny all-reduce, "who is still active", issued
+from a forward pre-hook on the model before anything else of that iteration. A rank whose loop
+has ended (it reached `__exit__`) issues the same all-reduce, saying "not active"; while the
+answer names an active rank it shadows that rank's iteration with a `step()` of its own without
+gradients: every parameter counts as unused (zero gradient, usage flag 0), so it issues the
+same reduce-scatters (all of them, in reduce order, inside step(); the active ranks issue the
+same ones during backward, in the same order), then the buffer broadcast, then the same
+all-gathers, as an active rank's step(). The answer "nobody is active" reaches every rank in the
+same round, so all leave together. An active rank's `optimizer.clip_grad_norm_()` (one tiny
+all-gather) is shadowed too, as in the rank's own last iteration (so when the loop clips,
+every rank needs at least one batch: a rank without any cannot know that the others clip).
+
+Semantics, as DDP's Join (divide_by_initial_world_size=True): a joined rank contributes zero
+gradients and the average still divides by the whole world size. A joined rank applies the
+averaged update it receives, so its optimizer state (momentum, Adam's moments, step counts)
+stays equal to the active ranks'; at the end every rank takes the parameters and buffers of the
+highest rank among the last to join (DDP: the "last joiner"), which also undoes any difference
+in hyperparameters (an LR scheduler that only the active ranks stepped). Buffers are broadcast
+from the highest active rank in each iteration (DDP's choice under Join).
+
+Not shadowed (refused when used inside the context, on every rank at the same step):
+GradScaler (`scaler.step(optimizer)`); dear.KFAC is not supported inside it.
+"""
+
+from __future__ import annotations
+
+from types import TracebackType
+from typing import Any, Optional
+
+import torch
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+
+class join:  # noqa: N801 (used like a function: `with dear.join(optimizer):`)
+    """Context manager for loops whose ranks run different numbers of iterations."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer,
+                 model: Optional[torch.nn.Module] = None, *, enable: bool = True) -> None:
+        if not hasattr(optimizer, "_dear_setup"):
+            raise TypeError("dear.join() takes the optimizer dear.DistributedOptimizer returned")
+        model = model if model is not None else optimizer._model  # type: ignore[attr-defined]
+        if model is None:
+            raise ValueError("dear.join() needs the model, whose forward starts each iteration: "
+                             "pass model= to dear.DistributedOptimizer or to dear.join()")
+        self._opt: Any = optimizer
+        self._model = model
+        self._comm = optimizer._comm  # type: ignore[attr-defined]
+        self._enabled = enable and self._comm.size > 1
+        self._hooks: list[Any] = []
+        self._armed = True                     # the next training forward starts an iteration
+        self._clipped = False                  # this rank's last iteration clipped
+        self._last_active: list[int] = list(range(self._comm.size))
+
+    # ----------------------------------------------------------------- while this rank has data
+    def __enter__(self) -> "join":
+        if not self._enabled:
+            return self
+        self._hooks = [
+            self._model.register_forward_pre_hook(self._on_forward, prepend=True),
+            self._opt.register_step_pre_hook(self._on_step),
+            self._opt.register_step_post_hook(self._rearm),
+        ]
+        self._set_buffer_root(self._last_active)
+        return self
+
+    def _on_forward(self, module: torch.nn.Module, args: Any) -> None:
+        if self._armed and module.training and torch.is_grad_enabled():
+            self._armed = False
+            self._exchange(active=True)
+
+    def _on_step(self, opt: Any, args: Any, kwargs: dict[str, Any]) -> None:
+        if kwargs.get("grad_scaler") is not None:
+            raise NotImplementedError(
+                "GradScaler inside dear.join() is not supported: a rank that has joined cannot "
+                "shadow the scaler's inf check. Train without the scaler (or with bf16 "
+                "autocast) inside dear.join(), or give every rank the same number of batches")
+        self._clipped = bool(opt._reduced)     # optimizer.clip_grad_norm_ ran this iteration
+
+    def _rearm(self, *args: Any) -> None:
+        self._armed = True
+
+    # ------------------------------------------------------------------ after this rank's loop
+    def __exit__(self, exc_type: Optional[type], exc: Optional[BaseException],
+                 tb: Optional[TracebackType]) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+        if not self._enabled or exc_type is not None:
+            return
+        opt = self._opt
+        params = [p for g in opt.param_groups for p in g["params"]]
+        for p in params:                       # this rank's last gradients were reduced already
+            p.grad = None
+        previous = self._last_active
+        while True:
+            active = self._exchange(active=False)
+            if not active:
+                break
+            previous = active
+            if self._clipped:
+                opt.clip_grad_norm_(1.0)       # zeros: the max_norm does not matter
+            # "A backward ran" (of nothing): step() communicates, every gradient counting as
+            # unused, instead of taking its no-backward path.
+            opt._grads_since_step = True
+            opt.step()
+            for p in params:
+                p.grad = None
+        opt.flush_updates()
+        self._final_sync(max(previous))
+        if opt._buffer_sync is not None:
+            opt._buffer_sync.root = 0
+
+    # ------------------------------------------------------------------------------ helpers
+    def _exchange(self, active: bool) -> list[int]:
+        """The all-reduce every rank issues once per iteration: which ranks are still active."""
+        device = next((p.device for p in self._opt._params), torch.device("cpu"))
+        mask = torch.zeros(self._comm.size, device=device)
+        mask[self._comm.rank] = float(active)
+        self._comm.all_reduce(mask).wait()
+        ranks = [r for r, flag in enumerate(mask.tolist()) if flag > 0]
+        if ranks:
+            self._last_active = ranks
+            self._set_buffer_root(ranks)
+        return ranks
+
+    def _set_buffer_root(self, active: list[int]) -> None:
+        if getattr(self._opt, "_buffer_sync", None) is not None:
+            self._opt._buffer_sync.root = max(active)
+
+    def _final_sync(self, root: int) -> None:
+        """Every rank takes `root`'s parameters and buffers (DDP's final model sync)."""
+        tensors = [p.data for p in self._model.parameters()] + list(self._model.buffers())
+        by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+        for t in tensors:
+            by_kind.setdefault((t.dtype, t.device), []).append(t)
+        with torch.no_grad():
+            for group in by_kind.values():
+                flat = _flatten_dense_tensors(group)
+                self._comm.broadcast(flat, root).wait()
+                if self._comm.rank != root:
+                    for t, value in zip(group, _unflatten_dense_tensors(flat, group)):
+                        t.copy_(value)
