@@ -1,0 +1,213 @@
+"""dear.init() under srun and mpirun (dear/launch.py).
+
+Slurm and Open MPI are not installed here, so their variables are set by hand as srun and
+mpirun set them, on two plain processes; MPICH's mpirun (the `mpich` wheel, installed by
+`make setup`) is run for real, with and without mpi4py to agree on the master. Each launch
+trains nothing: dear.init() must start a 2-rank Gloo group, and an all-reduce over it must give
+the sum, on every rank.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from dear import launch
+from tests.subprocesses import BIN, ROOT, run
+
+# What each rank runs: dear.init() alone must find its place; prints one line to check.
+BODY = """
+import os, sys, torch, dear, torch.distributed as dist
+sys.modules.update({m: None for m in os.environ.get("HIDE_MODULES", "").split(",") if m})
+dear.init()
+x = torch.tensor([float(dear.rank() + 1)])
+dear.runtime.communicator().all_reduce(x).wait()
+print(f"OK rank={dear.rank()} size={dear.size()} local={dear.local_rank()} sum={x.item():g} "
+      f"pg={dist.is_initialized()} master={os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
+      flush=True)
+dear.shutdown()
+"""
+
+_TORCHRUN = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+             "MASTER_PORT", "GROUP_RANK")
+
+
+def _clean_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if k not in _TORCHRUN and not k.startswith(("SLURM_", "OMPI_", "PMI_", "MPI_"))}
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def _free_port(lo: int = 20000, hi: int = 40000) -> int:
+    """A port in [lo, hi) that nothing listens on now (random tries)."""
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(lo, hi)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port")
+
+
+def _run_ranks(envs: list[dict[str, str]], timeout: float = 120) -> list[str]:
+    """Start one process per environment (as a launcher would), hard timeout, kill on failure."""
+    procs = [subprocess.Popen([sys.executable, "-c", BODY], cwd=ROOT, env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              start_new_session=True) for env in envs]
+    deadline = time.monotonic() + timeout
+    outs = []
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            outs.append(out)
+            assert p.returncode == 0, f"a rank failed:\n{out}"
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"ranks did not finish within {timeout:.0f} s (hang?); killed")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, 9)
+                p.wait()
+    return outs
+
+
+def _ok_lines(outs: list[str]) -> list[str]:
+    return sorted(line for out in outs for line in out.splitlines() if line.startswith("OK "))
+
+
+# ----------------------------------------------------------------------------- unit tests
+@pytest.mark.parametrize("text, hosts", [
+    ("node01", ["node01"]),
+    ("node[01-04]", ["node01", "node02", "node03", "node04"]),
+    ("node[01-02,07],login", ["node01", "node02", "node07", "login"]),
+    ("gpu-a[8-10]-ib", ["gpu-a8-ib", "gpu-a9-ib", "gpu-a10-ib"]),
+    ("r[1-2]n[09-10]", ["r1n09", "r1n10", "r2n09", "r2n10"]),
+    ("c[098-101]", ["c098", "c099", "c100", "c101"]),
+    ("a,b[1,3]", ["a", "b1", "b3"]),
+])
+def test_expand_hostlist(text: str, hosts: list[str]) -> None:
+    assert launch.expand_hostlist(text) == hosts
+
+
+@pytest.mark.parametrize("text", ["node[01-", "node[a-b]", "node]1["])
+def test_expand_hostlist_refuses_garbage(text: str) -> None:
+    with pytest.raises(ValueError, match="host list"):
+        launch.expand_hostlist(text)
+
+
+def test_detect_each_launcher() -> None:
+    slurm = {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1",
+             "SLURM_NODEID": "2", "SLURM_STEP_TASKS_PER_NODE": "2(x3),1",
+             "SLURM_JOB_NODELIST": "gpu[003-006]", "SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0"}
+    p = launch.detect(slurm)
+    assert p == launch.Placement("slurm", 5, 8, 1, 2, "gpu003", 20000 + 4242 * 7 % 20000)
+    # The step's own node list wins over the job's; an explicit master wins over both.
+    p = launch.detect({**slurm, "SLURM_STEP_NODELIST": "gpu[005-006]"})
+    assert p is not None and p.master_addr == "gpu005"
+    p = launch.detect({**slurm, "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "1234"})
+    assert p is not None and (p.master_addr, p.master_port) == ("10.0.0.1", 1234)
+    ompi = {"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4",
+            "OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}
+    assert launch.detect(ompi) == launch.Placement("openmpi", 3, 4, 1, 2, None, None)
+    # mpirun inside a Slurm allocation: MPI's variables describe the job, Slurm's the batch step
+    p = launch.detect({**slurm, **ompi})
+    assert p is not None and (p.launcher, p.rank, p.size) == ("openmpi", 3, 4)
+    pmi = {"PMI_RANK": "1", "PMI_SIZE": "3", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "3"}
+    assert launch.detect(pmi) == launch.Placement("pmi", 1, 3, 1, 3, None, None)
+    torchrun = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "9"}
+    p = launch.detect({**torchrun, **pmi})
+    assert p is not None and p.launcher == "torchrun"
+    assert launch.detect({}) is None
+    with pytest.raises(ValueError, match="SLURM_PROCID='x' is not an integer"):
+        launch.detect({**slurm, "SLURM_PROCID": "x"})
+
+
+def test_export_writes_torchrun_variables() -> None:
+    env = {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0",
+           "SLURM_JOB_NODELIST": "node[07-08]", "SLURM_JOB_ID": "17", "MASTER_PORT": "4000"}
+    placement = launch.setup_env(env)
+    assert placement is not None
+    assert {k: env[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                "MASTER_PORT")} == {
+        "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "node07",
+        "MASTER_PORT": "4000"}
+    assert launch.setup_env({}) is None
+
+
+# ------------------------------------------------------------------------ real processes
+def test_slurm_variables_by_hand() -> None:
+    """Two processes with the variables srun gives two tasks on one node; the port is the one
+    dear derives from the job id (chosen here so that it is free)."""
+    port = _free_port()
+    job = (port - 20000) * 17143 % 20000           # 17143 = 1/7 mod 20000: job*7 % 20000
+    envs = []
+    for rank in range(2):
+        env = _clean_env()
+        env.update({"SLURM_PROCID": str(rank), "SLURM_NTASKS": "2", "SLURM_LOCALID": str(rank),
+                    "SLURM_NODEID": "0", "SLURM_STEP_TASKS_PER_NODE": "2",
+                    "SLURM_JOB_NODELIST": "localhost,nid[0002-0003]", "SLURM_JOB_ID": str(job),
+                    "SLURM_STEP_ID": "0"})
+        envs.append(env)
+    lines = _ok_lines(_run_ranks(envs))
+    assert lines == [f"OK rank={r} size=2 local={r} sum=3 pg=True master=localhost:{port}"
+                     for r in range(2)]
+
+
+def test_openmpi_variables_by_hand() -> None:
+    port = _free_port()
+    envs = []
+    for rank in range(2):
+        env = _clean_env()
+        env.update({"OMPI_COMM_WORLD_RANK": str(rank), "OMPI_COMM_WORLD_SIZE": "2",
+                    "OMPI_COMM_WORLD_LOCAL_RANK": str(rank), "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+        envs.append(env)
+    lines = _ok_lines(_run_ranks(envs))
+    assert lines == [f"OK rank={r} size=2 local={r} sum=3 pg=True master=127.0.0.1:{port}"
+                     for r in range(2)]
+
+
+def _mpirun() -> str:
+    path = os.path.join(BIN, "mpirun")
+    if not os.path.exists(path):
+        path = shutil.which("mpirun") or ""
+    if not path:
+        pytest.skip("no mpirun: `make setup` installs the mpich wheel")
+    return path
+
+
+def test_real_mpirun_agrees_through_mpi() -> None:
+    """mpirun -np 2 with nothing else: the master address and a free port come from rank 0,
+    broadcast through mpi4py."""
+    pytest.importorskip("mpi4py")
+    out = run([_mpirun(), "-np", "2", sys.executable, "-c", BODY], timeout=120,
+              env={k: v for k, v in _clean_env().items()})
+    assert out.returncode == 0, out.stdout
+    lines = _ok_lines([out.stdout])
+    assert [line.split(" master=")[0] for line in lines] == [
+        f"OK rank={r} size=2 local={r} sum=3 pg=True" for r in range(2)]
+    masters = {line.split(" master=")[1] for line in lines}
+    assert len(masters) == 1 and masters.pop().startswith("127.0.0.1:")
+
+
+def test_real_mpirun_without_mpi4py() -> None:
+    """Without mpi4py the ranks cannot agree on a port: MASTER_PORT comes from the environment
+    (mpirun passes it on), the address is 127.0.0.1 because every rank is on this host."""
+    port = _free_port()
+    env = _clean_env()
+    env.update({"MASTER_PORT": str(port), "HIDE_MODULES": "mpi4py,mpi4py.MPI"})
+    out = run([_mpirun(), "-np", "2", sys.executable, "-c", BODY], timeout=120, env=env)
+    assert out.returncode == 0, out.stdout
+    assert _ok_lines([out.stdout]) == [
+        f"OK rank={r} size=2 local={r} sum=3 pg=True master=127.0.0.1:{port}" for r in range(2)]
