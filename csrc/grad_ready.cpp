@@ -16,7 +16,10 @@ GradReady::GradReady(at::Tensor buffer, std::vector<int64_t> offsets, std::vecto
       sparse_as_dense_(sparse_as_dense),
       recorded_(layout_.offsets.size(), 0),
       used_(layout_.offsets.size(), 0.0),
-      grads_(layout_.offsets.size()) {
+      grads_(layout_.offsets.size()),
+      stamps_(layout_.offsets.size(), c10::weak_intrusive_ptr<c10::TensorImpl>(
+                                          c10::intrusive_ptr<c10::TensorImpl>())),
+      versions_(layout_.offsets.size(), -1) {
   check_buffer(buffer_, layout_, "GradReady");
 }
 
@@ -29,6 +32,8 @@ bool GradReady::record(int64_t j, const std::optional<at::Tensor>& grad) {
   check_index(j);
   if (recorded_[j]) return full();
   if (grad.has_value() && grad->defined()) {
+    stamps_[j] = c10::weak_intrusive_ptr<c10::TensorImpl>(grad->getIntrusivePtr());
+    versions_[j] = static_cast<int64_t>(grad->_version());
     at::Tensor g = *grad;
     if (g.is_sparse()) {
       TORCH_CHECK(sparse_as_dense_,
@@ -58,6 +63,24 @@ bool GradReady::recorded(int64_t j) const {
   return recorded_[j] != 0;
 }
 
+int64_t GradReady::first_edited(const std::vector<at::Tensor>& params) const {
+  TORCH_CHECK(static_cast<int64_t>(params.size()) == size(), "dear: first_edited got ",
+              params.size(), " parameters for a bucket of ", size());
+  for (int64_t j = 0; j < size(); ++j) {
+    if (!recorded_[j]) continue;
+    const at::Tensor& now = params[j].grad();
+    if (versions_[j] < 0) {
+      if (now.defined()) return j;        // a gradient appeared where there was none
+      continue;
+    }
+    if (!now.defined() || stamps_[j]._unsafe_get_target() != now.unsafeGetTensorImpl() ||
+        stamps_[j].expired() || static_cast<int64_t>(now._version()) != versions_[j]) {
+      return j;
+    }
+  }
+  return -1;
+}
+
 std::vector<int64_t> GradReady::missing() const {
   std::vector<int64_t> out;
   for (int64_t j = 0; j < size(); ++j) {
@@ -70,6 +93,9 @@ void GradReady::reset() {
   std::fill(recorded_.begin(), recorded_.end(), 0);
   std::fill(used_.begin(), used_.end(), 0.0);
   for (auto& g : grads_) g = at::Tensor();
+  for (auto& s : stamps_) s = c10::weak_intrusive_ptr<c10::TensorImpl>(
+                              c10::intrusive_ptr<c10::TensorImpl>());
+  std::fill(versions_.begin(), versions_.end(), -1);
   num_recorded_ = 0;
   pending_ = false;
 }

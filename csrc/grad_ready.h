@@ -8,6 +8,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/util/intrusive_ptr.h>
 
 #include <cstdint>
 #include <optional>
@@ -45,6 +46,11 @@ class GradReady {
   // 1.0 for each parameter recorded with a gradient, 0.0 otherwise.
   const std::vector<double>& used() const { return used_; }
 
+  // The first parameter whose .grad is no longer what record() saw (replaced, set to None, or
+  // edited in place: its version counter moved), or -1. `params` are the bucket's parameters.
+  // Such an edit after dear took the gradient would be silently ignored: the caller refuses it.
+  int64_t first_edited(const std::vector<at::Tensor>& params) const;
+
   // Forget this iteration's records (after the bucket's update was applied); clears pending.
   void reset();
 
@@ -62,6 +68,10 @@ class GradReady {
   std::vector<uint8_t> recorded_;
   std::vector<double> used_;
   std::vector<at::Tensor> grads_;  // undefined where the rank has no gradient
+  // What each recorded .grad was: its TensorImpl, held weakly so that its address cannot be
+  // reused by another tensor, and its version (none: the rank had no gradient).
+  std::vector<c10::weak_intrusive_ptr<c10::TensorImpl>> stamps_;
+  std::vector<int64_t> versions_;
   int64_t num_recorded_ = 0;
   bool pending_ = false;
 };

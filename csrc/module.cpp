@@ -64,6 +64,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("num_recorded", &dear::GradReady::num_recorded)
       .def("size", &dear::GradReady::size)
       .def("missing", &dear::GradReady::missing)
+      .def("first_edited", &dear::GradReady::first_edited, py::arg("params"),
+           "First recorded parameter whose .grad was replaced or edited since, or -1.")
       .def("used", &dear::GradReady::used)
       .def("reset", &dear::GradReady::reset)
       .def("set_pending", &dear::GradReady::set_pending, py::arg("pending"))

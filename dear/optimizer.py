@@ -89,6 +89,10 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
         self._grad_order: list[int] = []       # parameters in first-gradient order
         self._triggers: dict[torch.nn.Module, list[Bucket]] = {}
         self._grads_since_step = False         # a backward ran since the last step()
+        # What each gradient the Python hook took was (weakly) and its version: an edit of .grad
+        # after dear took it would be silently ignored, so step() refuses it (native buckets keep
+        # the same record in C++: GradReady.first_edited).
+        self._taken: dict[int, tuple[Optional[weakref.ref], int]] = {}
         self._synchronized = False             # synchronize() put averaged gradients in .grad
         self._skip_sync = False
         self._reduced = False                  # clip_grad_norm_ finished the reduce-scatters
@@ -138,6 +142,8 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
                 f"step(), but backward_passes_per_step={self._passes_needed}; call step() "
                 "after each backward or raise backward_passes_per_step")
         self._grads_since_step = True
+        grad = param.grad
+        self._taken[i] = (None, -1) if grad is None else (weakref.ref(grad), grad._version)
         if self._buckets is None:              # first iteration: the plan is built in step()
             self._grad_order.append(i)
             return
@@ -194,6 +200,25 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
             raise ValueError("dear.DistributedOptimizer.step() does not take a closure: the "
                              "update is applied later, in the next forward pass")
         amp.check_contract(self, grad_scaler)
+        if not self._synchronized and self._had_gradients:
+            if grad_scaler is not None and amp.unscaled_by_user(grad_scaler, self):
+                self._abandon_iteration()
+                raise RuntimeError(
+                    "scaler.unscale_(optimizer) does not work with dear.DistributedOptimizer: "
+                    "dear took the local gradients during backward, so unscale_ changes nothing "
+                    "that is reduced and the step would be unscaled twice. Drop "
+                    "scaler.unscale_(optimizer); to clip, call optimizer.clip_grad_norm_("
+                    "max_norm, grad_scaler=scaler) instead, or use Horovod's pattern: "
+                    "optimizer.synchronize(); scaler.unscale_(optimizer); <clip>; with "
+                    "optimizer.skip_synchronize(): scaler.step(optimizer)")
+            self._refuse_edited_grads()
+        elif not self._synchronized and self._zero_grads_only():
+            # Horovod's broadcast_optimizer_state: on ranks whose state is empty it sets every
+            # .grad to zeros and calls step() (rank 0 does not). Averaging zeros gives zeros, so
+            # the wrapped optimizer's own step is the same update, with no collective to hang.
+            self.flush_updates()
+            self._inner_step(self)
+            return
         if self._synchronized:                 # Horovod loop: .grad already holds the average
             if not self._skip_sync and not self._preconditioner_synced:
                 warnings.warn("optimizer.step() after optimizer.synchronize() without "
@@ -218,6 +243,61 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
             if switch is not None:             # same step() on every rank
                 self.flush_updates()           # no bucket may be in flight while re-planned
                 self._relayout(switch)
+
+    def _zero_grads_only(self) -> bool:
+        """Every .grad is None or all zeros (no backward ran since the last step())."""
+        return all(p.grad is None or (not p.grad.is_sparse and not p.grad.any())
+                   for p in self._params)
+
+    def _edited_parameter(self) -> Optional[int]:
+        """A parameter whose .grad changed since dear took it this iteration, or None."""
+        for i, (ref, version) in self._taken.items():
+            grad = self._params[i].grad
+            if ref is None:
+                if grad is not None:
+                    return i
+            elif grad is None or grad is not ref() or grad._version != version:
+                return i
+        for bucket in self._buckets or ():
+            if bucket._ready is not None and bucket.stage is not Stage.GATHERING:
+                j = bucket._ready.first_edited(bucket.params)
+                if j >= 0:
+                    return bucket.spec.params[j]
+        return None
+
+    def _refuse_edited_grads(self) -> None:
+        """Refuse, the same way in every iteration, an edit of .grad made after backward handed
+        it to dear: the reduce-scatter already took the old values."""
+        i = self._edited_parameter()
+        if i is None:
+            return
+        self._abandon_iteration()
+        raise RuntimeError(
+            f"dear: the gradient of {self._names[i]} was changed after backward handed it to "
+            "dear.DistributedOptimizer (edited in place, replaced or set to None), e.g. by "
+            "torch.nn.utils.clip_grad_norm_ or scaler.unscale_(optimizer). dear reduces each "
+            "gradient as soon as backward produces it, so the change would be silently "
+            "ignored; this step was dropped on this rank. To clip, call "
+            "optimizer.clip_grad_norm_(max_norm) (with a GradScaler: "
+            "optimizer.clip_grad_norm_(max_norm, grad_scaler=scaler), without "
+            "scaler.unscale_); to edit the averaged gradients in any other way, use Horovod's "
+            "pattern: optimizer.synchronize(); <edit .grad>; with "
+            "optimizer.skip_synchronize(): optimizer.step()")
+
+    def _abandon_iteration(self) -> None:
+        """Drop this iteration's gradients: finish the reduce-scatters already issued (every
+        rank issued the same ones), reset the buckets; parameters and pending updates are kept."""
+        for bucket in self._buckets or ():
+            if bucket.stage is Stage.REDUCING:
+                try:
+                    bucket.finish_reduce_scatter(1.0)
+                finally:
+                    bucket.reset()
+            elif bucket.stage is Stage.IDLE:
+                bucket.reset()
+        if self._buckets is None:
+            self._grad_order = []
+        self._end_iteration()
 
     def _communicate(self, grad_scaler: Optional[Any] = None) -> None:
         """Finish averaging, run GradScaler's check on the reduced shards, and start the
@@ -259,6 +339,7 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
         self._next_launch = 0
         self._passes = [0] * len(self._params)
         self._grads_since_step = False
+        self._taken = {}
         if self._hook_switch is not None:
             self._hook_switch.any = False
         self._arm_hooks()
@@ -286,6 +367,7 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
         if self._num_pending or not self._had_gradients:
             self.flush_updates()
             return
+        self._refuse_edited_grads()
         self._communicate()
         assert self._buckets is not None
         for bucket in self._buckets:

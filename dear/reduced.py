@@ -10,6 +10,7 @@ GradScaler.unscale_ and clip_grad_norm_ apply as they are.
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
@@ -34,6 +35,7 @@ class ReducedGradientMixin:
         _clipped_scaled: bool
 
         def _finish_reduce(self) -> None: ...
+        def _refuse_edited_grads(self) -> None: ...
         def _end_iteration(self) -> None: ...
 
     def _amp_skips(self, grad_scaler: Any) -> bool:
@@ -70,6 +72,7 @@ class ReducedGradientMixin:
             return torch.nn.utils.clip_grad_norm_(
                 [p for p in self._params if p.grad is not None], max_norm, norm_type,
                 error_if_nonfinite)
+        self._refuse_edited_grads()
         self._finish_reduce()
         assert self._buckets is not None
         found = None
@@ -84,5 +87,14 @@ class ReducedGradientMixin:
             raise RuntimeError(f"the total norm of order {norm_type} of the averaged gradients "
                                "is non-finite, so it cannot be clipped; set "
                                "error_if_nonfinite=False to scale them by it anyway")
-        clip.scale_(self._buckets, self._comm.rank, total, max_norm)
+        if max_norm != math.inf:
+            clip.scale_(self._buckets, self._comm.rank, total, max_norm)
         return total
+
+    def grad_norm(self, norm_type: float = 2.0, *, grad_scaler: Optional[Any] = None
+                  ) -> torch.Tensor:
+        """The norm of the AVERAGED gradient, the same bits on every rank (what DDP users log
+        from the all-reduced `.grad`; under dear `.grad` holds each rank's local gradient until
+        the next forward). From the reduced shards, one tiny all-gather; changes nothing. Call
+        it on every rank after the last backward and before step()."""
+        return self.clip_grad_norm_(math.inf, norm_type, grad_scaler=grad_scaler)

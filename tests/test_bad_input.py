@@ -36,7 +36,7 @@ def test_use_before_init() -> None:
 
 def test_unknown_backend() -> None:
     with pytest.raises(ValueError, match="unknown backend"):
-        dear.init(backend="mpi")
+        dear.init(backend="no-such-backend")
 
 
 def test_sparse_gradients_rejected(local_dear) -> None:

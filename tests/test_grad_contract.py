@@ -1,0 +1,184 @@
+"""What a training loop may do to `.grad` between backward and step() under dear (issue 16).
+
+dear reduces each gradient as backward produces it, so an edit of `.grad` afterwards (torch's
+clip_grad_norm_, GradScaler.unscale_, a replacement) cannot reach the update. It must be refused
+with a clear error, the same way in every iteration (the first one included) and on both hook
+paths (C++ hooks: DEAR_NATIVE=1; Python hooks: DEAR_NATIVE=0), and the ways that work must keep
+working: optimizer.clip_grad_norm_, Horovod's synchronize()/skip_synchronize(), grad_norm()."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import dear
+from tests.distributed import run_distributed
+from tests.workloads import OPTIMIZERS, batch, make_net, max_diff, state_of
+
+EDITS = ("clip", "replace", "unscale", "none")
+
+
+def _edit(kind: str, model: torch.nn.Module, opt: torch.optim.Optimizer, scaler) -> None:
+    if kind == "clip":
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+    elif kind == "replace":
+        model.fc2.weight.grad = model.fc2.weight.grad * 0.5
+    elif kind == "none":
+        model.head.bias.grad = None
+    elif kind == "unscale":
+        scaler.unscale_(opt)
+
+
+def _edit_loop(kind: str, bad_step: int) -> dict:
+    """Good steps, then one step with the edit (`bad_step`); the error's text and the state."""
+    rank, world = dear.rank(), dear.size()
+    model = make_net()
+    opt = dear.DistributedOptimizer(OPTIMIZERS["adam"](model.parameters()), model=model,
+                                    fusion_threshold=2048)
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0) if kind == "unscale" else None
+    error = None
+    for step in range(bad_step + 1):
+        opt.zero_grad()
+        x, y = batch(step, world, rank)
+        loss = F.mse_loss(model(x), y)
+        (scaler.scale(loss) if scaler else loss).backward()
+        if step == bad_step:
+            _edit(kind, model, opt, scaler)
+        try:
+            if scaler:
+                scaler.step(opt)
+                scaler.update()
+            else:
+                opt.step()
+        except RuntimeError as exc:
+            error = str(exc)
+    opt.flush_updates()
+    before = state_of(model)
+    # The dropped step left the optimizer usable: train on, without the edit.
+    opt.zero_grad()
+    x, y = batch(bad_step + 1, world, rank)
+    F.mse_loss(model(x), y).backward()
+    opt.step()
+    opt.flush_updates()
+    return {"error": error, "before": before, "after": state_of(model)}
+
+
+def _every_edit() -> dict:
+    dear.init()
+    out = {(kind, bad_step): _edit_loop(kind, bad_step) for kind in EDITS for bad_step in (0, 2)}
+    dear.shutdown()
+    return out
+
+
+@pytest.mark.parametrize("native", ["1", "0"])
+def test_edit_of_grad_after_backward_is_refused_in_every_iteration(native: str) -> None:
+    ranks = run_distributed(_every_edit, 2, timeout=180, env={"DEAR_NATIVE": native})
+    for (kind, bad_step) in ranks[0]:           # the first iteration, and a later one
+        for rank, outcomes in enumerate(ranks):
+            res = outcomes[(kind, bad_step)]
+            assert res["error"] is not None, (
+                f"{kind} at step {bad_step} on rank {rank} was accepted (silently ignored)")
+            if kind == "unscale":
+                assert "scaler.unscale_(optimizer) does not work" in res["error"]
+            else:
+                name = {"replace": "fc2.weight", "none": "head.bias"}.get(kind, "")
+                assert f"gradient of {name}" in res["error"], res["error"]
+            assert "optimizer.clip_grad_norm_" in res["error"]
+            assert "skip_synchronize" in res["error"]
+        zero, one = ranks[0][(kind, bad_step)], ranks[1][(kind, bad_step)]
+        assert max_diff(zero["after"], one["after"]) == 0.0
+        assert max_diff(zero["before"], zero["after"]) > 0.0, "training did not go on"
+
+
+def _ways_that_work(world_check: bool) -> dict:
+    """dear's clip, Horovod's loop with torch's clip, and grad_norm(): against DDP."""
+    dear.init()
+    rank, world = dear.rank(), dear.size()
+    out = {}
+    for mode in ("ddp", "dear-clip", "dear-sync", "dear-norm"):
+        model = make_net()
+        net = torch.nn.parallel.DistributedDataParallel(model) if mode == "ddp" else model
+        opt = OPTIMIZERS["sgd"](model.parameters())
+        if mode != "ddp":
+            opt = dear.DistributedOptimizer(opt, model=model, fusion_threshold=2048)
+        norms = []
+        for step in range(4):
+            opt.zero_grad()
+            x, y = batch(step, world, rank)
+            F.mse_loss(net(x), y).backward()
+            if mode == "ddp":
+                norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05).item())
+                opt.step()
+            elif mode == "dear-clip":
+                norms.append(opt.clip_grad_norm_(0.05).item())
+                opt.step()
+            elif mode == "dear-sync":
+                opt.synchronize()
+                norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05).item())
+                with opt.skip_synchronize():
+                    opt.step()
+            else:
+                norms.append(opt.grad_norm().item())
+                opt.step()
+        out[mode] = {"params": state_of(model), "norms": norms}
+    dear.shutdown()
+    return out
+
+
+def test_the_ways_that_work_match_ddp() -> None:
+    ranks = run_distributed(_ways_that_work, 2, True, timeout=120)
+    for res in ranks:
+        ddp = res["ddp"]
+        for mode in ("dear-clip", "dear-sync"):
+            assert max_diff(res[mode]["params"], ddp["params"]) < 1e-6, mode
+        # grad_norm() is the norm DDP users see in the all-reduced .grad (before clipping: the
+        # unclipped run's first norm is the clipped run's first norm)
+        assert res["dear-norm"]["norms"][0] == pytest.approx(ddp["norms"][0], rel=1e-6)
+        for mode in ("dear-clip", "dear-sync"):
+            assert res[mode]["norms"] == pytest.approx(ddp["norms"], rel=1e-5), mode
+    assert ranks[0]["dear-norm"]["norms"] == ranks[1]["dear-norm"]["norms"]  # same bits
+
+
+def _horovod_state_init() -> dict:
+    """Horovod's resume idiom with dear's optimizer: rank 0 holds a state (loaded from a
+    checkpoint), the others a fresh optimizer; hvd.broadcast_optimizer_state sets zero .grad and
+    calls step() on the ranks whose state is empty, and only there (this is its code, inlined
+    so the test runs on torch.distributed too)."""
+    dear.init()
+    rank, world = dear.rank(), dear.size()
+    model = make_net()
+    opt = dear.DistributedOptimizer(OPTIMIZERS["adam"](model.parameters()), model=model)
+    if rank == 0:                               # "loaded from a checkpoint"
+        plain = make_net()
+        plain_opt = OPTIMIZERS["adam"](plain.parameters())
+        for step in range(2):
+            plain_opt.zero_grad()
+            x, y = batch(step, 1, 0)
+            F.mse_loss(plain(x), y).backward()
+            plain_opt.step()
+        model.load_state_dict(plain.state_dict())
+        opt.load_state_dict(plain_opt.state_dict())
+    state = opt.state_dict()
+    if len(state["state"]) == 0:
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        opt.step()
+    dear.broadcast_parameters(model.state_dict(), root_rank=0)
+    dear.broadcast_optimizer_state(opt, root_rank=0)
+    for step in range(2, 4):
+        opt.zero_grad()
+        x, y = batch(step, world, rank)
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+    opt.flush_updates()
+    out = {"params": state_of(model),
+           "steps": sorted({int(s["step"]) for s in opt.state_dict()["state"].values()})}
+    dear.shutdown()
+    return out
+
+
+def test_horovods_broadcast_optimizer_state_idiom_does_not_hang() -> None:
+    ranks = run_distributed(_horovod_state_init, 2, timeout=60)
+    assert max_diff(ranks[0]["params"], ranks[1]["params"]) == 0.0
+    assert ranks[0]["steps"] == ranks[1]["steps"] == [4]
