@@ -39,7 +39,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
-from .base import Communicator, Work, check_flat, check_shard_sizes
+from .base import CallbackWork, Communicator, Work, check_flat, check_shard_sizes
 
 log = logging.getLogger("dear")
 
@@ -78,27 +78,29 @@ def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
 
 
-class MPIWork(Work):
-    """One MPI request; completed by the progress thread (or by wait() itself without one)."""
+class MPIRequest:
+    """One MPI request in flight: completed by the progress thread (which sets `event`), or by
+    wait() itself without one. `wait()` blocks at most DEAR_TIMEOUT seconds."""
 
-    def __init__(self, comm: "MPICommunicator", request: Any, what: str, keep: tuple,
-                 finish: Optional[Callable[[], None]] = None) -> None:
+    def __init__(self, comm: "MPICommunicator", request: Any, what: str, keep: tuple) -> None:
         self._comm = comm
         self.request = request
         self.what = what
-        self._keep = keep                        # buffers MPI writes or reads until completion
-        self._finish = finish
+        self.keep = keep                         # buffers MPI reads or writes until completion
         self.event = threading.Event()
-        self._done = request is None           # nothing to wait for (a world of one)
+        self._done = False
 
     def wait(self) -> None:
-        if self._done:
-            return
-        self._comm._wait(self)
-        self._keep = ()
-        if self._finish is not None:
-            self._finish()
-        self._done = True
+        if not self._done:
+            self._comm._wait(self)
+            self.keep = ()
+            self._done = True
+
+
+class MPIWork(CallbackWork):
+    """dear's Work for an MPI collective: waits for its request, then runs the finishing copy
+    (up-cast results, a scratch output). Shaped as CallbackWork so dear.diagnose's watcher can
+    stamp the real completion time (it waits on the request from its own thread)."""
 
 
 class MPICommunicator(Communicator):
@@ -122,7 +124,7 @@ class MPICommunicator(Communicator):
         self.progress = progress
         self._lock = threading.Lock()            # serialises every MPI call of this object
         self._cond = threading.Condition()
-        self._pending: list[MPIWork] = []
+        self._pending: list[MPIRequest] = []
         self._broken: Optional[str] = None
         self._stop = False
         self._thread: Optional[threading.Thread] = None
@@ -167,15 +169,17 @@ class MPICommunicator(Communicator):
 
     def _issue(self, what: str, start: Callable[[], Any], keep: tuple,
                finish: Optional[Callable[[], None]] = None) -> Work:
+        return MPIWork([self._start(what, start, keep)], finish)
+
+    def _start(self, what: str, start: Callable[[], Any], keep: tuple) -> MPIRequest:
         self._check()
         with self._lock:
-            request = start()
-        work = MPIWork(self, request, what, keep, finish)
+            request = MPIRequest(self, start(), what, keep)
         if self._thread is not None:
             with self._cond:
-                self._pending.append(work)
+                self._pending.append(request)
                 self._cond.notify()
-        return work
+        return request
 
     def _progress_loop(self) -> None:
         """Drive MPI: test what is in flight, mark what completed, sleep a little; block on the
@@ -205,7 +209,7 @@ class MPICommunicator(Communicator):
                 continue                         # test again at once: more may be ready
             time.sleep(self._interval)
 
-    def _wait(self, work: MPIWork) -> None:
+    def _wait(self, work: MPIRequest) -> None:
         deadline = time.monotonic() + self._timeout
         if self._thread is not None:
             while not work.event.wait(min(1.0, max(0.0, deadline - time.monotonic()))):
@@ -224,7 +228,7 @@ class MPICommunicator(Communicator):
             time.sleep(delay)
             delay = min(2 * delay, 1e-3)
 
-    def _fail(self, work: MPIWork) -> None:
+    def _fail(self, work: MPIRequest) -> None:
         self._broken = f"{work.what} did not complete within {self._timeout:g} s"
         _skip_finalize(self._MPI)
         raise TimeoutError(f"MPI {work.what} not complete after {self._timeout:g} s "
@@ -235,7 +239,7 @@ class MPICommunicator(Communicator):
         check_shard_sizes(input, output, self._size)
         if self._size == 1:
             output.copy_(input)
-            return MPIWork(self, None, "", ())
+            return MPIWork([])
         MPI, dtype = self._MPI, input.dtype
         self.check_dtype(dtype)
         if dtype in _UPCAST:
@@ -259,7 +263,7 @@ class MPICommunicator(Communicator):
         if own.data_ptr() != input.data_ptr():
             own.copy_(input)
         if self._size == 1:
-            return MPIWork(self, None, "", ())
+            return MPIWork([])
         MPI = self._MPI
         return self._issue("all-gather", lambda: self._comm.Iallgather(
             MPI.IN_PLACE, _numpy(output, raw=True)), (output,))
@@ -267,7 +271,7 @@ class MPICommunicator(Communicator):
     def all_reduce(self, tensor: torch.Tensor) -> Work:
         check_flat(tensor.view(-1), "the all-reduced tensor")
         if self._size == 1:
-            return MPIWork(self, None, "", ())
+            return MPIWork([])
         MPI, dtype = self._MPI, tensor.dtype
         self.check_dtype(dtype)
         flat = tensor.view(-1)
@@ -282,7 +286,7 @@ class MPICommunicator(Communicator):
         if not 0 <= root < self._size:
             raise ValueError(f"root rank {root} does not exist in a world of size {self._size}")
         if self._size == 1:
-            return MPIWork(self, None, "", ())
+            return MPIWork([])
         flat = tensor.view(-1)
         if not flat.is_contiguous():
             raise ValueError("the broadcast tensor must be contiguous")
@@ -324,15 +328,7 @@ class MPICommunicator(Communicator):
     def barrier(self) -> None:
         if self._size == 1:
             return
-        self._check()
-        with self._lock:
-            request = self._comm.Ibarrier()
-        work = MPIWork(self, request, "barrier", ())
-        if self._thread is not None:
-            with self._cond:
-                self._pending.append(work)
-                self._cond.notify()
-        work.wait()
+        self._start("barrier", self._comm.Ibarrier, ()).wait()
 
     def shutdown(self) -> None:
         """Stop the progress thread and free the duplicate communicator (not MPI itself: mpi4py
@@ -371,4 +367,4 @@ def _skip_finalize(MPI: Any) -> None:
     atexit.register(leave)
 
 
-__all__ = ["MPICommunicator", "MPIWork"]
+__all__ = ["MPICommunicator", "MPIRequest", "MPIWork"]
