@@ -34,12 +34,6 @@ def named_params_of(optimizer: torch.optim.Optimizer,
     if len(devices) > 1:
         raise ValueError(f"parameters live on several devices {sorted(map(str, devices))}; "
                          "dear needs one device per process (move the model with .to(device))")
-    if model is not None and not sparse_as_dense:
-        for name, module in model.named_modules():
-            if getattr(module, "sparse", False) is True:
-                raise ValueError(f"module {name or 'model'} produces sparse gradients "
-                                 "(sparse=True); dear reduces dense buckets: use sparse=False or "
-                                 "sparse_as_dense=True")
     if named_parameters is None and model is not None:
         named_parameters = model.named_parameters()
     if named_parameters is None:

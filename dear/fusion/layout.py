@@ -54,7 +54,7 @@ def build_layout(params: Sequence[torch.nn.Parameter], order: Sequence[int],
     specs, plan = plan_layout(params, order, fusion, world_size, explicit, tied)
     buckets = [Bucket(s, [params[i] for i in s.params], compression.wire_dtype(s.dtype),
                       sparse_as_dense) for s in specs]
-    where = [(buckets[0], 0)] * len(params)
+    where: list[tuple[Bucket, int]] = [None] * len(params)  # type: ignore[list-item]
     for bucket in buckets:
         for j, i in enumerate(bucket.spec.params):
             where[i] = (bucket, j)
