@@ -3,12 +3,33 @@
 import os
 import re
 
-from tests.subprocesses import BIN, run
+from tests.subprocesses import BIN, ROOT, run
+
+
+def readme_commands() -> list[str]:
+    """The command lines of README.md's bash blocks (continuations joined, comments dropped)."""
+    with open(os.path.join(ROOT, "README.md")) as fh:
+        blocks = re.findall(r"```bash\n(.*?)```", fh.read(), re.S)
+    lines = []
+    for block in blocks:
+        text = re.sub(r"\\\n\s*", " ", block)
+        lines += [ln.split("#")[0].strip() for ln in text.splitlines() if ln.split("#")[0].strip()]
+    return lines
+
+
+def test_readme_commands_need_no_activated_venv():
+    """After `make demo` / `make test` nothing is on PATH: every command names .venv/bin."""
+    commands = readme_commands()
+    assert any("torchrun" in c for c in commands)
+    for command in commands:
+        assert command.startswith(("make ", ".venv/bin/")), command
 
 
 def test_quickstart_under_torchrun():
-    res = run([os.path.join(BIN, "torchrun"), "--nproc_per_node", "2",
-               "examples/quickstart.py"], timeout=120)
+    """README's quick-start line, as written, in a shell whose PATH has no .venv/bin."""
+    line = next(c for c in readme_commands() if "examples/quickstart.py" in c)
+    env = {"PATH": "/usr/local/bin:/usr/bin:/bin"}
+    res = run(["bash", "-c", line], timeout=120, env=env)
     assert res.returncode == 0, res.stdout
     lines = re.findall(r"rank (\d)/2: loss ([\d.]+), accuracy ([\d.]+)", res.stdout)
     assert sorted(r for r, _, _ in lines) == ["0", "1"], res.stdout
