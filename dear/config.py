@@ -82,6 +82,9 @@ class Config:
     #: exchange on private Gloo groups, bandwidth-optimal) or "horovod" (Horovod's own
     #: collectives) (DEAR_HOROVOD_DATA_PLANE).
     horovod_data_plane: str = "gloo"
+    #: what dear.init() (backend="auto") uses: "auto", "torch", "horovod", "local", "nccl" or
+    #: "mpi" (DEAR_BACKEND); an explicit dear.init(backend=...) wins.
+    backend: str = "auto"
     #: backend "mpi": "thread" (a helper thread drives MPI progress, so collectives overlap
     #: compute) or "none" (progress only inside wait()) (DEAR_MPI_PROGRESS).
     mpi_progress: str = "thread"
@@ -131,6 +134,7 @@ class Config:
         "trace_iterations": ("DEAR_TRACE_ITERATIONS", str),
         "gloo_collectives": ("DEAR_GLOO_COLLECTIVES", str),
         "horovod_data_plane": ("DEAR_HOROVOD_DATA_PLANE", str),
+        "backend": ("DEAR_BACKEND", str),
         "mpi_progress": ("DEAR_MPI_PROGRESS", str),
         "mpi_progress_interval": ("DEAR_MPI_PROGRESS_INTERVAL", float),
         "log_level": ("DEAR_LOG_LEVEL", str),

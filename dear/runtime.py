@@ -41,6 +41,10 @@ def init(backend: str = "auto", **config: Any) -> None:
     if _state.comm is not None:
         raise RuntimeError("dear.init() was already called; call dear.shutdown() first")
     cfg = Config.from_env(**config)
+    if backend == "auto":                  # DEAR_BACKEND=mpi: the data plane chosen at launch
+        backend = cfg.backend
+        if backend not in _BACKENDS:
+            raise ValueError(f"DEAR_BACKEND={backend!r} is not one of {_BACKENDS}")
     logging.getLogger("dear").setLevel(cfg.log_level.upper())
     comm, owns = _make_communicator(backend, cfg)
     _state.comm, _state.config, _state.owns_group = comm, cfg, owns
