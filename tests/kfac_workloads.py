@@ -154,23 +154,44 @@ def kfac_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 class ReferenceKFAC:
-    """K-FAC from the definitions, on shards averaged as data parallelism averages them."""
+    """K-FAC from the definitions, on shards averaged as data parallelism averages them.
+
+    kfac-pytorch's rules beyond the formulas: with compute_eigenvalue_outer_product (its
+    default) the eigen method divides by dG dA^T + the damping of the step that decomposed;
+    with accumulation_steps=k every k passes (forward and backward) make one running-average
+    update of the factors with their mean, passes left over waiting for the next step; without
+    it (dear's default) all passes of a step make one update."""
 
     def __init__(self, model: nn.Module, lr: float = 0.1, damping: float = 0.001,
                  factor_decay: float = 0.95, kl_clip: float | None = 0.001,
                  factor_update_freq: int = 1, inv_update_freq: int = 10,
-                 method: str = "eigen") -> None:
+                 method: str = "eigen", compute_eigenvalue_outer_product: bool = True,
+                 accumulation_steps: int | None = None) -> None:
         self.model, self.lr, self.damping, self.decay = model, lr, damping, factor_decay
         self.kl_clip, self.ffreq, self.ifreq, self.method = (kl_clip, factor_update_freq,
                                                               inv_update_freq, method)
+        self.outer_product, self.accumulation = (compute_eigenvalue_outer_product,
+                                                 accumulation_steps)
         self.layers = kfac_layers(model)
         self.A: dict[str, Tensor] = {}
         self.G: dict[str, Tensor] = {}
         self.pre: dict[str, Any] = {}
+        self.passes: list[dict[str, tuple[Tensor, Tensor]]] = []   # batch factors per pass
         self.steps = 0
 
+    def backward_on_passes(self, passes: list[list[tuple[Tensor, Tensor]]]) -> None:
+        """Several passes before one step (gradient accumulation): gradients summed over the
+        passes, each pass's factors kept for step()."""
+        total = {p: torch.zeros_like(p) for p in self.model.parameters()}
+        for shards in passes:
+            self.backward_on_shards(shards)
+            for p in self.model.parameters():
+                total[p] += p.grad
+        for p in self.model.parameters():
+            p.grad.copy_(total[p])
+
     def backward_on_shards(self, shards: list[tuple[Tensor, Tensor]]) -> None:
-        """Gradients (averaged over shards) in .grad, and this step's averaged batch factors."""
+        """Gradients (averaged over shards) in .grad, and this pass's averaged batch factors."""
         seen: dict[str, tuple[Tensor, Tensor]] = {}
         handles = []
         for name, module in self.layers:
@@ -192,8 +213,8 @@ class ReferenceKFAC:
             h.remove()
         for p in self.model.parameters():
             p.grad.copy_(grads[p])
-        self.batch = {n: (sum(a for a, _ in fs) / len(fs), sum(g for _, g in fs) / len(fs))
-                      for n, fs in batch_factors.items()}
+        self.passes.append({n: (sum(a for a, _ in fs) / len(fs), sum(g for _, g in fs) / len(fs))
+                            for n, fs in batch_factors.items()})
 
     def _at(self, value: Any) -> Any:
         return value(self.steps) if callable(value) else value
@@ -202,13 +223,20 @@ class ReferenceKFAC:
         decay, damping, lr, kl_clip = (self._at(v) for v in (self.decay, self.damping, self.lr,
                                                                self.kl_clip))
         if self.steps % self._at(self.ffreq) == 0:
-            for name, _ in self.layers:
-                a, g = self.batch[name]
-                eye_a = torch.eye(a.shape[0], dtype=a.dtype)
-                eye_g = torch.eye(g.shape[0], dtype=g.dtype)
-                self.A[name] = decay * self.A.get(name, eye_a) + (1 - decay) * a
-                self.G[name] = decay * self.G.get(name, eye_g) + (1 - decay) * g
+            k = self.accumulation or len(self.passes)
+            while len(self.passes) >= k:
+                chunk, self.passes = self.passes[:k], self.passes[k:]
+                for name, _ in self.layers:
+                    a = sum(p[name][0] for p in chunk) / k
+                    g = sum(p[name][1] for p in chunk) / k
+                    eye_a = torch.eye(a.shape[0], dtype=a.dtype)
+                    eye_g = torch.eye(g.shape[0], dtype=g.dtype)
+                    self.A[name] = decay * self.A.get(name, eye_a) + (1 - decay) * a
+                    self.G[name] = decay * self.G.get(name, eye_g) + (1 - decay) * g
+        else:
+            self.passes = []              # factors are not recorded on other steps
         if self.steps % self._at(self.ifreq) == 0:
+            self.dec_damping = damping
             for name, _ in self.layers:
                 if self.method == "eigen":
                     da, qa = torch.linalg.eigh(self.A[name])
@@ -224,7 +252,8 @@ class ReferenceKFAC:
             grad = grad_matrix(module)
             if self.method == "eigen":
                 qa, da, qg, dg = self.pre[name]
-                v = qg.t() @ grad @ qa / (dg[:, None] * da[None, :] + damping)
+                d = self.dec_damping if self.outer_product else damping
+                v = qg.t() @ grad @ qa / (dg[:, None] * da[None, :] + d)
                 p = qg @ v @ qa.t()
             else:
                 a_inv, g_inv = self.pre[name]

@@ -170,7 +170,10 @@ def test_unsupported_layers_are_listed_once(caplog):
 def test_skip_layers_by_name_class_and_type():
     model = W.make_model("cnn")
     assert [s.name for s in KFAC(model, skip_layers=["conv1"]).layers] == ["conv2", "fc"]
-    assert [s.name for s in KFAC(model, skip_layers=["linear"]).layers] == ["conv1", "conv2"]
+    assert [s.name for s in KFAC(model, skip_layers=["Linear"]).layers] == ["conv1", "conv2"]
+    # kfac-pytorch's rule: case-sensitive re.search (tests/test_kfac_compat.py)
+    assert [s.name for s in KFAC(model, skip_layers=["linear"]).layers] == ["conv1", "conv2",
+                                                                             "fc"]
     assert [s.name for s in KFAC(model, skip_layers=[nn.Conv2d]).layers] == ["fc"]
     with pytest.raises(TypeError, match="skip_layers"):
         KFAC(model, skip_layers=[3])

@@ -76,3 +76,44 @@ def max_load(costs: Sequence[float], owners: Sequence[int], ranks: int) -> float
         else:
             loads[r] += c
     return max(loads) if loads else 0.0
+
+
+def kaisa_groups(ranks: int, grad_workers: int) -> list[list[int]]:
+    """KAISA's gradient-worker groups: the columns of a grad_workers x (ranks / grad_workers)
+    grid of the ranks in row-major order ([[0, 4], [1, 5], [2, 6], [3, 7]] for 8 and 2), in the
+    order kfac-pytorch iterates them (a set of frozensets, so ties go where they go there)."""
+    if ranks % grad_workers != 0:
+        raise ValueError(f"{ranks} ranks cannot form groups of {grad_workers} gradient workers")
+    columns = ranks // grad_workers
+    return [list(group) for group in {frozenset(range(i, ranks, columns))
+                                      for i in range(columns)}]
+
+
+def kaisa_greedy(work: Sequence[tuple[float, float]], groups: Sequence[Sequence[int]],
+                 ranks: int, colocate: bool) -> list[tuple[int, int]]:
+    """(A owner, G owner) of each layer as kfac-pytorch's KAISAAssignment assigns them: layers
+    by their summed cost, largest first (ties in layer order), each to the least-loaded group,
+    and within it both factors to its least-loaded rank (colocate) or each factor, the larger
+    first, to the least-loaded rank at that moment."""
+    loads = [0.0] * ranks
+    owners = [(-1, -1)] * len(work)
+    for i in sorted(range(len(work)), key=lambda i: -(work[i][0] + work[i][1])):
+        group_loads = [sum(loads[r] for r in g) for g in groups]
+        group = groups[group_loads.index(min(group_loads))]
+
+        def least() -> int:
+            within = [loads[r] for r in group]
+            return group[within.index(min(within))]
+        if colocate:
+            r = least()
+            loads[r] += work[i][0] + work[i][1]
+            owners[i] = (r, r)
+            continue
+        chosen = {}
+        for which, cost in sorted((("A", work[i][0]), ("G", work[i][1])),
+                                  key=lambda x: (x[1], x[0]), reverse=True):
+            r = least()
+            loads[r] += cost
+            chosen[which] = r
+        owners[i] = (chosen["A"], chosen["G"])
+    return owners

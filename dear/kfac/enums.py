@@ -1,4 +1,9 @@
-"""The choices K-FAC offers, as enums (strings are accepted at the API and converted once)."""
+"""The choices K-FAC offers, as enums (strings are accepted at the API and converted once).
+
+ComputeMethod, AssignmentStrategy and DistributedStrategy carry kfac-pytorch's member names, and
+`parse` also takes kfac-pytorch's own enum members (matched by name), so code written for
+kfac.preconditioner.KFACPreconditioner passes its arguments through unchanged.
+"""
 
 from __future__ import annotations
 
@@ -23,22 +28,46 @@ class Strategy(enum.Enum):
     MEM_OPT:  factors all-reduced; each layer owned by one rank (LPT), which decomposes both of
               its factors, preconditions its gradient and broadcasts the result (KAISA's
               MEM-OPT: only the owner holds the decompositions).
+    HYBRID_OPT: KAISA's grid: the ranks form grad_workers rows x (world / grad_workers)
+              columns; a layer's decompositions go to the ranks of one column, which
+              precondition it, and each sends the result along its row.
     PAD:      factors REDUCED to the layer's owner only; owners are contiguous blocks of layers
               (dynamic programming, minimal maximum load), so reduces and broadcasts fuse.
-    AUTO:     the cheapest of the three under an alpha-beta network model and the calibrated
-              compute model, decided once the layers are known.
+    AUTO:     the cheapest of COMM_OPT, MEM_OPT and PAD under an alpha-beta network model and
+              the calibrated compute model, decided on rank 0 once the layers are known.
     """
 
     COMM_OPT = "comm-opt"
     MEM_OPT = "mem-opt"
+    HYBRID_OPT = "hybrid-opt"
     PAD = "pad"
     AUTO = "auto"
 
 
+class AssignmentStrategy(enum.Enum):
+    """kfac-pytorch's cost of decomposing a d x d factor when assigning work: COMPUTE d^3,
+    MEMORY d^2 (greedy, largest layer first, to the least-loaded rank)."""
+
+    COMPUTE = "compute"
+    MEMORY = "memory"
+
+
+class DistributedStrategy(enum.Enum):
+    """kfac-pytorch's shortcuts for grad_worker_fraction: COMM_OPT 1, HYBRID_OPT 0.5,
+    MEM_OPT 1 / world size."""
+
+    COMM_OPT = "comm-opt"
+    MEM_OPT = "mem-opt"
+    HYBRID_OPT = "hybrid-opt"
+
+
 def parse(cls: type[E], value: Any, what: str) -> E:
-    """`value` as a member of `cls`: a member, or its value string (case-insensitive, '_'/'-')."""
+    """`value` as a member of `cls`: a member, a member of another enum with the same name
+    (kfac-pytorch's), or a value or name string (case-insensitive, '_' or '-')."""
     if isinstance(value, cls):
         return value
+    if isinstance(value, enum.Enum) and value.name in cls.__members__:
+        return cls[value.name]
     if isinstance(value, str):
         key = value.strip().lower().replace("_", "-")
         for member in cls:

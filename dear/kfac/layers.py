@@ -59,10 +59,11 @@ class KFACLayer:
     def g_dim(self) -> int:
         raise NotImplementedError
 
-    def batch_a(self, x: Tensor) -> Tensor:
+    def batch_a(self, x: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+        """This pass's A, in `dtype` (default: factor_dtype of the input)."""
         raise NotImplementedError
 
-    def batch_g(self, g: Tensor) -> Tensor:
+    def batch_g(self, g: Tensor, dtype: torch.dtype | None = None) -> Tensor:
         raise NotImplementedError
 
     def matrix_of(self, weight: Tensor, bias: Tensor | None) -> Tensor:
@@ -114,14 +115,14 @@ class LinearLayer(KFACLayer):
     def g_dim(self) -> int:
         return self.weight.shape[0]
 
-    def batch_a(self, x: Tensor) -> Tensor:
-        a = x.detach().reshape(-1, x.shape[-1]).to(factor_dtype(x))
+    def batch_a(self, x: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+        a = x.detach().reshape(-1, x.shape[-1]).to(dtype or factor_dtype(x))
         if self.bias is not None:
             a = torch.cat([a, a.new_ones(a.shape[0], 1)], dim=1)
         return covariance(a)
 
-    def batch_g(self, g: Tensor) -> Tensor:
-        return covariance(g.detach().reshape(-1, g.shape[-1]).to(factor_dtype(g)))
+    def batch_g(self, g: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+        return covariance(g.detach().reshape(-1, g.shape[-1]).to(dtype or factor_dtype(g)))
 
 
 class Conv2dLayer(KFACLayer):
@@ -139,19 +140,19 @@ class Conv2dLayer(KFACLayer):
     def g_dim(self) -> int:
         return self.weight.shape[0]
 
-    def batch_a(self, x: Tensor) -> Tensor:
+    def batch_a(self, x: Tensor, dtype: torch.dtype | None = None) -> Tensor:
         m = self.module_conv
         patches = F.unfold(x.detach(), m.kernel_size, dilation=m.dilation,
                            padding=_padding(m), stride=m.stride)      # (N, C*kh*kw, L)
         spatial = patches.shape[-1]
-        a = patches.transpose(1, 2).reshape(-1, patches.shape[1]).to(factor_dtype(x))
+        a = patches.transpose(1, 2).reshape(-1, patches.shape[1]).to(dtype or factor_dtype(x))
         if self.bias is not None:
             a = torch.cat([a, a.new_ones(a.shape[0], 1)], dim=1)
         return covariance(a / spatial)
 
-    def batch_g(self, g: Tensor) -> Tensor:
+    def batch_g(self, g: Tensor, dtype: torch.dtype | None = None) -> Tensor:
         spatial = g.shape[2] * g.shape[3]
-        rows = g.detach().permute(0, 2, 3, 1).reshape(-1, g.shape[1]).to(factor_dtype(g))
+        rows = g.detach().permute(0, 2, 3, 1).reshape(-1, g.shape[1]).to(dtype or factor_dtype(g))
         return covariance(rows / spatial)
 
 
@@ -171,12 +172,12 @@ class EmbeddingLayer(KFACLayer):
     def g_dim(self) -> int:
         return self.weight.shape[1]
 
-    def batch_a(self, x: Tensor) -> Tensor:
+    def batch_a(self, x: Tensor, dtype: torch.dtype | None = None) -> Tensor:
         counts = torch.bincount(x.detach().reshape(-1), minlength=self.a_dim)
-        return counts.to(factor_dtype(self.weight)) / x.numel()
+        return counts.to(dtype or factor_dtype(self.weight)) / x.numel()
 
-    def batch_g(self, g: Tensor) -> Tensor:
-        return covariance(g.detach().reshape(-1, g.shape[-1]).to(factor_dtype(g)))
+    def batch_g(self, g: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+        return covariance(g.detach().reshape(-1, g.shape[-1]).to(dtype or factor_dtype(g)))
 
     def matrix_of(self, weight: Tensor, bias: Tensor | None) -> Tensor:
         return weight.t()

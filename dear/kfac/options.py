@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Callable, Iterable
 from typing import Any, Union
 
@@ -14,6 +15,8 @@ from .layers import KFACLayer, make_layer, unsupported_reason
 
 Hyper = Union[float, int, None, Callable[[int], Any]]
 NAMES = ("lr", "damping", "factor_decay", "kl_clip", "factor_update_freq", "inv_update_freq")
+ALIASES = {"factor_update_steps": "factor_update_freq",      # kfac-pytorch's names
+           "inv_update_steps": "inv_update_freq"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,21 +55,25 @@ def check(name: str, value: Any, step: int | None = None) -> Any:
     return float(value)
 
 
+def value_at(sources: dict[str, Hyper], name: str, step: int) -> Any:
+    """One hyperparameter's value at `step` (its callable evaluated and checked)."""
+    source = sources[name]
+    return check(name, source(step), step) if callable(source) else source
+
+
 def resolve(sources: dict[str, Hyper], step: int) -> Hyperparameters:
-    values = {}
-    for name in NAMES:
-        source = sources[name]
-        values[name] = check(name, source(step), step) if callable(source) else source
-    return Hyperparameters(**values)  # type: ignore[arg-type]
+    return Hyperparameters(**{name: value_at(sources, name, step) for name in NAMES})
 
 
 def _skipped(name: str, module: nn.Module, skip: Iterable[str | type]) -> bool:
+    """kfac-pytorch's rule (kfac/layers/register.py): a string is a regular expression SEARCHED
+    (re.search, case-sensitive) in the module's name and in its class name; dear also takes
+    module types (isinstance)."""
     for rule in skip:
         if isinstance(rule, type):
             if isinstance(module, rule):
                 return True
-        elif (name == rule or name.startswith(rule + ".")
-              or type(module).__name__.lower() == rule.lower()):
+        elif re.search(rule, name) or re.search(rule, type(module).__name__):
             return True
     return False
 
@@ -78,8 +85,14 @@ def find_layers(model: nn.Module, skip_layers: Iterable[str | type]
     skip = list(skip_layers)
     for rule in skip:
         if not isinstance(rule, (str, type)):
-            raise TypeError(f"dear.KFAC: skip_layers holds module names, class names or types; "
-                            f"got {rule!r}")
+            raise TypeError(f"dear.KFAC: skip_layers holds regular expressions (searched in "
+                            f"module names and class names) or module types; got {rule!r}")
+        if isinstance(rule, str):
+            try:
+                re.compile(rule)
+            except re.error as exc:
+                raise ValueError(f"dear.KFAC: skip_layers: {rule!r} is not a regular "
+                                 f"expression: {exc}") from None
     layers: list[KFACLayer] = []
     others: list[str] = []
     for name, module in model.named_modules():

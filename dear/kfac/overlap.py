@@ -123,9 +123,12 @@ class EigenbasisOverlap:
             slot.layer.layer.write_matrix(m, weight, bias)
 
     # ------------------------------------------------------------ called by dear.KFAC
-    def precondition_shards(self, damping: float, lr: float, kl_clip: float | None) -> None:
+    def precondition_shards(self, damping: float, lr: float, kl_clip: float | None,
+                            grad_scale: float = 1.0) -> None:
         """Finish the reduce-scatters, divide this rank's shards by D, KL-clip with the global
-        scale. Collectives: one scalar all-gather (when kl_clip), the same on every rank."""
+        scale. Collectives: one scalar all-gather (when kl_clip), the same on every rank.
+        `grad_scale`: the loss scale the shards still carry (the KL sum is divided by its
+        square; dear/kfac/scaling.py)."""
         opt = self._optimizer()
         assert opt is not None and self.armed is not None
         opt._finish_reduce()
@@ -144,6 +147,7 @@ class EigenbasisOverlap:
                 inv_d, _ = scales[bucket.spec.index]
                 partial += (bucket.shard.double().square() * inv_d).sum()
             vg = float(gather_small(opt._comm, partial, "K-FAC's KL-clip sums").sum()) * lr ** 2
+            vg /= grad_scale ** 2
             if vg != 0 and math.isfinite(vg):
                 nu = min(1.0, math.sqrt(kl_clip / abs(vg)))
         for bucket in mine:
@@ -237,7 +241,8 @@ class DearLink:
         self._last: Rotation | None = None          # the bases armed last
         self._decided = False
 
-    def _optimizers(self) -> list[Any]:
+    def optimizers(self) -> list[Any]:
+        """The dear.DistributedOptimizers that train these layers (none without dear.init())."""
         if not runtime.is_initialized():
             return []
         return [opt for opt in list(runtime._state.optimizers)
@@ -246,7 +251,7 @@ class DearLink:
     def begin_step(self, decompose: bool) -> bool:
         """True: precondition the reduced shards (`precondition_shards`); False: .grad holds the
         averaged gradient (synchronized here if a dear optimizer had not done it)."""
-        optimizers = self._optimizers()
+        optimizers = self.optimizers()
         if not optimizers:
             return False
         if not self._decided:

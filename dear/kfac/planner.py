@@ -19,10 +19,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from .assignment import EVERYWHERE, contiguous_partition, lpt_with_redundancy, max_load
+from .assignment import (EVERYWHERE, contiguous_partition, kaisa_greedy, kaisa_groups,
+                         lpt_with_redundancy, max_load)
 from .comm import packed_size
 from .costs import CostModel, NetworkModel
-from .enums import ComputeMethod, Strategy
+from .enums import AssignmentStrategy, ComputeMethod, Strategy
 from .linalg import flat_size
 
 
@@ -41,6 +42,8 @@ class Plan:
     layer_owner: tuple[int, ...]    # rank preconditioning each layer (EVERYWHERE: all ranks)
     reduce_to_owner: bool           # PAD: factors reduced to layer_owner instead of all-reduced
     estimates: dict[str, float]     # strategy value -> estimated seconds per iteration
+    columns: int = 0                # HYBRID_OPT: columns of KAISA's grid (layer's column:
+                                    # layer_owner % columns; its ranks precondition it)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +58,33 @@ class PlanInputs:
     symmetric: bool = True
     redundancy: bool = True
     element_size: int = 4
+    assignment: AssignmentStrategy | None = None   # kfac-pytorch's d^3 / d^2 greedy
+    colocate: bool = False          # a layer's A and G decomposed by one rank
+    grad_workers: int | None = None  # HYBRID_OPT: ranks per column
+
+
+def _kaisa_work(p: PlanInputs) -> list[tuple[float, float]]:
+    """Each layer's (A, G) decomposition cost: d^3 / d^2 (kfac-pytorch's assignment_strategy),
+    else the calibrated cost model's seconds."""
+    if p.assignment is None:
+        return [(p.cost.decompose(p.method, s.a_dim, s.diagonal_a),
+                 p.cost.decompose(p.method, s.g_dim)) for s in p.shapes]
+    power = 3 if p.assignment is AssignmentStrategy.COMPUTE else 2
+    return [(float(s.a_dim ** power), float(s.g_dim ** power)) for s in p.shapes]
+
+
+def _kaisa(p: PlanInputs, strategy: Strategy, grad_workers: int) -> Plan:
+    """kfac-pytorch's assignment for its grad_worker_fraction = grad_workers / ranks."""
+    colocate = p.colocate or grad_workers == 1
+    owners = kaisa_greedy(_kaisa_work(p), kaisa_groups(p.ranks, grad_workers), p.ranks,
+                          colocate)
+    a_owner = tuple(a for a, _ in owners)
+    g_owner = tuple(g for _, g in owners)
+    columns = p.ranks // grad_workers
+    if strategy is Strategy.COMM_OPT:
+        return Plan(strategy, a_owner, g_owner, (EVERYWHERE,) * len(owners), False, {})
+    return Plan(strategy, a_owner, g_owner, g_owner, False, {},
+                columns if strategy is Strategy.HYBRID_OPT else 0)
 
 
 def _factor_numel(s: LayerShape, symmetric: bool) -> int:
@@ -124,8 +154,16 @@ def make_plan(strategy: Strategy, inputs: PlanInputs) -> Plan:
     """The plan for `strategy` (AUTO: the one with the lowest estimate)."""
     if inputs.ranks == 1:
         k = len(inputs.shapes)
-        chosen = Strategy.COMM_OPT if strategy is Strategy.AUTO else strategy
+        chosen = Strategy.COMM_OPT if strategy in (Strategy.AUTO, Strategy.HYBRID_OPT) \
+            else strategy
         return Plan(chosen, (0,) * k, (0,) * k, (0,) * k, False, {})
+    if strategy is Strategy.HYBRID_OPT:
+        assert inputs.grad_workers is not None
+        return _kaisa(inputs, strategy, inputs.grad_workers)
+    if strategy in (Strategy.COMM_OPT, Strategy.MEM_OPT) and (
+            inputs.assignment is not None or inputs.colocate):
+        workers = inputs.ranks if strategy is Strategy.COMM_OPT else 1
+        return _kaisa(inputs, strategy, workers)
     candidates = {s: b(inputs) for s, b in _BUILDERS.items()}
     estimates = {s.value: t for s, (_, t) in candidates.items()}
     if strategy is Strategy.AUTO:

@@ -21,22 +21,24 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
-from collections.abc import Hashable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from .assignment import EVERYWHERE
 from .comm import Transport, measure_network
 from .costs import CostModel, NetworkModel, calibrate
-from .enums import ComputeMethod, Strategy, parse
-from .exchange import BroadcastExchange, FactorExchange
-from .linalg import Decomposition, flat_size, flatten, precondition, unflatten
+from .distribute import Distribution
+from .enums import ComputeMethod, Strategy
+from .exchange import FactorExchange
+from .options import (ALIASES, NAMES, Hyper, Hyperparameters, check, find_layers, resolve,
+                      value_at)
 from .overlap import DearLink
-from .options import NAMES, Hyper, Hyperparameters, check, find_layers, resolve
+from .persist import clone, decomposition, layer_state
 from .planner import LayerShape, Plan, PlanInputs, make_plan
+from .scaling import LossScale
+from .settings import one_of, settings
 from .state import LayerState
 
 log = logging.getLogger("dear")
@@ -48,7 +50,9 @@ class KFAC:
     Loop: `loss.backward(); precond.step(); optimizer.step()` (one process, torch DDP,
     dear.DistributedOptimizer). With hvd.DistributedOptimizer: `loss.backward();
     optimizer.synchronize(); precond.step(); with optimizer.skip_synchronize(): optimizer.step()`.
-    Every hyperparameter may be a callable of the step (precond.steps).
+    Every hyperparameter may be a callable of the step (precond.steps); reading one as an
+    attribute gives its current value. kfac-pytorch's KFACPreconditioner arguments are accepted
+    under its names and meanings (dear/kfac/settings.py).
     """
 
     def __init__(self, model: nn.Module, lr: Hyper = 0.1, damping: Hyper = 0.001,
@@ -56,45 +60,75 @@ class KFAC:
                  factor_update_freq: Hyper = 1, inv_update_freq: Hyper = 10,
                  method: str | ComputeMethod = "eigen",
                  strategy: str | Strategy = "auto",
-                 skip_layers: Iterable[str | type] = (), *,
+                 skip_layers: Iterable[str | type] | None = (), *,
                  pipeline_factors: bool = True, symmetry_aware: bool = True,
                  redundancy: bool = True, bucket_cap_mb: float = 25.0,
                  cost_model: CostModel | None = None,
-                 network_model: NetworkModel | None = None) -> None:
+                 network_model: NetworkModel | None = None,
+                 grad_scaler: Any = None, compute_eigenvalue_outer_product: bool = True,
+                 # kfac-pytorch's names (dear/kfac/settings.py)
+                 factor_update_steps: Hyper = None, inv_update_steps: Hyper = None,
+                 compute_method: Any = None, accumulation_steps: int | None = None,
+                 assignment_strategy: Any = None, colocate_factors: bool | None = None,
+                 grad_worker_fraction: Any = None, update_factors_in_hook: bool | None = None,
+                 allreduce_bucket_cap_mb: float | None = None,
+                 factor_dtype: torch.dtype | None = None, inv_dtype: torch.dtype | None = None,
+                 loglevel: int = logging.DEBUG) -> None:
+        self._transport = Transport.from_environment()
+        self.rank, self.size = self._transport.rank, self._transport.size
+        self.settings = settings(
+            self.size, method=method, strategy=strategy, skip_layers=skip_layers,
+            pipeline_factors=pipeline_factors, symmetry_aware=symmetry_aware,
+            redundancy=redundancy, bucket_cap_mb=bucket_cap_mb, compute_method=compute_method,
+            grad_worker_fraction=grad_worker_fraction,
+            update_factors_in_hook=update_factors_in_hook,
+            allreduce_bucket_cap_mb=allreduce_bucket_cap_mb,
+            accumulation_steps=accumulation_steps, assignment_strategy=assignment_strategy,
+            colocate_factors=colocate_factors, factor_dtype=factor_dtype, inv_dtype=inv_dtype,
+            compute_eigenvalue_outer_product=compute_eigenvalue_outer_product)
+        factor_update_freq = one_of("factor_update_freq", factor_update_freq, 1,
+                                    "factor_update_steps", factor_update_steps)
+        inv_update_freq = one_of("inv_update_freq", inv_update_freq, 10, "inv_update_steps",
+                                 inv_update_steps)
         self._sources: dict[str, Hyper] = {}
         for name, value in zip(NAMES, (lr, damping, factor_decay, kl_clip, factor_update_freq,
                                        inv_update_freq)):
             self._sources[name] = value if callable(value) else check(name, value)
-        self.method = parse(ComputeMethod, method, "method")
-        self.strategy = parse(Strategy, strategy, "strategy")
-        if bucket_cap_mb <= 0:
-            raise ValueError(f"dear.KFAC: bucket_cap_mb must be > 0, got {bucket_cap_mb}")
-        layers, others = find_layers(model, skip_layers)
+        self.method = self.settings.method
+        self.strategy = self.settings.strategy
+        layers, others = find_layers(model, self.settings.skip_layers)
         if not layers:
             raise ValueError(
                 f"dear.KFAC: {type(model).__name__} has no layer K-FAC can precondition "
                 "(nn.Linear, nn.Conv2d with groups=1, dense nn.Embedding, with a trainable "
                 f"weight); modules with parameters: {others or 'none'}")
-        self.layers = [LayerState(i, layer) for i, layer in enumerate(layers)]
+        self.layers = [LayerState(i, layer, self.settings.factor_dtype, self.settings.inv_dtype)
+                       for i, layer in enumerate(layers)]
         log.info("dear.KFAC: preconditioning %d layers; left to the optimizer: %s",
                  len(layers), ", ".join(others) if others else "none")
-        self.pipeline, self.symmetric = pipeline_factors, symmetry_aware
-        self.redundancy = redundancy
-        self._cap_bytes = int(bucket_cap_mb * 2**20)
+        for s in self.layers:
+            log.log(loglevel, "dear.KFAC: registered %s: %r", s.name, s.layer)
+        self.symmetric, self.redundancy = self.settings.symmetric, self.settings.redundancy
+        # accumulation_steps folds passes into updates in the hooks; those are sent at step()
+        self.pipeline = self.settings.pipeline and self.settings.accumulation_steps is None
+        self._cap_bytes = self.settings.bucket_cap_bytes
         self.steps = 0
-        self._transport = Transport.from_environment()
-        self.rank, self.size = self._transport.rank, self._transport.size
         distributed = self.size > 1
         self._network = network_model or (measure_network(self._transport) if distributed
                                           else NetworkModel())
+        self._network_measured = network_model is None and distributed
         self._cost = cost_model or (calibrate() if distributed and self.rank == 0
                                     else CostModel())
+        self._cost_calibrated = cost_model is None and distributed
         self.plan: Plan | None = None
         self._order: list[int] = []
         self._factors: FactorExchange | None = None
-        self._results: BroadcastExchange | None = None
+        self._dist: Distribution | None = None
         self._force_decompose = False
-        self._factor_step_cache = (-1, False)
+        self._step_cache: tuple[int, bool, float] = (-1, False, 0.0)
+        self._dec_damping: float | None = None     # damping of the decompositions held
+        self._scale = LossScale(grad_scaler)
+        self._raw_g = False                          # G batch factors not yet unscaled
         self._model = model
         # With dear.DistributedOptimizer: eigenbasis preconditioning on its reduced shards
         # (dear/kfac/overlap.py); decided at the first step, once the plan is known.
@@ -105,13 +139,16 @@ class KFAC:
 
     # ------------------------------------------------------------------ hyperparameters
     def __getattr__(self, name: str) -> Any:
+        name = ALIASES.get(name, name)
         if name in NAMES:
-            return self.__dict__["_sources"][name]
+            return getattr(self.hyperparameters(), name)
         raise AttributeError(name)
 
     def __setattr__(self, name: str, value: Any) -> None:
+        name = ALIASES.get(name, name)
         if name in NAMES:
             self._sources[name] = value if callable(value) else check(name, value)
+            self._step_cache = (-1, False, 0.0)
         else:
             super().__setattr__(name, value)
 
@@ -119,29 +156,56 @@ class KFAC:
         """The values in force at the current step (callables evaluated and checked)."""
         return resolve(self._sources, self.steps)
 
-    def _factor_step(self) -> bool:
-        step, value = self._factor_step_cache
+    def _factor_step(self) -> tuple[bool, float]:
+        """Whether this step records factors, and its factor_decay (read once per step)."""
+        step, value, decay = self._step_cache
         if step != self.steps:
-            source = self._sources["factor_update_freq"]
-            freq = check("factor_update_freq", source(self.steps), self.steps) if callable(
-                source) else source
-            value = self.steps % int(freq) == 0  # type: ignore[arg-type]
-            self._factor_step_cache = (self.steps, value)
-        return value
+            value = self.steps % value_at(self._sources, "factor_update_freq", self.steps) == 0
+            decay = value_at(self._sources, "factor_decay", self.steps)
+            self._step_cache = (self.steps, value, decay)
+        return value, decay
+
+    def memory_usage(self) -> dict[str, int]:
+        """Bytes of factors, batch factors and decompositions this rank holds (kfac-pytorch's
+        keys: a_factors, g_factors, a_batch, g_batch, a_inverses, g_inverses, total)."""
+        sizes: dict[str, int] = {}
+        for s in self.layers:
+            for key, value in s.memory_usage().items():
+                sizes[key] = sizes.get(key, 0) + value
+        sizes["total"] = sum(sizes.values())
+        return sizes
+
+    def reset_batch(self) -> None:
+        """Forget the factors recorded since the last step (e.g. after a skipped batch)."""
+        for s in self.layers:
+            s.clear_batch()
 
     # ------------------------------------------------------------------ hooks
     def _on_forward(self, state: LayerState, module: nn.Module, inputs: Any, output: Any) -> None:
-        if not (module.training and torch.is_grad_enabled() and self._factor_step()):
+        if not module.training or not torch.is_grad_enabled():
+            return
+        record, decay = self._factor_step()
+        if not record:
             return
         if self.plan is None and state.index not in self._order:
             self._order.append(state.index)
-        calls = state.add_a(state.layer.batch_a(inputs[0]))
+        calls = state.add_a(state.layer.batch_a(inputs[0], state.dtype))
+        if calls == self.settings.accumulation_steps:
+            state.fold_chunk("A", decay)
         self._maybe_send("A", state, calls, state.a_expected)
         if isinstance(output, Tensor) and output.requires_grad:
             output.register_hook(functools.partial(self._on_grad_output, state))
 
     def _on_grad_output(self, state: LayerState, grad: Tensor) -> None:
-        calls = state.add_g(state.layer.batch_g(grad))
+        if self._scale.known():              # as kfac-pytorch: G from the unscaled gradient
+            scale = self._scale.value(self.steps)
+            if scale != 1.0:
+                grad = grad.to(state.dtype) / scale
+        else:                                # unscaled at step() (dear/kfac/scaling.py)
+            self._raw_g = True
+        calls = state.add_g(state.layer.batch_g(grad, state.dtype))
+        if calls == self.settings.accumulation_steps:
+            state.fold_chunk("G", self._factor_step()[1])
         self._maybe_send("G", state, calls, state.g_expected)
 
     def _maybe_send(self, which: str, state: LayerState, calls: int, expected: int) -> None:
@@ -161,25 +225,66 @@ class KFAC:
     @torch.no_grad()
     def step(self) -> None:
         """Precondition the gradients in .grad (call after backward, before optimizer.step).
-        With dear.DistributedOptimizer, the averaged gradients it holds (dear/kfac/overlap.py)."""
+        With dear.DistributedOptimizer, the averaged gradients it holds (dear/kfac/overlap.py).
+        Its first step there waits for optimizer.step() to learn the loss scale."""
+        if self._scale.pending is not None:
+            raise RuntimeError(
+                "dear.KFAC: step() again before optimizer.step(): the first step waits for "
+                "dear.DistributedOptimizer.step() to learn whether a GradScaler scales the "
+                "gradients (pass grad_scaler= to dear.KFAC to precondition at once)")
         hyper = self.hyperparameters()
         if self.plan is None:
             self._make_plan(hyper)
+        optimizers = self._dear.optimizers()
+        for opt in optimizers:
+            self._scale.listen(opt)
+        if optimizers and not self._scale.known() and self._scale.defer_or_assume(
+                optimizers[0], functools.partial(self._run_step, hyper)):
+            return
+        self._run_step(hyper)
+
+    @torch.no_grad()
+    def _run_step(self, hyper: Hyperparameters) -> None:
+        if self._raw_g:
+            self._unscale_batch_g(self._scale.value(self.steps) if self._scale.known() else 1.0)
         decompose = self.steps % hyper.inv_update_freq == 0 or self._force_decompose
         on_shards = self._dear.begin_step(decompose)
         if self.steps % hyper.factor_update_freq == 0:
             self._update_factors(hyper.factor_decay)
         if decompose:
-            self._update_decompositions(hyper)
+            assert self._dist is not None
+            self._dist.decompose(hyper.damping)
+            self._dec_damping = hyper.damping
             self._force_decompose = False
+        damping = hyper.damping
+        if self.settings.outer_product and self.method is ComputeMethod.EIGEN \
+                and self._dec_damping is not None:
+            damping = self._dec_damping      # kfac-pytorch: fixed with the decompositions
+        optimizers = self._dear.optimizers()
+        grad_scale = 1.0
+        if self._scale.gradients_scaled(optimizers[0] if optimizers else None):
+            grad_scale = self._scale.value(self.steps)
         if on_shards:
             self._dear.overlap.precondition_shards(  # type: ignore[union-attr]
-                hyper.damping, hyper.lr, hyper.kl_clip)
+                damping, hyper.lr, hyper.kl_clip, grad_scale)
             self.overlapped_steps += 1
         else:
-            self._precondition(hyper)
+            assert self._dist is not None
+            self._dist.precondition(damping, hyper.lr, hyper.kl_clip, grad_scale)
         self.steps += 1
         self._dear.end_step(self._keeps_bases())
+
+    def _unscale_batch_g(self, scale: float) -> None:
+        """G recorded before the scale was known: divide by scale^2 (exact for GradScaler's
+        powers of two, so the same bits as dividing the output gradients by the scale)."""
+        self._raw_g = False
+        if scale == 1.0:
+            return
+        for s in self.layers:
+            if s.g_sum is not None:
+                s.g_sum = s.g_sum / scale ** 2
+            if "G" in s.fold:
+                s.fold["G"] = (s.fold["G"][0] / scale ** 2, s.fold["G"][1])
 
     def _keeps_bases(self) -> bool:
         """Whether the next step preconditions with the decompositions held now."""
@@ -197,161 +302,85 @@ class KFAC:
     def _make_plan(self, hyper: Hyperparameters) -> None:
         order = self._order + [s.index for s in self.layers if s.index not in self._order]
         order = self._transport.broadcast_object(order, 0)   # rank 0's order everywhere
+        # kfac-pytorch's assignment goes by registration order; dear's by execution order
+        kaisa = self.settings.assignment is not None or self.settings.colocate or \
+            self.strategy is Strategy.HYBRID_OPT
+        plan_order = sorted(order) if kaisa else order
         plan = None
         if self.rank == 0:
             shapes = [LayerShape(self.layers[i].layer.a_dim, self.layers[i].layer.g_dim,
-                                 self.layers[i].layer.diagonal_a) for i in order]
+                                 self.layers[i].layer.diagonal_a) for i in plan_order]
             plan = make_plan(self.strategy, PlanInputs(
                 shapes, self.size, self.method, hyper.inv_update_freq, hyper.factor_update_freq,
                 self._cost, self._network, self.symmetric, self.redundancy,
-                self.layers[0].dtype.itemsize))
-        plan = self._transport.broadcast_object(plan, 0)
-        back = {layer: k for k, layer in enumerate(order)}   # positions -> layer indices
+                self.layers[0].dtype.itemsize, self.settings.assignment, self.settings.colocate,
+                self.settings.grad_workers))
+            self._log_plan(plan)
+        plan = self._transport.broadcast_object(plan, 0)      # rank 0 decides for everyone
+        back = {layer: k for k, layer in enumerate(plan_order)}   # positions -> layer indices
         pick = lambda owners: tuple(owners[back[i]] for i in range(len(self.layers)))
         self.plan = Plan(plan.strategy, pick(plan.a_owner), pick(plan.g_owner),
-                         pick(plan.layer_owner), plan.reduce_to_owner, plan.estimates)
+                         pick(plan.layer_owner), plan.reduce_to_owner, plan.estimates,
+                         plan.columns)
         self._order = order
-        log.info("dear.KFAC: strategy %s (estimates %s s/iteration); owners %s",
-                 self.plan.strategy.value, {k: round(v, 5) for k, v in plan.estimates.items()},
-                 list(self.plan.layer_owner))
         for s in self.layers:                                 # calls per step, for pipelining
             s.a_expected, s.g_expected = s.a_calls, s.g_calls
         if self.size > 1:
-            self._build_exchanges()
+            self._factors = FactorExchange(self.layers, self._order, self.plan, self._transport,
+                                           self.symmetric, max(1, self._cap_bytes //
+                                                               self.layers[0].dtype.itemsize))
+        self._dist = Distribution(self.layers, self._order, self.plan, self._transport,
+                                  self.method, self._cap_bytes)
 
-    def _build_exchanges(self) -> None:
-        plan = self.plan
-        assert plan is not None
-        cap = max(1, self._cap_bytes // self.layers[0].dtype.itemsize)
-        self._factors = FactorExchange(self.layers, self._order, plan, self._transport,
-                                       self.symmetric, cap)
-        items: list[tuple[Hashable, int, int]] = []
-        dtypes: list[torch.dtype] = []
-        for i in self._order:
-            s = self.layers[i]
-            if plan.strategy is Strategy.COMM_OPT:
-                for which, owner in (("A", plan.a_owner[i]), ("G", plan.g_owner[i])):
-                    if owner != EVERYWHERE:
-                        diagonal = which == "A" and s.layer.diagonal_a
-                        dim = s.layer.a_dim if which == "A" else s.layer.g_dim
-                        items.append(((which, i), flat_size(self.method, dim, diagonal), owner))
-                        dtypes.append(s.dtype)
-            elif plan.layer_owner[i] != EVERYWHERE:
-                items.append(((i,), s.layer.a_dim * s.layer.g_dim, plan.layer_owner[i]))
-                dtypes.append(s.dtype)
-        self._results = BroadcastExchange(items, dtypes, self._transport, cap,
-                                          self.layers[0].device)
+    def _log_plan(self, plan: Plan) -> None:
+        """Rank 0: the strategy, the estimates and the measurements behind an `auto` choice."""
+        estimates = ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in sorted(plan.estimates.items()))
+        net, cost = self._network, self._cost
+        log.info(
+            "dear.KFAC: strategy %s%s; estimated per iteration: %s; network alpha %.3g s, "
+            "beta %.3g s/byte (%s); decomposition c0 + c3 d^3 with eigen (%.3g, %.3g), inverse "
+            "(%.3g, %.3g), matmul %.3g s/flop (%s); owners %s%s", plan.strategy.value,
+            " (auto)" if self.strategy is Strategy.AUTO else "", estimates or "not estimated",
+            net.alpha, net.beta, "measured" if self._network_measured else "given",
+            *cost.eigen, *cost.inverse, cost.flop_s,
+            "calibrated on rank 0" if self._cost_calibrated else "given",
+            list(plan.layer_owner), f"; pin this choice with strategy={plan.strategy.value!r}"
+            if self.strategy is Strategy.AUTO else "")
 
     def _update_factors(self, decay: float) -> None:
+        accumulate = self.settings.accumulation_steps is not None
+        batches: dict[tuple[str, int], tuple[Tensor, float]] = {}
+        for s in self.layers:
+            for which, batch in (("A", s.batch_a()), ("G", s.batch_g())):
+                folded = s.folded(which, decay) if accumulate else (
+                    None if batch is None else (batch, decay))
+                if folded is not None:
+                    batches[(which, s.index)] = folded
         if self._factors is None:                   # one process: the batch factors as they are
-            averaged = {}
-            for s in self.layers:
-                for which, batch in (("A", s.batch_a()), ("G", s.batch_g())):
-                    if batch is not None:
-                        averaged[(which, s.index)] = batch
+            averaged = {key: batch for key, (batch, _) in batches.items()}
         else:
             for i in self._order:                   # what the hooks did not send
-                s = self.layers[i]
-                for which, batch in (("A", s.batch_a()), ("G", s.batch_g())):
-                    if batch is not None and not self._factors.is_put(which, i):
-                        self._factors.put(which, i, batch, launch=False)
+                for which in ("A", "G"):
+                    entry = batches.get((which, i))
+                    if entry is not None and not self._factors.is_put(which, i):
+                        self._factors.put(which, i, entry[0], launch=False)
             averaged = self._factors.finish()
         for (which, i), factor in averaged.items():
-            self.layers[i].update(which, factor, decay)
+            self.layers[i].update(which, factor, batches[(which, i)][1])
         for s in self.layers:
             if s.a_expected == 0 and s.g_expected == 0:   # first factor step it ran in
                 s.a_expected, s.g_expected = s.a_calls, s.g_calls
-            s.clear_batch()
-
-    def _mine(self, owner: int) -> bool:
-        return owner == EVERYWHERE or owner == self.rank
-
-    def _update_decompositions(self, hyper: Hyperparameters) -> None:
-        plan, results = self.plan, self._results
-        assert plan is not None
-        for s in self.layers:
-            for which, owner in (("A", plan.a_owner[s.index]), ("G", plan.g_owner[s.index])):
-                if self._mine(owner):
-                    dec = s.decompose(which, self.method, hyper.damping)
-                    setattr(s, "a_dec" if which == "A" else "g_dec", dec)
-                    key = (which, s.index)
-                    if results is not None and key in results:
-                        flatten(dec, results.slot(key))
-                        results.mark(key)
-        if results is None or plan.strategy is not Strategy.COMM_OPT:
-            return
-        results.run()
-        for s in self.layers:
-            for which, owner in (("A", plan.a_owner[s.index]), ("G", plan.g_owner[s.index])):
-                if not self._mine(owner):
-                    diagonal = which == "A" and s.layer.diagonal_a
-                    dim = s.layer.a_dim if which == "A" else s.layer.g_dim
-                    flat = results.get((which, s.index))
-                    assert flat is not None
-                    dec = unflatten(flat, self.method, dim, diagonal)
-                    setattr(s, "a_dec" if which == "A" else "g_dec", dec)
-        results.reset()
-
-    def _precondition_layer(self, s: LayerState, grad: Tensor | None, damping: float
-                            ) -> Tensor | None:
-        if grad is None or s.a is None or s.g is None or s.a_dec is None or s.g_dec is None:
-            return None
-        out = precondition(grad, s.a_dec, s.g_dec, damping)
-        if not torch.isfinite(out).all():
-            s.warn_once("nonfinite-grad", "dear.KFAC: layer %s: the preconditioned gradient is "
-                        "not finite (is the gradient?); its gradient is left unpreconditioned",
-                        s.name)
-            return None
-        return out
-
-    def _precondition(self, hyper: Hyperparameters) -> None:
-        plan, results = self.plan, self._results
-        assert plan is not None
-        grads = {s.index: s.layer.grad_matrix() for s in self.layers}
-        owned_by_others = plan.strategy is not Strategy.COMM_OPT and results is not None
-        done: dict[int, Tensor] = {}
-        for s in self.layers:
-            owner = plan.layer_owner[s.index]
-            if self._mine(owner) or not owned_by_others:
-                p = self._precondition_layer(s, grads[s.index], hyper.damping)
-                if p is not None:
-                    done[s.index] = p
-                    if owned_by_others and owner != EVERYWHERE:
-                        results.put((s.index,), p)  # type: ignore[union-attr]
-        if owned_by_others:
-            results.run()  # type: ignore[union-attr]
-            for s in self.layers:
-                if not self._mine(plan.layer_owner[s.index]):
-                    flat = results.get((s.index,))  # type: ignore[union-attr]
-                    if flat is not None:
-                        done[s.index] = flat.view(s.layer.g_dim, s.layer.a_dim)
-        nu = 1.0
-        if hyper.kl_clip:
-            # in float64: a float32 product can overflow long before nu becomes tiny
-            vg = 0.0
-            for i in sorted(done):
-                grad = grads[i]
-                if grad is not None:
-                    vg += float(torch.dot(done[i].reshape(-1).double(), grad.reshape(-1).double()))
-            vg *= hyper.lr ** 2
-            if vg != 0 and math.isfinite(vg):
-                nu = min(1.0, math.sqrt(hyper.kl_clip / abs(vg)))
-        for i in sorted(done):
-            layer = self.layers[i].layer
-            if layer.weight.grad is None:
-                layer.weight.grad = torch.zeros_like(layer.weight)
-            layer.set_grad(done[i] * nu)
-        if owned_by_others:
-            results.reset()  # type: ignore[union-attr]
+            s.clear_batch(keep_partial=accumulate)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self, include_factors: bool = True) -> dict[str, Any]:
         """The step counter and, with include_factors, the running factors and decompositions
-        this rank holds (under mem-opt and pad only the owner holds a layer's decomposition,
-        under pad also its factors: save every rank's state_dict to resume those)."""
-        out: dict[str, Any] = {"steps": self.steps, "method": self.method.value}
+        this rank holds (under mem-opt, hybrid-opt and pad only some ranks hold a layer's
+        decomposition, under pad also its factors: save every rank's state_dict to resume)."""
+        out: dict[str, Any] = {"steps": self.steps, "method": self.method.value,
+                               "decomposition_damping": self._dec_damping}
         if include_factors:
-            out["layers"] = {s.name: _layer_state(s) for s in self.layers}
+            out["layers"] = {s.name: layer_state(s) for s in self.layers}
         return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -364,18 +393,20 @@ class KFAC:
                              f"lacks: {unknown}")
         same_method = state.get("method") == self.method.value
         self.steps = int(state["steps"])
-        self._factor_step_cache = (-1, False)
+        self._step_cache = (-1, False, 0.0)
+        self._dec_damping = state.get("decomposition_damping")
         for name, saved in state.get("layers", {}).items():
             s = names[name]
-            s.a, s.g = _clone(saved.get("A")), _clone(saved.get("G"))
-            s.a_dec = _decomposition(saved.get("A_dec"), self.method) if same_method else None
-            s.g_dec = _decomposition(saved.get("G_dec"), self.method) if same_method else None
+            s.a, s.g = clone(saved.get("A")), clone(saved.get("G"))
+            s.a_dec = decomposition(saved.get("A_dec"), self.method) if same_method else None
+            s.g_dec = decomposition(saved.get("G_dec"), self.method) if same_method else None
         # Decompositions missing where factors exist are recomputed at the next step, by every
         # rank's plan (all ranks load the same checkpoint, so they agree).
         if self._link is not None:          # the armed eigenbases are no longer ours
             self._link.disarm()
         self._force_decompose = "layers" not in state or not same_method or any(
-            (s.a is not None and s.a_dec is None) for s in self.layers)
+            (s.a is not None and s.a_dec is None) for s in self.layers) or (
+            self._dec_damping is None and self.steps > 0)
 
     def remove_hooks(self) -> None:
         for hook in self._hooks:
@@ -383,22 +414,3 @@ class KFAC:
         self._hooks = []
         if self._link is not None:
             self._link.disarm()
-
-
-def _clone(t: Tensor | None) -> Tensor | None:
-    return None if t is None else t.detach().clone()
-
-
-def _layer_state(s: LayerState) -> dict[str, Any]:
-    out: dict[str, Any] = {"A": _clone(s.a), "G": _clone(s.g)}
-    for key, dec in (("A_dec", s.a_dec), ("G_dec", s.g_dec)):
-        out[key] = None if dec is None else {"q": _clone(dec.q), "d": _clone(dec.d),
-                                             "inv": _clone(dec.inv)}
-    return out
-
-
-def _decomposition(saved: dict[str, Any] | None, method: ComputeMethod
-                   ) -> Decomposition | None:
-    if saved is None:
-        return None
-    return Decomposition(method, _clone(saved["q"]), _clone(saved["d"]), _clone(saved["inv"]))
