@@ -549,7 +549,7 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
     def _hook_model(self, model: torch.nn.Module) -> None:
         for module in model.modules():
             if module is model or any(p in self._index for p in module.parameters(recurse=False)):
-                self._hooks.append(module.register_forward_pre_hook(self._pre_forward))
+                self._hooks.append(module.register_forward_pre_hook(_eager(self._pre_forward)))
         self._hooks.append(model.register_state_dict_pre_hook(
             lambda *args, **kwargs: self.flush_updates()))
         self._hooks.append(model.register_load_state_dict_pre_hook(
@@ -607,6 +607,12 @@ def _weak_method(method: Callable[..., Any]) -> Callable[..., Any]:
         bound = ref()
         return None if bound is None else bound(*args)
     return call
+
+
+def _eager(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """`hook` run eagerly under torch.compile: it waits for all-gathers and runs the wrapped
+    optimizer's update, which dynamo cannot trace; the compiled graph breaks around it."""
+    return torch.compiler.disable(hook, recursive=True)
 
 
 def _remove_hooks(handles: list[Any]) -> None:

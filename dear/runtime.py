@@ -82,7 +82,7 @@ def _make_communicator(backend: str, cfg: Config) -> tuple[Communicator, bool]:
         return LocalCommunicator(), False
     if torch.cuda.is_available() and "LOCAL_RANK" in os.environ:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    return TorchCommunicator(gloo_collectives=cfg.gloo_collectives), owns
+    return TorchCommunicator(gloo_collectives=cfg.gloo_collectives, timeout=cfg.timeout), owns
 
 
 def shutdown() -> None:

@@ -182,3 +182,31 @@ def test_horovods_broadcast_optimizer_state_idiom_does_not_hang() -> None:
     ranks = run_distributed(_horovod_state_init, 2, timeout=60)
     assert max_diff(ranks[0]["params"], ranks[1]["params"]) == 0.0
     assert ranks[0]["steps"] == ranks[1]["steps"] == [4]
+
+
+def _object_broadcast_nobody_joins() -> dict:
+    """The user's own process group (torch's default timeout, 30 minutes), DEAR_TIMEOUT=3: rank 1
+    never joins dear's object broadcast; rank 0 must fail within DEAR_TIMEOUT, not hang."""
+    import datetime
+    import time
+
+    import torch.distributed as dist
+    dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=30))
+    dear.init()
+    if dear.rank() == 1:
+        time.sleep(40)
+        return {}
+    start = time.monotonic()
+    try:
+        dear.runtime.communicator().broadcast_object({"plan": 1}, 0)
+        error = None
+    except Exception as exc:                     # torch's "timed out" RuntimeError
+        error = str(exc)
+    return {"error": error, "elapsed": time.monotonic() - start}
+
+
+def test_object_broadcasts_are_bounded_by_dear_timeout() -> None:
+    ranks = run_distributed(_object_broadcast_nobody_joins, 2, timeout=90,
+                            env={"DEAR_TIMEOUT": "3"})
+    assert ranks[0]["error"] is not None, "the broadcast returned without rank 1"
+    assert ranks[0]["elapsed"] < 35, "rank 0 waited for rank 1 instead of DEAR_TIMEOUT"

@@ -9,7 +9,9 @@ the same order on every rank.
 from __future__ import annotations
 
 import abc
+import datetime
 import enum
+import pickle
 from typing import Any, Callable, Optional
 
 import torch
@@ -57,16 +59,23 @@ class DoneWork(Work):
 class CallbackWork(Work):
     """Waits on inner handles, then runs a finishing step (e.g. a local reduction) once."""
 
-    def __init__(self, inner: list[Any], finish: Optional[Callable[[], None]] = None) -> None:
+    def __init__(self, inner: list[Any], finish: Optional[Callable[[], None]] = None,
+                 timeout: Optional[float] = None) -> None:
         self._inner = inner
         self._finish = finish
         self._done = False
+        # DEAR_TIMEOUT for torch.distributed handles: the process group's own timeout may be
+        # torch's default (30 minutes) when the user created the group.
+        self._timeout = None if timeout is None else datetime.timedelta(seconds=timeout)
 
     def wait(self) -> None:
         if self._done:
             return
         for work in self._inner:
-            work.wait()
+            if self._timeout is not None and not isinstance(work, Work):
+                work.wait(self._timeout)
+            else:
+                work.wait()
         if self._finish is not None:
             self._finish()
         self._done = True
@@ -122,6 +131,38 @@ class Communicator(abc.ABC):
 
     def shutdown(self) -> None:
         """Release the group's resources (the backend may own them)."""
+
+
+def broadcast_object_with(comm: Communicator, obj: Any, root: int) -> Any:
+    """`broadcast_object` through the communicator's own broadcast (which honours DEAR_TIMEOUT):
+    the pickled size, then the bytes. CPU tensors: for backends that move CPU tensors."""
+    if comm.size == 1:
+        return obj
+    payload = pickle.dumps(obj) if comm.rank == root else b""
+    size = torch.tensor([len(payload)], dtype=torch.int64)
+    comm.broadcast(size, root).wait()
+    data = (torch.frombuffer(bytearray(payload), dtype=torch.uint8) if comm.rank == root
+            else torch.empty(int(size.item()), dtype=torch.uint8))
+    if data.numel():
+        comm.broadcast(data, root).wait()
+    return obj if comm.rank == root else pickle.loads(data.numpy().tobytes())
+
+
+def all_gather_object_with(comm: Communicator, obj: Any) -> list[Any]:
+    """`all_gather_object` through the communicator's own all-gather (DEAR_TIMEOUT): sizes,
+    then the bytes padded to the largest."""
+    if comm.size == 1:
+        return [obj]
+    payload = pickle.dumps(obj)
+    sizes = torch.empty(comm.size, dtype=torch.int64)
+    comm.all_gather(torch.tensor([len(payload)], dtype=torch.int64), sizes).wait()
+    width = int(sizes.max().item())
+    mine = torch.zeros(width, dtype=torch.uint8)
+    mine[:len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    table = torch.empty(comm.size * width, dtype=torch.uint8)
+    comm.all_gather(mine, table).wait()
+    rows = table.view(comm.size, width)
+    return [pickle.loads(rows[r, :int(sizes[r])].numpy().tobytes()) for r in range(comm.size)]
 
 
 def check_flat(tensor: torch.Tensor, what: str) -> None:

@@ -35,8 +35,10 @@ _TAG_SPACE = 1 << 20
 class PairwiseExchange:
     """Reduce-scatter and all-gather of flat buffers between the `size` ranks of `group`."""
 
-    def __init__(self, rank: int, size: int, group: Any, reverse: Optional[Any] = None) -> None:
+    def __init__(self, rank: int, size: int, group: Any, reverse: Optional[Any] = None,
+                 timeout: Optional[float] = None) -> None:
         self.rank, self.size = rank, size
+        self._timeout = timeout                # DEAR_TIMEOUT on every wait
         self._group, self._reverse = group, reverse
         self._tag = 0
 
@@ -85,7 +87,7 @@ class PairwiseExchange:
             for step in range(2, n):
                 output.add_(received[(me - step) % n])
 
-        return CallbackWork(works, finish)
+        return CallbackWork(works, finish, self._timeout)
 
     def all_gather(self, input: torch.Tensor, output: torch.Tensor) -> Work:
         """Every rank's `input` into `output`, in rank order (`input` may be our own slice)."""
@@ -99,4 +101,4 @@ class PairwiseExchange:
         peers = [(me + step) % n for step in range(1, n)]
         return CallbackWork(self._exchange(
             [(src, output[src * shard:(src + 1) * shard]) for src in peers],
-            [(dst, own) for dst in peers]))
+            [(dst, own) for dst in peers]), timeout=self._timeout)

@@ -35,7 +35,8 @@ from typing import Any, Callable, Optional, Union
 import torch
 
 from . import gloo_bootstrap
-from .base import CallbackWork, Communicator, DoneWork, Work, check_shard_sizes
+from .base import (CallbackWork, Communicator, DoneWork, Work, all_gather_object_with,
+                   broadcast_object_with, check_shard_sizes)
 from .gloo_exchange import PairwiseExchange
 
 _UNSUPPORTED = (torch.bfloat16,)
@@ -197,10 +198,12 @@ class HorovodCommunicator(Communicator):
     def broadcast_object(self, obj: Any, root: int) -> Any:
         # An explicit name: Horovod's default comes from the object's type, which may differ
         # between root and the others (None elsewhere) and then deadlocks.
-        return self._hvd.broadcast_object(obj, root, name=self._name("bco"))
+        # Through tensors and this class's waits, so DEAR_TIMEOUT bounds it (Horovod's own
+        # broadcast_object waits forever for a rank that never joins).
+        return broadcast_object_with(self, obj, root)
 
     def all_gather_object(self, obj: Any) -> list[Any]:
-        return list(self._hvd.allgather_object(obj, name=self._name("ago")))
+        return all_gather_object_with(self, obj)
 
     def barrier(self) -> None:
         self._hvd.barrier()

@@ -13,7 +13,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from .base import CallbackWork, Communicator, Work, check_shard_sizes
+from .base import (CallbackWork, Communicator, Work, all_gather_object_with,
+                   broadcast_object_with, check_shard_sizes)
 from .gloo_exchange import PairwiseExchange
 
 
@@ -27,8 +28,9 @@ class TorchCommunicator(Communicator):
     """
 
     def __init__(self, group: Optional[dist.ProcessGroup] = None, *,
-                 gloo_collectives: str = "pairwise") -> None:
+                 gloo_collectives: str = "pairwise", timeout: Optional[float] = None) -> None:
         self._group = group
+        self._timeout = timeout                # DEAR_TIMEOUT on every wait (None: the group's)
         self._rank = dist.get_rank(group)
         self._size = dist.get_world_size(group)
         self._backend = str(dist.get_backend(group)).lower()
@@ -41,7 +43,8 @@ class TorchCommunicator(Communicator):
                                                group_desc="dear_pairwise_reverse")
             # The exchange talks to the ProcessGroup objects directly, in group ranks.
             own = group if group is not None else dist.group.WORLD
-            self._exchange = PairwiseExchange(self._rank, self._size, own, self._reverse)
+            self._exchange = PairwiseExchange(self._rank, self._size, own, self._reverse,
+                                              timeout)
         self.name = f"{self._backend}-pairwise" if self._pairwise else self._backend
 
     @property
@@ -67,7 +70,8 @@ class TorchCommunicator(Communicator):
             output.copy_(input)
             return CallbackWork([])
         return CallbackWork([dist.reduce_scatter_tensor(
-            output, input, op=dist.ReduceOp.SUM, group=self._group, async_op=True)])
+            output, input, op=dist.ReduceOp.SUM, group=self._group, async_op=True)],
+            timeout=self._timeout)
 
     def all_gather(self, input: torch.Tensor, output: torch.Tensor) -> Work:
         if self._exchange is not None:
@@ -80,26 +84,30 @@ class TorchCommunicator(Communicator):
         if self._size == 1:
             return CallbackWork([])
         return CallbackWork([dist.all_gather_into_tensor(
-            output, own, group=self._group, async_op=True)])
+            output, own, group=self._group, async_op=True)], timeout=self._timeout)
 
     def all_reduce(self, tensor: torch.Tensor) -> Work:
         return CallbackWork([dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self._group,
-                                             async_op=True)])
+                                             async_op=True)], timeout=self._timeout)
 
     def broadcast(self, tensor: torch.Tensor, root: int) -> Work:
         if not 0 <= root < self._size:
             raise ValueError(f"root rank {root} does not exist in a world of size {self._size}")
         return CallbackWork([dist.broadcast(tensor, self._peer(root), group=self._group,
-                                            async_op=True)])
+                                            async_op=True)], timeout=self._timeout)
 
     def broadcast_object(self, obj: Any, root: int) -> Any:
         if not 0 <= root < self._size:
             raise ValueError(f"root rank {root} does not exist in a world of size {self._size}")
+        if self._backend == "gloo":            # bounded by DEAR_TIMEOUT, as every wait
+            return broadcast_object_with(self, obj, root)
         box = [obj]
         dist.broadcast_object_list(box, src=self._peer(root), group=self._group)
         return box[0]
 
     def all_gather_object(self, obj: Any) -> list[Any]:
+        if self._backend == "gloo":
+            return all_gather_object_with(self, obj)
         out: list[Any] = [None] * self._size
         dist.all_gather_object(out, obj, group=self._group)
         return out
