@@ -288,7 +288,7 @@ class KFAC:
 
     def _keeps_bases(self) -> bool:
         """Whether the next step preconditions with the decompositions held now."""
-        freq = self.hyperparameters().inv_update_freq
+        freq = value_at(self._sources, "inv_update_freq", self.steps)
         return self.steps % freq != 0 and not self._force_decompose
 
     @property

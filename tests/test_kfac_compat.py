@@ -1,0 +1,198 @@
+"""kfac-pytorch's KFACPreconditioner arguments, with its meanings, against the single-process
+reference of tests/kfac_workloads.py (which follows kfac-pytorch's rules: see ReferenceKFAC) and
+kfac-pytorch's registration rule (kfac/layers/register.py: re.search of each pattern in the
+module's name and class name) written out here."""
+
+from __future__ import annotations
+
+import enum
+import re
+
+import pytest
+import torch
+from torch import nn
+
+from dear.kfac import (KFAC, AssignmentStrategy, ComputeMethod, DistributedStrategy,
+                       KFACPreconditioner, Strategy)
+from tests import kfac_workloads as W
+
+ARGS = dict(lr=0.1, damping=0.003, factor_decay=0.9, kl_clip=0.001)
+TOL = 1e-9
+
+
+class Nested(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = nn.Sequential()
+        self.encoder.add_module("linear1", nn.Linear(4, 6))
+        self.encoder.add_module("conv_like", nn.Linear(6, 6))
+        self.fc = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.encoder(x))
+
+
+def kfac_pytorch_registers(model: nn.Module, patterns: list[str]) -> list[str]:
+    """kfac-pytorch 0.4.2's register_modules, for the layer types both support."""
+    def any_match(query: str) -> bool:
+        return any(re.compile(p).search(query) for p in patterns)
+    return [name for name, m in model.named_modules()
+            if not list(m.children()) and isinstance(m, (nn.Linear, nn.Conv2d))
+            and not any_match(name) and not any_match(type(m).__name__)]
+
+
+@pytest.mark.parametrize("model", [W.CNN, Nested])
+@pytest.mark.parametrize("patterns", [[], ["conv"], ["fc"], ["linear"], ["Linear"], ["^conv1$"],
+                                      ["encoder\\."], ["conv1", "Linear"], ["[0-9]$"]])
+def test_skip_layers_are_searched_regular_expressions(model, patterns):
+    net = model()
+    want = kfac_pytorch_registers(net, patterns)
+    if not want:
+        with pytest.raises(ValueError, match="no layer K-FAC can precondition"):
+            KFAC(net, skip_layers=patterns)
+        return
+    assert [s.name for s in KFAC(net, skip_layers=patterns).layers] == want
+    assert [s.name for s in KFACPreconditioner(net, skip_layers=patterns).layers] == want
+
+
+def _run(name: str, steps: int, make, passes: int = 1) -> tuple[list[dict], KFAC]:
+    model = W.make_model(name)
+    precond = make(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    out = []
+    for step in range(steps):
+        opt.zero_grad()
+        for j in range(passes):
+            x, y = W.batch(name, step * passes + j, 1)
+            W.loss_fn(model(x), y).backward()
+        precond.step()
+        out.append(W.grads_of(model))
+        opt.step()
+    return out, precond
+
+
+def _reference(name: str, steps: int, passes: int = 1, **kfac) -> list[dict]:
+    model = W.make_model(name)
+    ref = W.ReferenceKFAC(model, **kfac)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    out = []
+    for step in range(steps):
+        ref.backward_on_passes([[W.batch(name, step * passes + j, 1)] for j in range(passes)])
+        ref.step()
+        out.append(W.grads_of(model))
+        opt.step()
+    return out
+
+
+def _same(got: list[dict], want: list[dict], tol: float = TOL) -> None:
+    for step, (g, w) in enumerate(zip(got, want)):
+        assert W.max_rel_diff(g, w) < tol, step
+
+
+class TheirComputeMethod(enum.Enum):      # kfac.enums.ComputeMethod's shape
+    EIGEN = 1
+    INVERSE = 2
+
+
+@pytest.mark.parametrize("method", ["inverse", "INVERSE", ComputeMethod.INVERSE,
+                                    TheirComputeMethod.INVERSE])
+def test_update_steps_and_compute_method(method):
+    got, precond = _run("cnn", 7, lambda m: KFAC(m, **ARGS, factor_update_steps=2,
+                                                inv_update_steps=3, compute_method=method))
+    assert precond.method is ComputeMethod.INVERSE
+    assert precond.factor_update_steps == 2 and precond.inv_update_freq == 3
+    _same(got, _reference("cnn", 7, **ARGS, factor_update_freq=2, inv_update_freq=3,
+                          method="inverse"))
+    with pytest.raises(ValueError, match="name the same setting"):
+        KFAC(W.make_model("cnn"), inv_update_freq=4, inv_update_steps=3)
+
+
+def test_damping_schedule_between_decompositions():
+    """kfac-pytorch (compute_eigenvalue_outer_product=True, its default and dear's): the damping
+    of the step that decomposed is used until the next decomposition; False: the current one."""
+    sched = dict(ARGS, damping=lambda s: [0.05, 0.02, 0.004, 0.001, 0.03, 0.0005, 0.01][s],
+                 inv_update_freq=3)
+    frozen = _reference("mlp", 7, **sched)
+    current = _reference("mlp", 7, **sched, compute_eigenvalue_outer_product=False)
+    assert W.max_rel_diff(frozen[2], current[2]) > 1e-3        # the two rules differ
+    _same(_run("mlp", 7, lambda m: KFAC(m, **sched))[0], frozen)
+    _same(_run("mlp", 7, lambda m: KFAC(m, **sched, compute_eigenvalue_outer_product=False))[0],
+          current)
+
+
+@pytest.mark.parametrize("passes,accumulation,in_hook", [(2, 1, True), (2, 2, True),
+                                                         (3, 2, True), (2, 1, False)])
+def test_accumulation_steps(passes, accumulation, in_hook):
+    """kfac-pytorch: with update_factors_in_hook every `accumulation_steps` passes make one
+    running-average update (leftover passes wait for the next step); without it, one update
+    per step."""
+    got, _ = _run("cnn", 5, lambda m: KFAC(m, **ARGS, inv_update_freq=2,
+                                          accumulation_steps=accumulation,
+                                          update_factors_in_hook=in_hook), passes)
+    want = _reference("cnn", 5, passes, **ARGS, inv_update_freq=2,
+                      accumulation_steps=accumulation if in_hook else None)
+    _same(got, want)
+    if (passes, accumulation) == (2, 1):     # it matters: dear's default differs
+        default, _ = _run("cnn", 5, lambda m: KFAC(m, **ARGS, inv_update_freq=2), passes)
+        assert (W.max_rel_diff(default[-1], want[-1]) > 1e-4) == in_hook
+
+
+def test_hyperparameter_attributes_are_current_values():
+    precond = KFAC(W.make_model("mlp"), lr=lambda s: 0.1 / (s + 1), damping=0.002,
+                   inv_update_steps=lambda s: 1 + s)
+    precond.steps = 3
+    assert precond.lr == pytest.approx(0.025) and precond.damping == 0.002
+    assert precond.inv_update_steps == 4 == precond.inv_update_freq
+    precond.factor_update_steps = 5
+    assert precond.factor_update_freq == 5
+
+
+def test_memory_usage_and_reset_batch():
+    model = W.make_model("mlp")
+    precond = KFAC(model, **ARGS)
+    x, y = W.batch("mlp", 0, 1)
+    W.loss_fn(model(x), y).backward()
+    sizes = precond.memory_usage()
+    assert sizes["a_batch"] == 8 * (11 * 11 + 16 * 16 + 13 * 13)   # float64, fc1..fc3 (+bias)
+    assert sizes["a_factors"] == sizes["a_inverses"] == 0
+    precond.reset_batch()
+    assert precond.memory_usage()["a_batch"] == 0
+    precond.step()                               # nothing recorded: factors stay unset
+    assert all(s.a is None for s in precond.layers)
+    W.loss_fn(model(x), y).backward()
+    precond.step()
+    sizes = precond.memory_usage()
+    assert sizes["a_factors"] == 8 * (11 * 11 + 16 * 16 + 13 * 13)
+    assert sizes["g_inverses"] == 8 * (16 * 17 + 12 * 13 + 4 * 5)   # Q and d of each G
+    assert sizes["total"] == sum(v for k, v in sizes.items() if k != "total")
+
+
+def test_factor_and_inverse_dtypes():
+    got, precond = _run("mlp", 4, lambda m: KFAC(m, **ARGS, inv_update_freq=2,
+                                                factor_dtype=torch.float32,
+                                                inv_dtype=torch.float32))
+    s = precond.layers[0]
+    assert s.a.dtype == torch.float32 and s.g_dec.q.dtype == torch.float32
+    _same(got, _reference("mlp", 4, **ARGS, inv_update_freq=2), tol=1e-4)   # float32 rounding
+
+
+def test_kfac_preconditioner_has_kfac_pytorchs_defaults():
+    precond = KFACPreconditioner(W.make_model("mlp"))
+    assert (precond.inv_update_steps, precond.factor_update_steps) == (1, 1)
+    assert precond.settings.inv_dtype == torch.float32 and precond.settings.colocate
+    assert precond.settings.accumulation_steps == 1 and not precond.symmetric
+    assert precond.strategy is Strategy.COMM_OPT
+    assert precond.settings.assignment is AssignmentStrategy.COMPUTE
+    got, _ = _run("mlp", 4, lambda m: KFACPreconditioner(m, inv_dtype=torch.float64))
+    _same(got, _reference("mlp", 4, damping=0.001, factor_decay=0.95, kl_clip=0.001, lr=0.1,
+                          inv_update_freq=1))
+
+
+def test_grad_worker_fraction_on_one_rank_and_bad_values():
+    model = W.make_model("mlp")
+    for fraction in (1, 0.5, 0, DistributedStrategy.MEM_OPT, "hybrid_opt"):
+        assert KFAC(model, grad_worker_fraction=fraction).strategy is Strategy.COMM_OPT
+    with pytest.raises(ValueError, match="grad_worker_fraction must be in"):
+        KFAC(model, grad_worker_fraction=1.5)
+    with pytest.raises(ValueError, match="pass one of them"):
+        KFAC(model, strategy="pad", grad_worker_fraction=1)
