@@ -162,3 +162,39 @@ def test_horovods_loop_with_a_scaler_needs_grad_scaler():
         assert all(torch.equal(before[k], after[k]) for k in before)
     finally:
         dear.shutdown()
+
+
+def _rank_dear_amp(strategy: str) -> tuple[dict, int]:
+    dear.init()
+    try:
+        world, rank = dear.size(), dear.rank()
+        model = W.make_model("mlp")
+        opt = dear.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                        model=model)
+        scaler = _scaler(1)
+        precond = KFAC(model, strategy=strategy, **ARGS)
+        for step in range(STEPS):
+            x, y = W.batch("mlp", step, world, rank)
+            opt.zero_grad()
+            scaler.scale(W.loss_fn(model(x), y)).backward()
+            precond.step()
+            scaler.step(opt)
+            scaler.update()
+        opt.flush_updates()
+        return W.params_of(model), precond.overlapped_steps
+    finally:
+        dear.shutdown()
+
+
+@pytest.mark.parametrize("strategy", ["comm-opt", "pad"])
+def test_two_ranks_pick_the_scale_up(strategy):
+    """comm-opt: the eigenbasis path on shards (KL sums gathered across ranks); pad: owners
+    precondition .grad after synchronize(); both with a scale that doubles every step."""
+    from tests.distributed import run_distributed
+    results = run_distributed(_rank_dear_amp, 2, strategy, timeout=180)
+    want = W.reference_params("mlp", 2, STEPS, **ARGS)
+    for params, overlapped in results:
+        assert overlapped == (STEPS // 2 if strategy == "comm-opt" else 0)
+        assert W.max_rel_diff({k: params[k] - want[0][k] for k in params},
+                              {k: want[STEPS][k] - want[0][k] for k in params}) < TOL
+    assert all(torch.equal(results[0][0][k], results[1][0][k]) for k in results[0][0])

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 
-import pytest
 import torch
 import torch.distributed as dist
 

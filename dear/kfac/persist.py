@@ -3,13 +3,49 @@ detached from the live state (so a later step cannot change a saved checkpoint).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
 
 from .enums import ComputeMethod
 from .linalg import Decomposition
 from .state import LayerState
+
+if TYPE_CHECKING:
+    from .preconditioner import KFAC
+
+
+def save(kfac: KFAC, include_factors: bool) -> dict[str, Any]:
+    out: dict[str, Any] = {"steps": kfac.steps, "method": kfac.method.value,
+                           "decomposition_damping": kfac._dec_damping}
+    if include_factors:
+        out["layers"] = {s.name: layer_state(s) for s in kfac.layers}
+    return out
+
+
+def load(kfac: KFAC, state: dict[str, Any]) -> None:
+    if "steps" not in state:
+        raise ValueError("dear.KFAC.load_state_dict: not a KFAC state_dict (no 'steps')")
+    names = {s.name: s for s in kfac.layers}
+    unknown = sorted(set(state.get("layers", {})) - set(names))
+    if unknown:
+        raise ValueError(f"dear.KFAC.load_state_dict: the checkpoint has layers this model "
+                         f"lacks: {unknown}")
+    same_method = state.get("method") == kfac.method.value
+    kfac.steps = int(state["steps"])
+    kfac._step_cache = (-1, False, 0.0)
+    kfac._dec_damping = state.get("decomposition_damping")
+    for name, saved in state.get("layers", {}).items():
+        s = names[name]
+        s.a, s.g = clone(saved.get("A")), clone(saved.get("G"))
+        s.a_dec = decomposition(saved.get("A_dec"), kfac.method) if same_method else None
+        s.g_dec = decomposition(saved.get("G_dec"), kfac.method) if same_method else None
+    # Decompositions missing where factors exist are recomputed at the next step, by every
+    # rank's plan (all ranks load the same checkpoint, so they agree); so is a checkpoint that
+    # does not say with which damping they were made.
+    kfac._force_decompose = "layers" not in state or not same_method or any(
+        (s.a is not None and s.a_dec is None) for s in kfac.layers) or (
+        kfac._dec_damping is None and kfac.steps > 0)
 
 
 def clone(t: Tensor | None) -> Tensor | None:

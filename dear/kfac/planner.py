@@ -169,3 +169,17 @@ def make_plan(strategy: Strategy, inputs: PlanInputs) -> Plan:
     if strategy is Strategy.AUTO:
         strategy = min(candidates, key=lambda s: (candidates[s][1], s.value))
     return dataclasses.replace(candidates[strategy][0], estimates=estimates)
+
+
+def describe(plan: Plan, auto: bool, network: NetworkModel, measured: bool, cost: CostModel,
+             calibrated: bool) -> str:
+    """The plan, the estimates and the measurements behind an `auto` choice, for the log."""
+    estimates = ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in sorted(plan.estimates.items()))
+    return (f"strategy {plan.strategy.value}{' (auto)' if auto else ''}; estimated per "
+            f"iteration: {estimates or 'not estimated'}; network alpha {network.alpha:.3g} s, "
+            f"beta {network.beta:.3g} s/byte ({'measured' if measured else 'given'}); "
+            f"decomposition c0 + c3 d^3 with eigen ({cost.eigen[0]:.3g}, {cost.eigen[1]:.3g}), "
+            f"inverse ({cost.inverse[0]:.3g}, {cost.inverse[1]:.3g}), matmul {cost.flop_s:.3g} "
+            f"s/flop ({'calibrated on rank 0' if calibrated else 'given'}); owners "
+            f"{list(plan.layer_owner)}"
+            + (f"; pin this choice with strategy={plan.strategy.value!r}" if auto else ""))

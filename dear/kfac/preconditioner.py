@@ -14,7 +14,10 @@ Life of one step (read top to bottom):
 With dear.DistributedOptimizer, steps that keep the decompositions precondition its reduced shards
 in the eigenbasis instead (dear/kfac/overlap.py); the others call its synchronize() first.
 The first step also learns the execution order and how often each layer runs per step, then
-makes the plan on rank 0 (broadcast): until then nothing is pipelined.
+makes the plan on rank 0 (broadcast): until then nothing is pipelined. Under a GradScaler, G
+comes from unscaled output gradients and the KL clip from unscaled ones (dear/kfac/scaling.py);
+who decomposes and preconditions what is dear/kfac/distribute.py; kfac-pytorch's argument names
+are translated in dear/kfac/settings.py.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from . import persist
 from .comm import Transport, measure_network
 from .costs import CostModel, NetworkModel, calibrate
 from .distribute import Distribution
@@ -35,8 +39,7 @@ from .exchange import FactorExchange
 from .options import (ALIASES, NAMES, Hyper, Hyperparameters, check, find_layers, resolve,
                       value_at)
 from .overlap import DearLink
-from .persist import clone, decomposition, layer_state
-from .planner import LayerShape, Plan, PlanInputs, make_plan
+from .planner import LayerShape, Plan, PlanInputs, describe, make_plan
 from .scaling import LossScale
 from .settings import one_of, settings
 from .state import LayerState
@@ -109,8 +112,7 @@ class KFAC:
         for s in self.layers:
             log.log(loglevel, "dear.KFAC: registered %s: %r", s.name, s.layer)
         self.symmetric, self.redundancy = self.settings.symmetric, self.settings.redundancy
-        # accumulation_steps folds passes into updates in the hooks; those are sent at step()
-        self.pipeline = self.settings.pipeline and self.settings.accumulation_steps is None
+        self.pipeline = self.settings.pipeline
         self._cap_bytes = self.settings.bucket_cap_bytes
         self.steps = 0
         distributed = self.size > 1
@@ -189,10 +191,10 @@ class KFAC:
             return
         if self.plan is None and state.index not in self._order:
             self._order.append(state.index)
-        calls = state.add_a(state.layer.batch_a(inputs[0], state.dtype))
-        if calls == self.settings.accumulation_steps:
+        if state.add_a(state.layer.batch_a(inputs[0], state.dtype)) == \
+                self.settings.accumulation_steps:
             state.fold_chunk("A", decay)
-        self._maybe_send("A", state, calls, state.a_expected)
+        self._maybe_send("A", state, state.a_passes, state.a_expected)
         if isinstance(output, Tensor) and output.requires_grad:
             output.register_hook(functools.partial(self._on_grad_output, state))
 
@@ -203,17 +205,24 @@ class KFAC:
                 grad = grad.to(state.dtype) / scale
         else:                                # unscaled at step() (dear/kfac/scaling.py)
             self._raw_g = True
-        calls = state.add_g(state.layer.batch_g(grad, state.dtype))
-        if calls == self.settings.accumulation_steps:
+        if state.add_g(state.layer.batch_g(grad, state.dtype)) == \
+                self.settings.accumulation_steps:
             state.fold_chunk("G", self._factor_step()[1])
-        self._maybe_send("G", state, calls, state.g_expected)
+        self._maybe_send("G", state, state.g_passes, state.g_expected)
 
     def _maybe_send(self, which: str, state: LayerState, calls: int, expected: int) -> None:
+        """Pipelining (SPD): send a layer's factor from the hook of its last pass of the step
+        (as many passes as in the first step)."""
         if self._factors is None or not self.pipeline or expected == 0:
             return
         if calls == expected:
-            batch = state.batch_a() if which == "A" else state.batch_g()
-            self._factors.put(which, state.index, batch)  # type: ignore[arg-type]
+            if self.settings.accumulation_steps is None:
+                batch = state.batch_a() if which == "A" else state.batch_g()
+            else:                            # this step's whole updates (leftovers wait)
+                folded = state.folded(which, self._factor_step()[1])
+                batch = None if folded is None else folded[0]
+            if batch is not None:
+                self._factors.put(which, state.index, batch)
         elif calls > expected:
             raise RuntimeError(
                 f"dear.KFAC: layer {state.name} produced its {which} factor {calls} times in "
@@ -315,7 +324,9 @@ class KFAC:
                 self._cost, self._network, self.symmetric, self.redundancy,
                 self.layers[0].dtype.itemsize, self.settings.assignment, self.settings.colocate,
                 self.settings.grad_workers))
-            self._log_plan(plan)
+            log.info("dear.KFAC: %s", describe(
+                plan, self.strategy is Strategy.AUTO, self._network, self._network_measured,
+                self._cost, self._cost_calibrated))
         plan = self._transport.broadcast_object(plan, 0)      # rank 0 decides for everyone
         back = {layer: k for k, layer in enumerate(plan_order)}   # positions -> layer indices
         pick = lambda owners: tuple(owners[back[i]] for i in range(len(self.layers)))
@@ -323,29 +334,14 @@ class KFAC:
                          pick(plan.layer_owner), plan.reduce_to_owner, plan.estimates,
                          plan.columns)
         self._order = order
-        for s in self.layers:                                 # calls per step, for pipelining
-            s.a_expected, s.g_expected = s.a_calls, s.g_calls
+        for s in self.layers:                                 # passes per step, for pipelining
+            s.a_expected, s.g_expected = s.a_passes, s.g_passes
         if self.size > 1:
             self._factors = FactorExchange(self.layers, self._order, self.plan, self._transport,
                                            self.symmetric, max(1, self._cap_bytes //
                                                                self.layers[0].dtype.itemsize))
         self._dist = Distribution(self.layers, self._order, self.plan, self._transport,
                                   self.method, self._cap_bytes)
-
-    def _log_plan(self, plan: Plan) -> None:
-        """Rank 0: the strategy, the estimates and the measurements behind an `auto` choice."""
-        estimates = ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in sorted(plan.estimates.items()))
-        net, cost = self._network, self._cost
-        log.info(
-            "dear.KFAC: strategy %s%s; estimated per iteration: %s; network alpha %.3g s, "
-            "beta %.3g s/byte (%s); decomposition c0 + c3 d^3 with eigen (%.3g, %.3g), inverse "
-            "(%.3g, %.3g), matmul %.3g s/flop (%s); owners %s%s", plan.strategy.value,
-            " (auto)" if self.strategy is Strategy.AUTO else "", estimates or "not estimated",
-            net.alpha, net.beta, "measured" if self._network_measured else "given",
-            *cost.eigen, *cost.inverse, cost.flop_s,
-            "calibrated on rank 0" if self._cost_calibrated else "given",
-            list(plan.layer_owner), f"; pin this choice with strategy={plan.strategy.value!r}"
-            if self.strategy is Strategy.AUTO else "")
 
     def _update_factors(self, decay: float) -> None:
         accumulate = self.settings.accumulation_steps is not None
@@ -369,7 +365,7 @@ class KFAC:
             self.layers[i].update(which, factor, batches[(which, i)][1])
         for s in self.layers:
             if s.a_expected == 0 and s.g_expected == 0:   # first factor step it ran in
-                s.a_expected, s.g_expected = s.a_calls, s.g_calls
+                s.a_expected, s.g_expected = s.a_passes, s.g_passes
             s.clear_batch(keep_partial=accumulate)
 
     # ------------------------------------------------------------------ checkpoints
@@ -377,36 +373,12 @@ class KFAC:
         """The step counter and, with include_factors, the running factors and decompositions
         this rank holds (under mem-opt, hybrid-opt and pad only some ranks hold a layer's
         decomposition, under pad also its factors: save every rank's state_dict to resume)."""
-        out: dict[str, Any] = {"steps": self.steps, "method": self.method.value,
-                               "decomposition_damping": self._dec_damping}
-        if include_factors:
-            out["layers"] = {s.name: layer_state(s) for s in self.layers}
-        return out
+        return persist.save(self, include_factors)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if "steps" not in state:
-            raise ValueError("dear.KFAC.load_state_dict: not a KFAC state_dict (no 'steps')")
-        names = {s.name: s for s in self.layers}
-        unknown = sorted(set(state.get("layers", {})) - set(names))
-        if unknown:
-            raise ValueError(f"dear.KFAC.load_state_dict: the checkpoint has layers this model "
-                             f"lacks: {unknown}")
-        same_method = state.get("method") == self.method.value
-        self.steps = int(state["steps"])
-        self._step_cache = (-1, False, 0.0)
-        self._dec_damping = state.get("decomposition_damping")
-        for name, saved in state.get("layers", {}).items():
-            s = names[name]
-            s.a, s.g = clone(saved.get("A")), clone(saved.get("G"))
-            s.a_dec = decomposition(saved.get("A_dec"), self.method) if same_method else None
-            s.g_dec = decomposition(saved.get("G_dec"), self.method) if same_method else None
-        # Decompositions missing where factors exist are recomputed at the next step, by every
-        # rank's plan (all ranks load the same checkpoint, so they agree).
+        persist.load(self, state)
         if self._link is not None:          # the armed eigenbases are no longer ours
             self._link.disarm()
-        self._force_decompose = "layers" not in state or not same_method or any(
-            (s.a is not None and s.a_dec is None) for s in self.layers) or (
-            self._dec_damping is None and self.steps > 0)
 
     def remove_hooks(self) -> None:
         for hook in self._hooks:

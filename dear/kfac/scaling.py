@@ -57,10 +57,6 @@ class LossScale:
         self.pending: Callable[[], None] | None = None   # the deferred first step
         self._assumed_unscaled = False    # a first step ran taking the gradients as unscaled
 
-    @property
-    def explicit(self) -> bool:
-        return self._explicit is not None
-
     def known(self) -> bool:
         """Whether the scale of this iteration is known (explicit, or a dear step was seen)."""
         return self._explicit is not None or self.stepped

@@ -27,6 +27,8 @@ class LayerState:
         self.g_sum: Tensor | None = None
         self.a_calls = 0                     # passes in a_sum
         self.g_calls = 0
+        self.a_passes = 0                    # passes this step (pipelining counts these)
+        self.g_passes = 0
         self.a_expected = 0                     # calls per step seen in the first factor step
         self.g_expected = 0
         # accumulation_steps=k (kfac-pytorch): every k passes are one running-average update;
@@ -46,11 +48,13 @@ class LayerState:
     def add_a(self, factor: Tensor) -> int:
         self.a_sum = factor if self.a_sum is None else self.a_sum + factor
         self.a_calls += 1
+        self.a_passes += 1
         return self.a_calls
 
     def add_g(self, factor: Tensor) -> int:
         self.g_sum = factor if self.g_sum is None else self.g_sum + factor
         self.g_calls += 1
+        self.g_passes += 1
         return self.g_calls
 
     def batch_a(self) -> Tensor | None:
@@ -88,6 +92,7 @@ class LayerState:
         if not keep_partial:
             self.a_sum = self.g_sum = None
             self.a_calls = self.g_calls = 0
+        self.a_passes = self.g_passes = 0
         self.fold = {}
 
     # ------------------------------------------------------------------ running factors
