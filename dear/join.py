@@ -25,7 +25,10 @@ averaged update it receives, so its optimizer state (momentum, Adam's moments, s
 stays equal to the active ranks'; at the end every rank takes the parameters and buffers of the
 highest rank among the last to join (DDP: the "last joiner"), which also undoes any difference
 in hyperparameters (an LR scheduler that only the active ranks stepped). Buffers are broadcast
-from the highest active rank in each iteration (DDP's choice under Join).
+from the highest active rank in each iteration (DDP's choice under Join); dear broadcasts in
+step() from the ranks active in that iteration, DDP before the next forward from those active
+in the next one, so they differ only after the highest active rank joins: under DDP the next
+highest keeps its own buffers for its next forward, under dear it starts from the joined rank's.
 
 Not shadowed (refused when used inside the context, on every rank at the same step):
 GradScaler (`scaler.step(optimizer)`); dear.KFAC is not supported inside it.

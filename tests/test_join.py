@@ -61,6 +61,22 @@ def _ranks(batches: list[int]) -> dict:
     _loop(model, opt, model, 3)
     opt.flush_updates()
     out["even-no-join"] = state_of(model)
+    if len(batches) == 2:                      # BatchNorm: buffers from the highest active rank
+        from tests.test_buffers import BNNet, _data
+        for kind in ("ddp-bn", "dear-bn"):
+            torch.manual_seed(0)
+            model = BNNet()
+            opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+            net = torch.nn.parallel.DistributedDataParallel(model) if kind == "ddp-bn" else model
+            if kind == "dear-bn":
+                opt = dear.DistributedOptimizer(opt, model=model, fusion_threshold=1024)
+            with (Join([net]) if kind == "ddp-bn" else dear.join(opt)):
+                for step in range(n):
+                    opt.zero_grad()
+                    x, y = _data(step, dear.rank())
+                    F.mse_loss(net(x), y).backward()
+                    opt.step()
+            out[kind] = state_of(model)
     dear.shutdown()
     return out
 
@@ -89,5 +105,14 @@ def test_uneven_inputs_end_where_ddp_join_ends(world: int) -> None:
             assert torch.equal(a, b)
         assert max_diff(res["dear-clip"], ranks[0]["dear-clip"]) == 0.0
         assert torch.equal(res["even"]["fc1.weight"], res["even-no-join"]["fc1.weight"])
+    if world == 2:
+        for res in ranks:                      # the highest rank is active throughout here
+            assert max_diff(res["dear-bn"], ranks[0]["dear-bn"]) == 0.0
+            for name, value in res["ddp-bn"].items():
+                if value.is_floating_point():
+                    scale = value.abs().max().item()
+                    assert (res["dear-bn"][name] - value).abs().max() <= 1e-5 * scale, name
+                else:
+                    assert torch.equal(res["dear-bn"][name], value), name
     # The uneven loop really trained beyond the shortest rank's batches.
     assert max_diff(ranks[0]["dear"], make_net().state_dict()) > 0
