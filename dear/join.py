@@ -68,7 +68,9 @@ class join:  # noqa: N801 (used like a function: `with dear.join(optimizer):`)
         if not self._enabled:
             return self
         self._hooks = [
-            self._model.register_forward_pre_hook(self._on_forward, prepend=True),
+            # Eager even under torch.compile: the hook issues a collective.
+            self._model.register_forward_pre_hook(torch.compiler.disable(self._on_forward),
+                                                  prepend=True),
             self._opt.register_step_pre_hook(self._on_step),
             self._opt.register_step_post_hook(self._rearm),
         ]
