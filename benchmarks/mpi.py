@@ -174,70 +174,92 @@ def collectives(args: argparse.Namespace, gloo: Any, mpi: Any) -> dict[str, Any]
 
 
 def training(args: argparse.Namespace) -> dict[str, Any]:
-    import torch
     import torch.distributed as dist
 
-    import dear
     from benchmarks import models as bench_models
     knobs: dict[str, Any] = {"batch_size": args.batch}
     if args.image_size:
         knobs["image_size"] = args.image_size
     w = bench_models.build(args.model, **knobs)
     out: dict[str, Any] = {}
-    for backend in args.backends.split(","):
-        dear.init(backend=backend, timeout=600)
-        torch.manual_seed(0)
-        model = w.make_model()
-        opt = dear.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01,
-                                                        momentum=0.9),
-                                        named_parameters=model.named_parameters(), model=model)
-        rank = dear.rank()
-        times, losses = [], []
-        trace_dir = tempfile.mkdtemp(prefix=f"dear-mpi-trace-{backend}-")
-        total = args.warmup + args.iters
-        tracer = None
-        for step in range(total + args.trace):
-            x, y = w.make_batch(torch.Generator().manual_seed(1000 * step + rank))
-            if step == args.warmup:
-                dist.barrier()
-            if step == total and args.trace:
-                tracer = dear.diagnose.trace(model, opt, out=trace_dir,
-                                             iterations=range(0, args.trace))
-                tracer.__enter__()
-            start = time.perf_counter()
-            opt.zero_grad()
-            loss = w.loss(model(x), y)
-            loss.backward()
-            opt.step()
-            if step < total:
-                times.append(time.perf_counter() - start)
-            losses.append(float(loss.detach()))
-        opt.synchronize()
-        if tracer is not None:
-            tracer.__exit__(None, None, None)
-        t = torch.tensor(times[args.warmup:], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        entry: dict[str, Any] = {"name": dear.runtime.communicator().name,
-                                 "median_s": statistics.median(t.tolist()),
-                                 "times": t.tolist(), "losses": losses}
-        dist.barrier()
-        if rank == 0 and args.trace:
-            rep = dear.diagnose.build_report(trace_dir)
-            its = rep.iterations()
-            entry["trace"] = {"dir": trace_dir,
-                              "comm_s": statistics.median(i.comm for i in its),
-                              "exposed_s": statistics.median(i.exposed for i in its),
-                              "compute_s": statistics.median(i.compute for i in its),
-                              "overlap": statistics.median(i.overlap or 0.0 for i in its)}
-        out[backend] = entry
-        if rank == 0:
-            tr = entry.get("trace", {})
-            print(f"mpi: train {backend} ({entry['name']}) {entry['median_s']:.3f} s/iter"
-                  + (f", traced overlap {tr['overlap']:.2f} (comm {tr['comm_s']:.3f} s, "
-                     f"exposed {tr['exposed_s']:.3f} s)" if tr else ""), flush=True)
-        del opt, model
-        dear.shutdown()
+    backends = args.backends.split(",")
+    for rnd in range(args.rounds):
+        # Backends interleaved, the order rotated each round: drift on a shared machine hits
+        # every backend alike.
+        order = backends[rnd % len(backends):] + backends[:rnd % len(backends)]
+        for backend in order:
+            last = rnd == args.rounds - 1
+            entry = _train_once(args, w, backend, trace=args.trace if last else 0)
+            acc = out.setdefault(backend, {"name": entry["name"], "round_medians_s": [],
+                                           "times": [], "losses": entry["losses"]})
+            acc["round_medians_s"].append(entry["median_s"])
+            acc["times"].append(entry["times"])
+            if "trace" in entry:
+                acc["trace"] = entry["trace"]
+            if dist.get_rank() == 0:
+                tr = entry.get("trace", {})
+                print(f"mpi: round {rnd} train {backend} ({entry['name']}) "
+                      f"{entry['median_s']:.3f} s/iter"
+                      + (f", traced overlap {tr['overlap']:.2f} (comm {tr['comm_s']:.3f} s, "
+                         f"exposed {tr['exposed_s']:.3f} s, compute {tr['compute_s']:.3f} s)"
+                         if tr else ""), flush=True)
+    for backend, acc in out.items():
+        acc["median_s"] = statistics.median(acc["round_medians_s"])
+    if "torch" in out and "mpi" in out:
+        out["mpi_over_torch_per_round"] = [m / t for m, t in zip(out["mpi"]["round_medians_s"],
+                                                                   out["torch"]["round_medians_s"])]
     return out
+
+
+def _train_once(args: argparse.Namespace, w: Any, backend: str, trace: int) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    import dear
+    dear.init(backend=backend, timeout=600)
+    torch.manual_seed(0)
+    model = w.make_model()
+    opt = dear.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
+                                    named_parameters=model.named_parameters(), model=model)
+    rank = dear.rank()
+    times, losses = [], []
+    trace_dir = tempfile.mkdtemp(prefix=f"dear-mpi-trace-{backend}-")
+    total = args.warmup + args.iters
+    tracer = None
+    for step in range(total + trace):
+        x, y = w.make_batch(torch.Generator().manual_seed(1000 * step + rank))
+        if step == args.warmup:
+            dist.barrier()
+        if step == total and trace:
+            tracer = dear.diagnose.trace(model, opt, out=trace_dir, iterations=range(0, trace))
+            tracer.__enter__()
+        start = time.perf_counter()
+        opt.zero_grad()
+        loss = w.loss(model(x), y)
+        loss.backward()
+        opt.step()
+        if step < total:
+            times.append(time.perf_counter() - start)
+        losses.append(float(loss.detach()))
+    opt.synchronize()
+    if tracer is not None:
+        tracer.__exit__(None, None, None)
+    t = torch.tensor(times[args.warmup:], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)                 # the slowest rank's iterations
+    entry: dict[str, Any] = {"name": dear.runtime.communicator().name,
+                             "median_s": statistics.median(t.tolist()), "times": t.tolist(),
+                             "losses": losses}
+    dist.barrier()
+    if rank == 0 and trace:
+        its = dear.diagnose.build_report(trace_dir).iterations()
+        entry["trace"] = {"dir": trace_dir,
+                          "comm_s": statistics.median(i.comm for i in its),
+                          "exposed_s": statistics.median(i.exposed for i in its),
+                          "compute_s": statistics.median(i.compute for i in its),
+                          "overlap": statistics.median(i.overlap or 0.0 for i in its)}
+    del opt, model
+    dear.shutdown()
+    return entry
 
 
 def rank_main(args: argparse.Namespace) -> int:
@@ -289,17 +311,24 @@ def _write(args: argparse.Namespace, data: dict[str, Any]) -> None:
     table = results.markdown_table(
         ["size", *(f"{m} (s)" for m in METHODS), "gloo rs/ar", "gloo ag/ar", "mpi rs/ar",
          "mpi ag/ar"], rows) if rows else ""
-    train = data.get("training", {})
+    train = {k: v for k, v in data.get("training", {}).items() if isinstance(v, dict)}
     if train:
-        trows = [[b, e["name"], e["median_s"], e.get("trace", {}).get("overlap", ""),
-                  e.get("trace", {}).get("comm_s", ""), e.get("trace", {}).get("exposed_s", ""),
+        trows = [[b, e["name"], e["median_s"], " ".join(f"{x:.3f}" for x in e["round_medians_s"]),
+                  e.get("trace", {}).get("overlap", ""), e.get("trace", {}).get("comm_s", ""),
+                  e.get("trace", {}).get("exposed_s", ""), e.get("trace", {}).get("compute_s", ""),
                   e["losses"][-1]] for b, e in train.items()]
+        ratios = data["training"].get("mpi_over_torch_per_round")
         table += ("\n\nTraining, " + f"{args.model} batch {args.batch}"
                   + (f" image {args.image_size}" if args.image_size else "")
-                  + f", {args.iters} timed iterations (slowest rank, median):\n\n"
-                  + results.markdown_table(["backend", "communicator", "s/iter",
-                                            "traced overlap", "traced comm (s)",
-                                            "traced exposed comm (s)", "last loss"], trows))
+                  + f", {args.iters} timed iterations per round (slowest rank), {args.rounds} "
+                  "rounds, backends interleaved:\n\n"
+                  + results.markdown_table(["backend", "communicator", "s/iter (median of rounds)",
+                                            "per round", "traced overlap", "traced comm (s)",
+                                            "traced exposed comm (s)", "traced compute (s)",
+                                            "last loss"], trows))
+        if ratios:
+            table += ("\n\nmpi / torch per round: " + ", ".join(f"{r:.3f}" for r in ratios)
+                      + f" (median {statistics.median(ratios):.3f})")
     notes = (f"{args.nproc} ranks, {link}, {data['mpi']}; MPI progress: {args.progress}. "
              "Ratios: median over repeats of each repeat's ratio to the all-reduce of the same "
              "library. Overlap (dear.diagnose): hidden / total communication time of the traced "
@@ -325,6 +354,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=8, help="0: no training run")
     p.add_argument("--trace", type=int, default=4, help="iterations traced by dear.diagnose")
     p.add_argument("--backends", default="torch,mpi")
+    p.add_argument("--rounds", type=int, default=3, help="training rounds, backends interleaved")
     p.add_argument("--progress", default="thread", choices=("thread", "none"))
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--name", default="mpi")

@@ -146,6 +146,7 @@ def _clip_bound(steps: int, clip: float, n: int) -> float:
 
 CASES = {
     "accumulate-scheduler": {"accumulate": 2, "sched": True},
+    "accumulate-short-group": {"accumulate": 3},  # 4 batches an epoch: groups of 3, then 1
     "bf16-validation": {"precision": "bf16-mixed", "val_every": 0.5},
     "clip": {"clip": 0.05},                      # small enough that every step is clipped
     "gradscaler-clip": {"scaler": True, "clip": 1.0},
@@ -165,7 +166,8 @@ def ddp_vs_dear() -> dict[str, list[dict[str, Any]]]:
     return by_case
 
 
-@pytest.mark.parametrize("case", ["accumulate-scheduler", "bf16-validation"])
+@pytest.mark.parametrize("case", ["accumulate-scheduler", "accumulate-short-group",
+                                  "bf16-validation"])
 def test_dear_equals_ddp(ddp_vs_dear: dict[str, Any], case: str) -> None:
     ddp, dear_ = ddp_vs_dear[f"{case}/ddp"], ddp_vs_dear[f"{case}/dear"]
     for outcome in (ddp, dear_):

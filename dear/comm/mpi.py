@@ -182,11 +182,13 @@ class MPICommunicator(Communicator):
         return request
 
     def _progress_loop(self) -> None:
-        """Drive MPI: test what is in flight, mark what completed, sleep a little; block on the
-        condition when nothing is in flight."""
+        """Drive MPI in the background: test what is in flight, mark what completed, sleep a
+        little; block on the condition when nothing is in flight."""
         MPI = self._MPI
         while True:
             with self._cond:
+                # A waiter may have completed a request itself (see _wait).
+                self._pending = [w for w in self._pending if not w.event.is_set()]
                 while not self._pending and not self._stop:
                     self._cond.wait()
                 if self._stop:
@@ -200,33 +202,30 @@ class MPICommunicator(Communicator):
                 for w in works:
                     w.event.set()
                 return
+            for i in done or ():
+                works[i].event.set()
             if done:
-                finished = {id(works[i]) for i in done}
-                with self._cond:
-                    self._pending = [w for w in self._pending if id(w) not in finished]
-                for i in done:
-                    works[i].event.set()
                 continue                         # test again at once: more may be ready
             time.sleep(self._interval)
 
     def _wait(self, work: MPIRequest) -> None:
+        """Until the request completes: the waiting thread drives MPI itself (MPI_Test, backing
+        off from 20 us to 1 ms), since it has nothing else to do; the progress thread may
+        complete it too. At most DEAR_TIMEOUT seconds."""
         deadline = time.monotonic() + self._timeout
-        if self._thread is not None:
-            while not work.event.wait(min(1.0, max(0.0, deadline - time.monotonic()))):
-                if time.monotonic() >= deadline:
-                    self._fail(work)
-            self._check()
-            return
-        delay = 1e-5
-        while True:
+        delay = 2e-5
+        while not work.event.is_set():
             self._check()
             with self._lock:
-                if work.request.Test():
-                    return
+                if not work.event.is_set() and work.request.Test():
+                    work.event.set()
+            if work.event.is_set():
+                break
             if time.monotonic() >= deadline:
                 self._fail(work)
-            time.sleep(delay)
+            work.event.wait(delay)
             delay = min(2 * delay, 1e-3)
+        self._check()
 
     def _fail(self, work: MPIRequest) -> None:
         self._broken = f"{work.what} did not complete within {self._timeout:g} s"
