@@ -174,6 +174,12 @@ def test_factor_and_inverse_dtypes():
     s = precond.layers[0]
     assert s.a.dtype == torch.float32 and s.g_dec.q.dtype == torch.float32
     _same(got, _reference("mlp", 4, **ARGS, inv_update_freq=2), tol=1e-4)   # float32 rounding
+    # half-precision factors (kfac-pytorch's factor_dtype) are decomposed in float32
+    got, precond = _run("mlp", 4, lambda m: KFAC(m, **ARGS, inv_update_freq=2,
+                                                factor_dtype=torch.bfloat16))
+    s = precond.layers[0]
+    assert s.a.dtype == torch.bfloat16 and s.g_dec.q.dtype == torch.float32
+    _same(got, _reference("mlp", 4, **ARGS, inv_update_freq=2), tol=0.1)    # bf16: 3 digits
 
 
 def test_kfac_preconditioner_has_kfac_pytorchs_defaults():

@@ -51,6 +51,8 @@ def decompose(factor: Tensor, method: ComputeMethod, damping: float,
     """The decomposition of one (running-average) factor, stored in `dtype` (default: the
     factor's; kfac-pytorch's inv_dtype). Raises DecompositionError rather than returning
     something non-finite."""
+    if factor.dtype.itemsize < 4:            # half precision: decomposed in float32
+        factor = factor.float()
     result = _decompose(factor, method, damping, diagonal)
     out = dtype or factor.dtype
     return Decomposition(method, *(None if t is None else t.to(out).contiguous()

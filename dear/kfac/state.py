@@ -21,7 +21,9 @@ class LayerState:
         self.index = index
         self.layer = layer
         self.dtype = dtype or factor_dtype(layer.weight)      # kfac-pytorch's factor_dtype
-        self.inv_dtype = inv_dtype or self.dtype             # kfac-pytorch's inv_dtype
+        # kfac-pytorch's inv_dtype; by default the factors' (at least float32: eigh and inv
+        # have no half-precision kernels)
+        self.inv_dtype = inv_dtype or (self.dtype if self.dtype.itemsize >= 4 else torch.float32)
         self.device = layer.weight.device
         self.a_sum: Tensor | None = None     # sum of the batch factors since the last update
         self.g_sum: Tensor | None = None
