@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dear.kfac import KFAC, NetworkModel
+from dear.kfac import KFAC, KFACPreconditioner, NetworkModel
 from tests import kfac_workloads as W
 from tests.distributed import run_distributed
 
@@ -32,7 +32,10 @@ def _digest(model: torch.nn.Module) -> str:
 
 def _train(strategy: str, world: int, rank: int) -> str:
     model = W.make_model("mlp", torch.float32)
-    precond = KFAC(model, strategy=strategy, **ARGS)
+    if strategy == "kfac-pytorch":       # its defaults: comm-opt, KAISA's colocated assignment
+        precond = KFACPreconditioner(model, inv_update_steps=3)
+    else:
+        precond = KFAC(model, strategy=strategy, **ARGS)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     for step in range(STEPS):
         x, y = W.batch("mlp", step % 17, world, rank, dtype=torch.float32)
@@ -69,7 +72,8 @@ def _train_dear(world: int, rank: int) -> tuple[str, int]:
 def _rank_main() -> dict:
     dist.init_process_group("gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
-    out: dict = {s: _train(s, world, rank) for s in ("comm-opt", "mem-opt", "pad")}
+    out: dict = {s: _train(s, world, rank) for s in ("comm-opt", "mem-opt", "pad",
+                                                     "kfac-pytorch")}
     out["dear"] = _train_dear(world, rank)
     return out
 
