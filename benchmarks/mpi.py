@@ -23,9 +23,11 @@ figure the slowest rank's time from issue to wait() after a barrier; median of r
 Ratios: each reduce-scatter and all-gather over the all-reduce of its own library (target
 <= 0.55: an ideal one moves half the bytes), as the median of per-repeat ratios.
 
-Training: dear.DistributedOptimizer on backend "torch" and on backend "mpi", same model, data
-and seed, --iters timed iterations after --warmup; then --trace iterations under dear.diagnose
-(its report gives the share of communication hidden behind compute, the overlap ratio).
+Training: dear.DistributedOptimizer on backend "torch", on backend "mpi" and on backend "mpi"
+without its progress thread (DEAR_MPI_PROGRESS=none: MPI moves data only inside wait()), same
+model, data and seed, --iters timed iterations after --warmup, --rounds rounds with the backends
+interleaved; in the last round --trace more iterations under dear.diagnose, whose report gives
+the share of communication hidden behind compute (the overlap ratio).
 """
 
 from __future__ import annotations
@@ -216,7 +218,10 @@ def _train_once(args: argparse.Namespace, w: Any, backend: str, trace: int) -> d
     import torch.distributed as dist
 
     import dear
-    dear.init(backend=backend, timeout=600)
+    if backend == "mpi-noprogress":            # MPI moving data only inside wait()
+        dear.init(backend="mpi", timeout=600, mpi_progress="none")
+    else:
+        dear.init(backend=backend, timeout=600)
     torch.manual_seed(0)
     model = w.make_model()
     opt = dear.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
@@ -353,7 +358,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=8, help="0: no training run")
     p.add_argument("--trace", type=int, default=4, help="iterations traced by dear.diagnose")
-    p.add_argument("--backends", default="torch,mpi")
+    p.add_argument("--backends", default="torch,mpi,mpi-noprogress",
+                   help="dear backends to train with; mpi-noprogress: backend mpi with "
+                        "DEAR_MPI_PROGRESS=none (no progress thread), for comparison")
     p.add_argument("--rounds", type=int, default=3, help="training rounds, backends interleaved")
     p.add_argument("--progress", default="thread", choices=("thread", "none"))
     p.add_argument("--timeout", type=float, default=1800)

@@ -136,6 +136,8 @@ def _conformance() -> None:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     comm = MPICommunicator(timeout=60)
     chk, digests = tc.Checker(), {}
+    if comm.local_rank != comm.rank:             # every rank of the test is on this host
+        chk.errors.append(f"local_rank {comm.local_rank} on rank {comm.rank}")
     tc.check_shards(comm, chk, digests)
     tc.check_in_flight(comm, chk)
     tc.check_others(comm, chk)

@@ -119,6 +119,7 @@ class MPICommunicator(Communicator):
             progress = "none"
         self._comm = (comm if comm is not None else MPI.COMM_WORLD).Dup()
         self._rank, self._size = self._comm.Get_rank(), self._comm.Get_size()
+        self._local_rank = _node_rank(self._comm, MPI)   # a collective: here, on every rank
         self._timeout = timeout
         self._interval = interval
         self.progress = progress
@@ -147,15 +148,7 @@ class MPICommunicator(Communicator):
 
     @property
     def local_rank(self) -> int:
-        try:
-            with self._lock:
-                node = self._comm.Split_type(self._MPI.COMM_TYPE_SHARED)
-                try:
-                    return int(node.Get_rank())
-                finally:
-                    node.Free()
-        except Exception:                        # noqa: BLE001 - an MPI without MPI-3 types
-            return 0
+        return self._local_rank
 
     def check_dtype(self, dtype: torch.dtype) -> None:
         if dtype not in _SUMMABLE and dtype not in _UPCAST:
@@ -342,6 +335,18 @@ class MPICommunicator(Communicator):
             with self._lock:
                 self._comm.Free()
         self._comm = None
+
+
+def _node_rank(comm: Any, MPI: Any) -> int:
+    """This rank's index among the ranks on its host (MPI-3's shared-memory split)."""
+    try:
+        node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    except Exception:                            # noqa: BLE001 - an MPI without MPI-3 types
+        return 0
+    try:
+        return int(node.Get_rank())
+    finally:
+        node.Free()
 
 
 _finalize_skipped = False
