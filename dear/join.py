@@ -30,14 +30,20 @@ step() from the ranks active in that iteration, DDP before the next forward from
 in the next one, so they differ only after the highest active rank joins: under DDP the next
 highest keeps its own buffers for its next forward, under dear it starts from the joined rank's.
 
+Several optimizers (`dear.join([opt_a, opt_b])`, e.g. SparseAdam for embeddings and Adam for
+the rest) are shadowed in list order: list them so that an optimizer whose parameters get their
+gradients earlier in backward comes first (the order their reduce-scatters are issued in; any
+order when at most one of them has dense parameters), and give every rank at least one batch.
+
 Not shadowed (refused when used inside the context, on every rank at the same step):
 GradScaler (`scaler.step(optimizer)`); dear.KFAC is not supported inside it.
 """
 
 from __future__ import annotations
 
+import functools
 from types import TracebackType
-from typing import Any, Optional
+from typing import Any, Optional, Sequence, Union
 
 import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
@@ -46,21 +52,27 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 class join:  # noqa: N801 (used like a function: `with dear.join(optimizer):`)
     """Context manager for loops whose ranks run different numbers of iterations."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer,
+    def __init__(self, optimizer: Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer]],
                  model: Optional[torch.nn.Module] = None, *, enable: bool = True) -> None:
-        if not hasattr(optimizer, "_dear_setup"):
-            raise TypeError("dear.join() takes the optimizer dear.DistributedOptimizer returned")
-        model = model if model is not None else optimizer._model  # type: ignore[attr-defined]
+        """`optimizer`: what dear.DistributedOptimizer returned, or a list of them in the order
+        the loop steps them (e.g. SparseAdam for embeddings, then Adam). `model`: the module
+        whose forward starts an iteration (default: the first optimizer's model=)."""
+        opts = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+        if not opts or not all(hasattr(o, "_dear_setup") for o in opts):
+            raise TypeError("dear.join() takes the optimizer(s) dear.DistributedOptimizer "
+                            "returned")
+        model = model if model is not None else next(
+            (o._model for o in opts if o._model is not None), None)  # type: ignore[attr-defined]
         if model is None:
             raise ValueError("dear.join() needs the model, whose forward starts each iteration: "
                              "pass model= to dear.DistributedOptimizer or to dear.join()")
-        self._opt: Any = optimizer
+        self._opts: list[Any] = opts
         self._model = model
-        self._comm = optimizer._comm  # type: ignore[attr-defined]
+        self._comm = opts[0]._comm  # type: ignore[attr-defined]
         self._enabled = enable and self._comm.size > 1
         self._hooks: list[Any] = []
         self._armed = True                     # the next training forward starts an iteration
-        self._clipped = False                  # this rank's last iteration clipped
+        self._clipped = [False] * len(opts)    # each optimizer clipped in this rank's last step
         self._last_active: list[int] = list(range(self._comm.size))
 
     # ----------------------------------------------------------------- while this rank has data
@@ -71,9 +83,10 @@ class join:  # noqa: N801 (used like a function: `with dear.join(optimizer):`)
             # Eager even under torch.compile: the hook issues a collective.
             self._model.register_forward_pre_hook(torch.compiler.disable(self._on_forward),
                                                   prepend=True),
-            self._opt.register_step_pre_hook(self._on_step),
-            self._opt.register_step_post_hook(self._rearm),
         ]
+        for k, opt in enumerate(self._opts):
+            self._hooks += [opt.register_step_pre_hook(functools.partial(self._on_step, k)),
+                            opt.register_step_post_hook(self._rearm)]
         self._set_buffer_root(self._last_active)
         return self
 
@@ -82,13 +95,13 @@ class join:  # noqa: N801 (used like a function: `with dear.join(optimizer):`)
             self._armed = False
             self._exchange(active=True)
 
-    def _on_step(self, opt: Any, args: Any, kwargs: dict[str, Any]) -> None:
+    def _on_step(self, k: int, opt: Any, args: Any, kwargs: dict[str, Any]) -> None:
         if kwargs.get("grad_scaler") is not None:
             raise NotImplementedError(
                 "GradScaler inside dear.join() is not supported: a rank that has joined cannot "
                 "shadow the scaler's inf check. Train without the scaler (or with bf16 "
                 "autocast) inside dear.join(), or give every rank the same number of batches")
-        self._clipped = bool(opt._reduced)     # optimizer.clip_grad_norm_ ran this iteration
+        self._clipped[k] = bool(opt._reduced)  # optimizer.clip_grad_norm_ ran this iteration
 
     def _rearm(self, *args: Any) -> None:
         self._armed = True
@@ -101,8 +114,7 @@ class join:  # noqa: N801 (used like a function: `with dear.join(optimizer):`)
         self._hooks = []
         if not self._enabled or exc_type is not None:
             return
-        opt = self._opt
-        params = [p for g in opt.param_groups for p in g["params"]]
+        params = [p for opt in self._opts for g in opt.param_groups for p in g["params"]]
         for p in params:                       # this rank's last gradients were reduced already
             p.grad = None
         previous = self._last_active
@@ -111,23 +123,29 @@ class join:  # noqa: N801 (used like a function: `with dear.join(optimizer):`)
             if not active:
                 break
             previous = active
-            if self._clipped:
-                opt.clip_grad_norm_(1.0)       # zeros: the max_norm does not matter
-            # "A backward ran" (of nothing): step() communicates, every gradient counting as
-            # unused, instead of taking its no-backward path.
-            opt._grads_since_step = True
-            opt.step()
+            for opt in self._opts:
+                # "A backward ran" (of nothing): step() communicates, every gradient counting
+                # as unused, instead of taking its no-backward path. The reduce-scatters the
+                # others' backward issues come first, for every optimizer, in list order.
+                opt._grads_since_step = True
+                opt._finish_reduce()
+            for opt, clipped in zip(self._opts, self._clipped):
+                if clipped:
+                    opt.clip_grad_norm_(1.0)   # zeros: the max_norm does not matter
+                opt.step()
             for p in params:
                 p.grad = None
-        opt.flush_updates()
+        for opt in self._opts:
+            opt.flush_updates()
         self._final_sync(max(previous))
-        if opt._buffer_sync is not None:
-            opt._buffer_sync.root = 0
+        for opt in self._opts:
+            if opt._buffer_sync is not None:
+                opt._buffer_sync.root = 0
 
     # ------------------------------------------------------------------------------ helpers
     def _exchange(self, active: bool) -> list[int]:
         """The all-reduce every rank issues once per iteration: which ranks are still active."""
-        device = next((p.device for p in self._opt._params), torch.device("cpu"))
+        device = next((p.device for p in self._model.parameters()), torch.device("cpu"))
         mask = torch.zeros(self._comm.size, device=device)
         mask[self._comm.rank] = float(active)
         self._comm.all_reduce(mask).wait()
@@ -138,8 +156,9 @@ class join:  # noqa: N801 (used like a function: `with dear.join(optimizer):`)
         return ranks
 
     def _set_buffer_root(self, active: list[int]) -> None:
-        if getattr(self._opt, "_buffer_sync", None) is not None:
-            self._opt._buffer_sync.root = max(active)
+        for opt in self._opts:
+            if getattr(opt, "_buffer_sync", None) is not None:
+                opt._buffer_sync.root = max(active)
 
     def _final_sync(self, root: int) -> None:
         """Every rank takes `root`'s parameters and buffers (DDP's final model sync)."""

@@ -187,7 +187,8 @@ class SparseGradients:
                 values = torch.zeros(0, *row_shapes[k], dtype=p.dtype, device=device)
             if postscale != 1.0:
                 values = values * postscale
-            out.append(torch.sparse_coo_tensor(indices, values, p.shape).coalesce())
+            out.append(torch.sparse_coo_tensor(indices, values, p.shape,
+                                               check_invariants=False).coalesce())
         return out
 
     # ------------------------------------------------------------------------ after averaging

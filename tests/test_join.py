@@ -116,3 +116,53 @@ def test_uneven_inputs_end_where_ddp_join_ends(world: int) -> None:
                     assert torch.equal(res["dear-bn"][name], value), name
     # The uneven loop really trained beyond the shortest rank's batches.
     assert max_diff(ranks[0]["dear"], make_net().state_dict()) > 0
+
+
+SPARSE_BATCHES = [2, 4]
+
+
+def _sparse_reference(dtype: torch.dtype) -> dict:
+    """One process: in step t the ranks that still have a batch, each loss divided by the world
+    size (a joined rank contributes zero, the average still divides by the world)."""
+    from tests.test_sparse import data, make, optimizers
+    world = len(SPARSE_BATCHES)
+    model = make(dtype)
+    opts = optimizers(model, "sparse_adam")
+    for step in range(max(SPARSE_BATCHES)):
+        for o in opts:
+            o.zero_grad()
+        active = [r for r in range(world) if step < SPARSE_BATCHES[r]]
+        sum(F.mse_loss(model(x), y) for x, y in (data(step, r, dtype) for r in active)) \
+            .div(world).backward()
+        for o in opts:
+            o.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _sparse_ranks() -> dict:
+    from tests.test_sparse import data, make, optimizers
+    dear.init()
+    model = make()
+    sparse_opt, dense_opt = optimizers(model, "sparse_adam")
+    opts = [dear.DistributedOptimizer(sparse_opt, [("emb.weight", model.emb.weight)]),
+            dear.DistributedOptimizer(dense_opt, model=model)]
+    with dear.join(opts, model):
+        for step in range(SPARSE_BATCHES[dear.rank()]):
+            for o in opts:
+                o.zero_grad()
+            x, y = data(step, dear.rank())
+            F.mse_loss(model(x), y).backward()
+            for o in opts:
+                o.step()
+    out = state_of(model)
+    dear.shutdown()
+    return out
+
+
+def test_two_optimizers_and_sparse_gradients_under_join() -> None:
+    from tests.workloads import assert_float32_close
+    ref, exact = _sparse_reference(torch.float32), _sparse_reference(torch.float64)
+    ranks = run_distributed(_sparse_ranks, len(SPARSE_BATCHES), timeout=120)
+    for rank, res in enumerate(ranks):
+        assert max_diff(res, ranks[0]) == 0.0
+        assert_float32_close(res, exact, ref, what=f"rank {rank}")
