@@ -108,7 +108,7 @@ def results(world: int) -> list[dict]:
     return run_distributed(_ranks, world, timeout=180)
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [3])         # 3 ranks: uneven counts; Horovod's test has 2
 @pytest.mark.parametrize("kind", ["sparse_adam", "adagrad"])
 def test_sparse_gradients_match_single_process(world: int, kind: str) -> None:
     ref = reference(kind, world, torch.float32)
