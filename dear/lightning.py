@@ -117,7 +117,7 @@ class DeARStrategy(DDPStrategy):
         self._dear_backend = backend
         self._dear_options = dict(dear_options or {})
         self._owns_dear = False
-        self._dear_optimizers: "weakref.WeakSet[Any]" = weakref.WeakSet()
+        self._dear_optimizers: list[Any] = []  # a list: the strategy is pickled by "spawn"
         self._clip_patched: Optional[Any] = None
 
     # ------------------------------------------------------------------ process group & dear
@@ -167,7 +167,7 @@ class DeARStrategy(DDPStrategy):
                     config.scheduler.optimizer = dist_opt
                     _count_steps(dist_opt)
             wrapped.append(dist_opt)
-            self._dear_optimizers.add(dist_opt)
+            self._dear_optimizers.append(dist_opt)
         self.optimizers = wrapped
 
     def setup(self, trainer: "pl.Trainer") -> None:
@@ -260,6 +260,7 @@ class DeARStrategy(DDPStrategy):
         if isinstance(self.model, _Forward):
             self.model = self.model.module
         super().teardown()
+        self._dear_optimizers = []
         if self._owns_dear and runtime.is_initialized():
             runtime.shutdown()
             self._owns_dear = False
