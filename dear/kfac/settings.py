@@ -19,6 +19,7 @@ Passing both names of one setting with different values is an error.
 from __future__ import annotations
 
 import dataclasses
+import enum
 from collections.abc import Iterable
 from typing import Any
 
@@ -33,8 +34,7 @@ class Settings:
     method: ComputeMethod
     strategy: Strategy
     grad_workers: int | None        # hybrid-opt: ranks per column (KAISA's grad workers)
-    pipeline: bool
-    update_in_hook: bool            # False: running averages updated once per step, in step()
+    pipeline: bool                  # False also: running averages updated once, in step()
     accumulation_steps: int | None  # passes per running-average update (None: all of a step)
     assignment: AssignmentStrategy | None   # None: dear's calibrated cost model
     colocate: bool
@@ -60,8 +60,7 @@ def one_of(what: str, dear_value: Any, dear_default: Any, kfac_name: str, kfac_v
 def strategy_from_fraction(fraction: Any, world: int) -> tuple[Strategy, int | None]:
     """kfac-pytorch's grad_worker_fraction (a DistributedStrategy or a float in [0, 1]) as a
     strategy, and for hybrid-opt the number of gradient workers per layer."""
-    if isinstance(fraction, (DistributedStrategy, str)) or (
-            hasattr(fraction, "name") and not isinstance(fraction, (int, float))):
+    if isinstance(fraction, (enum.Enum, str)):          # kfac-pytorch's enum, or dear's
         member = parse(DistributedStrategy, fraction, "grad_worker_fraction")
         fraction = {DistributedStrategy.COMM_OPT: 1.0, DistributedStrategy.HYBRID_OPT: 0.5,
                     DistributedStrategy.MEM_OPT: 1.0 / world}[member]
@@ -100,7 +99,7 @@ def settings(world: int, *, method: Any, strategy: Any, skip_layers: Iterable[st
              inv_dtype: Any = None, compute_eigenvalue_outer_product: bool = True) -> Settings:
     """Settings from dear's and kfac-pytorch's arguments (see the module docstring)."""
     chosen = parse(ComputeMethod, one_of("method", method, "eigen", "compute_method",
-                                       compute_method), "compute_method")
+                                         compute_method), "compute_method")
     workers = None
     if grad_worker_fraction is None:
         plan_strategy = parse(Strategy, strategy, "strategy")
@@ -113,9 +112,9 @@ def settings(world: int, *, method: Any, strategy: Any, skip_layers: Iterable[st
                              "distribution; pass one of them")
         plan_strategy, workers = strategy_from_fraction(grad_worker_fraction, world)
     in_hook = one_of("pipeline_factors", pipeline_factors, True, "update_factors_in_hook",
-                   update_factors_in_hook)
+                     update_factors_in_hook)
     cap = one_of("bucket_cap_mb", bucket_cap_mb, 25.0, "allreduce_bucket_cap_mb",
-               allreduce_bucket_cap_mb)
+                 allreduce_bucket_cap_mb)
     if isinstance(cap, bool) or not isinstance(cap, (int, float)) or cap < 0 or (
             cap == 0 and allreduce_bucket_cap_mb is None):
         raise ValueError(f"dear.KFAC: bucket_cap_mb must be > 0, got {cap}")
@@ -125,14 +124,9 @@ def settings(world: int, *, method: Any, strategy: Any, skip_layers: Iterable[st
                          f"{accumulation_steps!r}")
     assignment = None if assignment_strategy is None else parse(
         AssignmentStrategy, assignment_strategy, "assignment_strategy")
-    skip = tuple(skip_layers or ())
-    for rule in skip:
-        if not isinstance(rule, (str, type)):
-            raise TypeError(f"dear.KFAC: skip_layers holds regular expressions (searched in "
-                            f"module names and class names) or module types; got {rule!r}")
     return Settings(
         method=chosen, strategy=plan_strategy, grad_workers=workers,
-        pipeline=bool(in_hook), update_in_hook=bool(in_hook),
+        pipeline=bool(in_hook),
         accumulation_steps=accumulation_steps if in_hook else None, assignment=assignment,
         colocate=bool(colocate_factors) if colocate_factors is not None else False,
         symmetric=symmetry_aware, redundancy=redundancy and assignment is None,
@@ -140,4 +134,5 @@ def settings(world: int, *, method: Any, strategy: Any, skip_layers: Iterable[st
         bucket_cap_bytes=int(cap * 2**20) if cap > 0 else 1,
         factor_dtype=_dtype(factor_dtype, "factor_dtype"),
         inv_dtype=_dtype(inv_dtype, "inv_dtype"),
-        outer_product=bool(compute_eigenvalue_outer_product), skip_layers=skip)
+        outer_product=bool(compute_eigenvalue_outer_product),
+        skip_layers=tuple(skip_layers or ()))
