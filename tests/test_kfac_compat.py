@@ -202,3 +202,29 @@ def test_grad_worker_fraction_on_one_rank_and_bad_values():
         KFAC(model, grad_worker_fraction=1.5)
     with pytest.raises(ValueError, match="pass one of them"):
         KFAC(model, strategy="pad", grad_worker_fraction=1)
+
+
+def test_loads_a_kfac_pytorch_checkpoint():
+    """kfac-pytorch's state_dict: 'steps', plain hyperparameters, and per layer only 'A' and
+    'G'; loading restores them and recomputes the decompositions at the next step (unless
+    compute_inverses=False); dear's state_dict has the same keys."""
+    model = W.make_model("mlp")
+    names = [n for n, _ in W.kfac_layers(model)]
+    factors = {n: {"A": torch.eye(d) * 2.0, "G": torch.eye(e) * 3.0}
+               for n, d, e in zip(names, (11, 16, 13), (16, 12, 4))}
+    theirs = {"steps": 5, "damping": 0.01, "inv_update_steps": 4, "factor_update_steps": 1,
+              "factor_decay": 0.9, "kl_clip": 0.002, "lr": 0.2, "layers": factors}
+    precond = KFAC(model, **ARGS)
+    precond.load_state_dict(theirs)
+    assert (precond.steps, precond.damping, precond.inv_update_steps, precond.lr) == (5, 0.01,
+                                                                                      4, 0.2)
+    assert torch.equal(precond.layers[0].a, factors["fc1"]["A"])
+    x, y = W.batch("mlp", 0, 1)
+    W.loss_fn(model(x), y).backward()
+    precond.step()                      # step 5 is no inverse step (every 4): decomposes anyway
+    assert precond.layers[0].a_dec is not None and precond._dec_damping == 0.01
+    mine = precond.state_dict()
+    assert {k for k in theirs if k != "layers"} <= set(mine)
+    lazy = KFAC(W.make_model("mlp"), **ARGS)
+    lazy.load_state_dict(theirs, compute_inverses=False)
+    assert not lazy._force_decompose

@@ -15,15 +15,29 @@ if TYPE_CHECKING:
     from .preconditioner import KFAC
 
 
+# kfac-pytorch's state_dict keys for the hyperparameters that are plain values
+_HYPER_KEYS = {"factor_update_steps": "factor_update_freq", "inv_update_steps": "inv_update_freq",
+               "damping": "damping", "factor_decay": "factor_decay", "kl_clip": "kl_clip",
+               "lr": "lr"}
+
+
 def save(kfac: KFAC, include_factors: bool) -> dict[str, Any]:
+    """kfac-pytorch's layout ('steps', plain hyperparameters, 'layers' with 'A' and 'G') plus
+    the decompositions and the damping they were made with."""
     out: dict[str, Any] = {"steps": kfac.steps, "method": kfac.method.value,
                            "decomposition_damping": kfac._dec_damping}
+    for key, name in _HYPER_KEYS.items():
+        if not callable(kfac._sources[name]):
+            out[key] = kfac._sources[name]
     if include_factors:
         out["layers"] = {s.name: layer_state(s) for s in kfac.layers}
     return out
 
 
-def load(kfac: KFAC, state: dict[str, Any]) -> None:
+def load(kfac: KFAC, state: dict[str, Any], compute_inverses: bool = True) -> None:
+    """As kfac-pytorch: saved plain hyperparameters replace the current ones; factors are
+    restored; decompositions are recomputed at the next step where the checkpoint lacks them
+    (a kfac-pytorch checkpoint never has them), unless compute_inverses=False."""
     if "steps" not in state:
         raise ValueError("dear.KFAC.load_state_dict: not a KFAC state_dict (no 'steps')")
     names = {s.name: s for s in kfac.layers}
@@ -33,6 +47,9 @@ def load(kfac: KFAC, state: dict[str, Any]) -> None:
                          f"lacks: {unknown}")
     same_method = state.get("method") == kfac.method.value
     kfac.steps = int(state["steps"])
+    for key, name in _HYPER_KEYS.items():
+        if key in state:
+            setattr(kfac, name, state[key])
     kfac._step_cache = (-1, False, 0.0)
     kfac._dec_damping = state.get("decomposition_damping")
     for name, saved in state.get("layers", {}).items():
@@ -43,9 +60,9 @@ def load(kfac: KFAC, state: dict[str, Any]) -> None:
     # Decompositions missing where factors exist are recomputed at the next step, by every
     # rank's plan (all ranks load the same checkpoint, so they agree); so is a checkpoint that
     # does not say with which damping they were made.
-    kfac._force_decompose = "layers" not in state or not same_method or any(
+    kfac._force_decompose = compute_inverses and ("layers" not in state or not same_method or any(
         (s.a is not None and s.a_dec is None) for s in kfac.layers) or (
-        kfac._dec_damping is None and kfac.steps > 0)
+        kfac._dec_damping is None and kfac.steps > 0))
 
 
 def clone(t: Tensor | None) -> Tensor | None:

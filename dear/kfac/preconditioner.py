@@ -375,8 +375,10 @@ class KFAC:
         decomposition, under pad also its factors: save every rank's state_dict to resume)."""
         return persist.save(self, include_factors)
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        persist.load(self, state)
+    def load_state_dict(self, state: dict[str, Any], compute_inverses: bool = True) -> None:
+        """Resume from state_dict() (or from a kfac-pytorch checkpoint: its factors and plain
+        hyperparameters; the decompositions are then recomputed at the next step)."""
+        persist.load(self, state, compute_inverses)
         if self._link is not None:          # the armed eigenbases are no longer ours
             self._link.disarm()
 
