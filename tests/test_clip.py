@@ -73,7 +73,12 @@ def test_equals_clipping_the_all_reduced_gradient(world: int, norm_type: float,
         ours = res[(layout, norm_type)]
         assert any(n > MAX_NORM[norm_type] for n in ddp["norms"]), "the reference never clipped"
         assert ours["norms"] == pytest.approx(ddp["norms"], rel=1e-5), f"rank {rank}: norms"
-        assert max_diff(ours["params"], ddp["params"]) < 1e-5, f"rank {rank} differs from DDP"
+        # SGD does not magnify rounding (no division by gradient statistics): dear and DDP
+        # differ only by float32 sums in another order and a clip coefficient a few ulps
+        # apart, so the difference is bounded relative to the parameters' scale.
+        scale = max(v.abs().max().item() for v in ddp["params"].values())
+        assert max_diff(ours["params"], ddp["params"]) <= 1e-5 * scale, \
+            f"rank {rank} differs from DDP"
         assert max_diff(ours["params"], ranks[0][(layout, norm_type)]["params"]) == 0.0
 
 
