@@ -158,9 +158,10 @@ class ReferenceKFAC:
 
     kfac-pytorch's rules beyond the formulas: with compute_eigenvalue_outer_product (its
     default) the eigen method divides by dG dA^T + the damping of the step that decomposed;
-    with accumulation_steps=k every k passes (forward and backward) make one running-average
-    update of the factors with their mean, passes left over waiting for the next step; without
-    it (dear's default) all passes of a step make one update."""
+    with accumulation_steps=k, after every k-th pass (forward and backward) of a step the mean
+    of all passes recorded since the last update makes one running-average update, passes left
+    over waiting for the next step; without it (dear's default) all passes of a step make one
+    update."""
 
     def __init__(self, model: nn.Module, lr: float = 0.1, damping: float = 0.001,
                  factor_decay: float = 0.95, kl_clip: float | None = 0.001,
@@ -177,6 +178,7 @@ class ReferenceKFAC:
         self.G: dict[str, Tensor] = {}
         self.pre: dict[str, Any] = {}
         self.passes: list[dict[str, tuple[Tensor, Tensor]]] = []   # batch factors per pass
+        self.carried = 0                  # of which left over from earlier steps
         self.steps = 0
 
     def backward_on_passes(self, passes: list[list[tuple[Tensor, Tensor]]]) -> None:
@@ -223,18 +225,26 @@ class ReferenceKFAC:
         decay, damping, lr, kl_clip = (self._at(v) for v in (self.decay, self.damping, self.lr,
                                                                self.kl_clip))
         if self.steps % self._at(self.ffreq) == 0:
-            k = self.accumulation or len(self.passes)
-            while len(self.passes) >= k:
-                chunk, self.passes = self.passes[:k], self.passes[k:]
+            # kfac-pytorch counts this step's passes; after every k-th, everything recorded
+            # since the last update (leftovers of earlier steps included) makes one update
+            new = self.passes[self.carried:]
+            pending = self.passes[:self.carried]
+            k = self.accumulation or len(new)
+            for j, recorded in enumerate(new, start=1):
+                pending.append(recorded)
+                if j % k:
+                    continue
                 for name, _ in self.layers:
-                    a = sum(p[name][0] for p in chunk) / k
-                    g = sum(p[name][1] for p in chunk) / k
+                    a = sum(p[name][0] for p in pending) / len(pending)
+                    g = sum(p[name][1] for p in pending) / len(pending)
                     eye_a = torch.eye(a.shape[0], dtype=a.dtype)
                     eye_g = torch.eye(g.shape[0], dtype=g.dtype)
                     self.A[name] = decay * self.A.get(name, eye_a) + (1 - decay) * a
                     self.G[name] = decay * self.G.get(name, eye_g) + (1 - decay) * g
-        else:
-            self.passes = []              # factors are not recorded on other steps
+                pending = []
+            self.passes, self.carried = pending, len(pending)
+        else:                             # factors are not recorded on other steps
+            self.passes = self.passes[:self.carried]
         if self.steps % self._at(self.ifreq) == 0:
             self.dec_damping = damping
             for name, _ in self.layers:

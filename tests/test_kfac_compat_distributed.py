@@ -155,3 +155,39 @@ def test_auto_is_decided_on_rank_0_logged_with_its_figures_and_pinnable():
                  for part in line.split("estimated per iteration: ")[1].split(";")[0].split(", ")}
     assert min(estimates, key=estimates.get) == chosen
     assert not any("(auto)" in line for line in results[1][1])   # rank 0 logs for everyone
+
+
+def _rank_accumulation(passes: int, accumulation: int) -> list[dict]:
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = W.make_model("cnn")
+    precond = KFAC(model, **ARGS, accumulation_steps=accumulation,
+                   network_model=NetworkModel(0.0, 0.0))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    grads = []
+    for step in range(4):
+        opt.zero_grad()
+        for j in range(passes):
+            x, y = W.batch("cnn", step * passes + j, world, rank)
+            W.loss_fn(model(x), y).backward()
+        _average(model)
+        precond.step()
+        grads.append(W.grads_of(model))
+        opt.step()
+    return grads
+
+
+def test_accumulation_steps_with_pipelined_factors_on_2_ranks():
+    """3 passes per step, an update after every 2nd pass of a step (kfac-pytorch's rule): the
+    updates of a step are sent from the hook of the last pass, leftovers wait for the next."""
+    results = run_distributed(_rank_accumulation, 2, 3, 2, timeout=180)
+    model = W.make_model("cnn")
+    ref = W.ReferenceKFAC(model, **ARGS, accumulation_steps=2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for step in range(4):
+        ref.backward_on_passes([[W.batch("cnn", step * 3 + j, 2, r) for r in range(2)]
+                                for j in range(3)])
+        ref.step()
+        for grads in results:
+            assert W.max_rel_diff(grads[step], W.grads_of(model)) < 1e-9, step
+        opt.step()

@@ -191,8 +191,8 @@ class KFAC:
             return
         if self.plan is None and state.index not in self._order:
             self._order.append(state.index)
-        if state.add_a(state.layer.batch_a(inputs[0], state.dtype)) == \
-                self.settings.accumulation_steps:
+        state.add_a(state.layer.batch_a(inputs[0], state.dtype))
+        if self._update_due(state.a_passes):
             state.fold_chunk("A", decay)
         self._maybe_send("A", state, state.a_passes, state.a_expected)
         if isinstance(output, Tensor) and output.requires_grad:
@@ -205,10 +205,16 @@ class KFAC:
                 grad = grad.to(state.dtype) / scale
         else:                                # unscaled at step() (dear/kfac/scaling.py)
             self._raw_g = True
-        if state.add_g(state.layer.batch_g(grad, state.dtype)) == \
-                self.settings.accumulation_steps:
+        state.add_g(state.layer.batch_g(grad, state.dtype))
+        if self._update_due(state.g_passes):
             state.fold_chunk("G", self._factor_step()[1])
         self._maybe_send("G", state, state.g_passes, state.g_expected)
+
+    def _update_due(self, passes: int) -> bool:
+        """kfac-pytorch's accumulation_steps=k: after the k-th, 2k-th, ... pass of a step, all
+        passes recorded since the last update make one running-average update."""
+        k = self.settings.accumulation_steps
+        return k is not None and passes % k == 0
 
     def _maybe_send(self, which: str, state: LayerState, calls: int, expected: int) -> None:
         """Pipelining (SPD): send a layer's factor from the hook of its last pass of the step

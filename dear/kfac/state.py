@@ -66,7 +66,8 @@ class LayerState:
         return None if self.g_sum is None else self.g_sum / self.g_calls
 
     def fold_chunk(self, which: str, decay: float) -> None:
-        """One running-average update's worth of passes is complete: F' = d F + (1 - d) mean.
+        """An update is due (kfac-pytorch's accumulation_steps): F' = d F + (1 - d) mean, the
+        mean over every pass since the last update.
         Kept as C = sum_j (1 - d) d^(u-1-j) mean_j over the u updates of this step, so that
         F after them is d^u F + C: linear in the batch factors, so ranks can average C."""
         mean = self.batch_a() if which == "A" else self.batch_g()
