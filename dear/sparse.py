@@ -78,6 +78,7 @@ class SparseGradients:
             if opt is not None:
                 opt._grads_since_step = True
         self._hooks = [p.register_post_accumulate_grad_hook(mark) for p in self._params]
+        self._hooks.append(optimizer.register_step_pre_hook(_refuse_grad_scaler))
         weakref.finalize(optimizer, _remove, self._hooks)
         if hasattr(optimizer, "clip_grad_norm_"):
             optimizer.clip_grad_norm_ = self._no_clip   # per instance: the dense path's norm
@@ -188,10 +189,8 @@ class SparseGradients:
     # ------------------------------------------------------------------------ after averaging
     def apply(self, optimizer: Any, grad_scaler: Optional[Any] = None) -> None:
         """step(): the wrapped optimizer's update of the sparse parameters only, now, with the
-        averaged gradients; the rank's own .grad is put back."""
-        if grad_scaler is not None:
-            raise NotImplementedError("GradScaler with sparse gradients is not supported by "
-                                      "dear (nor by torch's GradScaler for most optimizers)")
+        averaged gradients; the rank's own .grad is put back. (A GradScaler never gets here:
+        step()'s pre-hook refuses it.)"""
         if len(self._averaged) != len(self._params):
             return                             # nothing was averaged in this step
         mine = set(self._params)
@@ -225,6 +224,14 @@ class SparseGradients:
             "not hold the sparse gradients. Use Horovod's pattern: optimizer.synchronize(); "
             "torch.nn.utils.clip_grad_norm_(...); with optimizer.skip_synchronize(): "
             "optimizer.step()")
+
+
+def _refuse_grad_scaler(optimizer: Any, args: Any, kwargs: dict[str, Any]) -> None:
+    """Before step() does anything: GradScaler's unscale and inf check run on dear's dense
+    shards, which do not hold the sparse gradients."""
+    if kwargs.get("grad_scaler") is not None:
+        raise NotImplementedError("GradScaler with sparse gradients (Embedding(sparse=True)) is "
+                                  "not supported by dear.DistributedOptimizer")
 
 
 def _remove(handles: list[Any]) -> None:

@@ -40,14 +40,17 @@ def test_unknown_backend() -> None:
 
 
 def test_sparse_gradients_refused_where_unsupported(local_dear) -> None:
-    """Sparse gradients are averaged (tests/test_sparse.py) except with dear's clipping, whose
-    norm comes from the dense buckets."""
+    """Sparse gradients are averaged (tests/test_sparse.py) except with dear's clipping and
+    GradScaler, which work on the dense buckets' shards."""
     emb = torch.nn.Embedding(10, 4, sparse=True)
     for opt in (dear.DistributedOptimizer(sgd(emb), model=emb),
                 dear.DistributedOptimizer(sgd(emb), emb.named_parameters())):
-        emb(torch.tensor([1, 2])).sum().backward()
+        scaler = torch.amp.GradScaler("cpu")
+        scaler.scale(emb(torch.tensor([1, 2])).sum()).backward()
         with pytest.raises(NotImplementedError, match="sparse gradients"):
             opt.clip_grad_norm_(1.0)
+        with pytest.raises(NotImplementedError, match="GradScaler with sparse gradients"):
+            scaler.step(opt)
         opt.step()
         opt.zero_grad()
 
