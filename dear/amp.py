@@ -41,8 +41,16 @@ def _inverse_scale(scaler: Any) -> torch.Tensor:
     return scale.double().reciprocal().float()   # as GradScaler.unscale_ does
 
 
-def unscale_local(buckets: Sequence[Bucket], rank: int, scaler: Any) -> torch.Tensor:
-    """Unscale this rank's reduced shards in place; return 1.0 if any is inf/NaN, else 0.0."""
+def inverse_scale(scaler: Any) -> torch.Tensor:
+    """1 / scale in float32, as GradScaler.unscale_ multiplies by it."""
+    return _inverse_scale(scaler)
+
+
+def unscale_local(buckets: Sequence[Bucket], rank: int, scaler: Any,
+                  in_place: bool = True) -> torch.Tensor:
+    """Unscale this rank's reduced shards in place; return 1.0 if any is inf/NaN, else 0.0.
+    `in_place=False` only checks (chunks already gathered get the factor after the gather,
+    dear/fusion/schedule.py; the others must match them)."""
     if any(b.spec.dtype == torch.float16 for b in buckets):
         # Same rule as GradScaler.unscale_: fp16 master gradients lose too much when unscaled.
         raise ValueError("GradScaler cannot unscale float16 gradients (torch refuses them too: "
@@ -50,7 +58,8 @@ def unscale_local(buckets: Sequence[Bucket], rank: int, scaler: Any) -> torch.Te
                          "float32 and run the forward under torch.autocast, or use bfloat16")
     device = buckets[0].shard.device
     found = torch.zeros((), dtype=torch.float32, device=device)
-    inv_scale = _inverse_scale(scaler).to(device)
+    inv_scale = (_inverse_scale(scaler) if in_place else torch.ones((), dtype=torch.float32)
+                 ).to(device)
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = defaultdict(list)
     for piece in gradient_slices(buckets, rank):
         by_dtype[piece.dtype].append(piece)

@@ -61,9 +61,14 @@ def global_norm(buckets: Sequence[Bucket], comm: Communicator, norm_type: float,
     return _total(table[:, 0], norm_type), found
 
 
+def coefficient(total: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """torch's clip coefficient, min(1, max_norm / (norm + 1e-6))."""
+    return torch.clamp(max_norm / (total + _EPS), max=1.0)
+
+
 def scale_(buckets: Sequence[Bucket], rank: int, total: torch.Tensor, max_norm: float) -> None:
     """Scale this rank's shards by torch's clip coefficient, min(1, max_norm / (norm + 1e-6))."""
     pieces = gradient_slices(buckets, rank)
-    coef = torch.clamp(max_norm / (total + _EPS), max=1.0)
+    coef = coefficient(total, max_norm)
     for kind in {p.dtype for p in pieces}:      # the coefficient in the gradient's dtype, as torch
         torch._foreach_mul_([p for p in pieces if p.dtype == kind], coef.to(kind))

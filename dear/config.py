@@ -117,6 +117,14 @@ class Config:
     autotune_out: str = "dear_fusion.json"
     #: a saved layout to use instead of the thresholds; skips tuning (DEAR_FUSION_CONFIG).
     fusion_config: str = ""
+    #: "planned": all-gather chunks also fill backward's idle link time, by a plan rank 0 makes
+    #: from the first iterations; "dear": DeAR's order, all-gathers at step() (DEAR_SCHEDULE).
+    schedule: str = "planned"
+    #: iterations measured (in DeAR's order) before the plan is made, after each new layout
+    #: (DEAR_PLAN_AFTER).
+    plan_after: int = 4
+    #: bytes of an all-gather chunk in backward's idle time (DEAR_CHUNK_BYTES).
+    chunk_bytes: int = 1 * _MB
 
     _ENV = {
         "fusion_threshold": ("DEAR_FUSION_THRESHOLD", _parse_bytes),
@@ -129,6 +137,9 @@ class Config:
         "autotune_log": ("DEAR_AUTOTUNE_LOG", str),
         "autotune_out": ("DEAR_AUTOTUNE_OUT", str),
         "fusion_config": ("DEAR_FUSION_CONFIG", str),
+        "schedule": ("DEAR_SCHEDULE", str),
+        "plan_after": ("DEAR_PLAN_AFTER", int),
+        "chunk_bytes": ("DEAR_CHUNK_BYTES", _parse_bytes),
         "timeout": ("DEAR_TIMEOUT", float),
         "trace": ("DEAR_TRACE", str),
         "trace_iterations": ("DEAR_TRACE_ITERATIONS", str),
@@ -158,6 +169,11 @@ class Config:
         if self.autotune_simulated_trials < 1 or self.autotune_confirm < 1:
             raise ValueError("offline autotune needs simulated trials >= 1 and confirm >= 1; "
                              f"got {self.autotune_simulated_trials}, {self.autotune_confirm}")
+        if self.schedule not in ("planned", "dear"):
+            raise ValueError(f"schedule must be 'planned' or 'dear', got {self.schedule!r}")
+        if self.plan_after < 2 or self.chunk_bytes < 1024:
+            raise ValueError("plan_after must be >= 2 iterations and chunk_bytes >= 1KB; got "
+                             f"{self.plan_after}, {self.chunk_bytes}")
         if self.gloo_collectives not in ("pairwise", "native"):
             raise ValueError(
                 f"gloo_collectives must be 'pairwise' or 'native', got {self.gloo_collectives!r}")

@@ -36,9 +36,14 @@ from .fusion.bucket import Bucket, Stage
 from .fusion import fusion_config as fusion_file
 from .fusion.fusion_config import FusionConfig
 from .fusion.layout import GatherGroup, build_layout
+from .fusion.schedule import ScheduleDriver
 from .fusion.tuner import FusionTuner, OnlineAutotuner
+from .buffers import BufferBroadcast
+from .sparse import SparseGradients, sparse_parameters
 from .reduced import ReducedGradientMixin
 from .validation import check_optimizer, check_same_across_ranks, named_params_of
+from .validation import (check_not_wrapped, check_process_set, horovod_groups,
+                         refuse_construction, warn_if_ddp)
 
 log = logging.getLogger("dear")
 
@@ -47,12 +52,15 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
     """Mixed into the wrapped optimizer's own class (see `DistributedOptimizer`); GradScaler
     and clip_grad_norm_ support come from `ReducedGradientMixin` (dear/reduced.py)."""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        refuse_construction(self)              # e.g. hvd.DistributedOptimizer(dear's optimizer)
+
     def _dear_setup(self, named: list[tuple[str, torch.nn.Parameter]],
                     model: Optional[torch.nn.Module], backward_passes_per_step: int,
                     op: ReduceOp, gradient_predivide_factor: float,
                     fusion: FusionConfig, overlap_allgather: bool,
                     compression: Compressor, groups: Any, sparse_as_dense: bool,
-                    autotune: Autotune) -> None:
+                    autotune: Autotune, schedule: Optional[str] = None) -> None:
         comm = runtime.communicator()
         self._comm = comm
         step = super(_DistributedOptimizer, type(self)).step
@@ -80,6 +88,17 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
         self._gather_groups: list[GatherGroup] = []
         self._order: list[int] = []            # rank 0's parameter order, for re-layouts
         self._autotuner = self._make_autotuner(named, autotune) if autotune else None
+        # Which collective goes on the link when (dear/fusion/schedule.py): DeAR's order, or a
+        # plan that also fills backward's idle link time with all-gather chunks.
+        cfg = runtime.config()
+        planned = (cfg.schedule if schedule is None else schedule) == "planned"
+        self._schedule = ScheduleDriver(lambda: self._comm, planned and all(p.device.type == "cpu"
+                                                              for p in self._params),
+                                        cfg.plan_after, cfg.chunk_bytes)
+        # clip / unscale factors that must reach chunks gathered before step(): applied to the
+        # gathered gradients instead of the shards (the same multiplications, the same bits)
+        self._deferred: list[torch.Tensor] = []
+        self._deferred_at_step: list[torch.Tensor] = []
         self._provisional = False              # plan built before any forward: thrown away
         self._where: list[tuple[Bucket, int]] = []
         self._next_launch = 0                  # position in reduce order (last bucket first)
@@ -187,7 +206,8 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
                 return
             if self._transform is not None:
                 self._transform.before_reduce(bucket)
-            bucket.start_reduce_scatter(self._comm, self._prescale)
+            bucket.start_reduce_scatter(self._comm, self._prescale, self._schedule.submitter())
+            self._schedule.reduce_scatter_submitted(bucket, self._postscale)
             self._next_launch += 1
 
     # ----------------------------------------------------------------------- step: all-gather
@@ -235,6 +255,8 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
             raise RuntimeError("step() inside skip_synchronize() needs optimizer.synchronize() "
                                "after backward, as in Horovod")
         self._communicate(grad_scaler)
+        if self._sparse is not None:           # their update is applied now (dear/sparse.py)
+            self._sparse.apply(self, grad_scaler)
         if not self._overlap or self._provisional:
             self.flush_updates()
         self._discard_provisional_plan()
@@ -288,13 +310,9 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
         """Drop this iteration's gradients: finish the reduce-scatters already issued (every
         rank issued the same ones), reset the buckets; parameters and pending updates are kept."""
         for bucket in self._buckets or ():
-            if bucket.stage is Stage.REDUCING:
-                try:
-                    bucket.finish_reduce_scatter(1.0)
-                finally:
-                    bucket.reset()
-            elif bucket.stage is Stage.IDLE:
-                bucket.reset()
+            if bucket.stage is not Stage.GATHERING:   # a pending update of the last step stays
+                bucket.drop()
+        self._schedule.drain()
         if self._buckets is None:
             self._grad_order = []
         self._end_iteration()
@@ -303,15 +321,21 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
         """Finish averaging, run GradScaler's check on the reduced shards, and start the
         all-gathers in forward order; a step the scaler skips gathers nothing, on every rank."""
         self._finish_reduce()
+        if self._buffer_sync is not None:      # dear/buffers.py: DDP's broadcast_buffers
+            self._buffer_sync()
+        if self._sparse is not None:           # dear/sparse.py: Embedding(sparse=True) weights
+            self._sparse.reduce(self._prescale, self._postscale)
         buckets = self._buckets
         assert buckets is not None
         if grad_scaler is None or not self._amp_skips(grad_scaler):
-            for group in self._gather_groups:  # forward order: bucket 0 is needed first
-                group.start(self._comm)
+            self._schedule.maybe_plan([b.wire.element_size() for b in buckets])
+            self._schedule.gather_rest(self._gather_groups)   # forward order: 0 needed first
             # The update runs later, after e.g. an LR scheduler has moved on: it must use the
             # hyperparameters that were in force when step() was called.
             self._hyper_at_step = [_hyperparameters(g) for g in self.param_groups]
+            self._deferred_at_step = self._deferred
             self._num_pending = len(buckets)
+        self._schedule.end_step()
         self._end_iteration()
 
     def _finish_reduce(self) -> None:
@@ -326,6 +350,7 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
         for bucket in buckets:
             bucket.pack_missing()              # unused parameters count as zero
         self._launch_ready()
+        self._schedule.drain()                 # what backward submitted is issued: our turn
         for bucket in reversed(buckets):
             bucket.finish_reduce_scatter(self._postscale)
         self._reduced = True
@@ -334,8 +359,9 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
     def _end_iteration(self) -> None:
         for bucket in self._buckets or ():
             if bucket.stage is Stage.REDUCING:  # a skipped step: nothing to gather or apply
-                bucket.reset()
+                bucket.drop()
         self._reduced, self._amp_found_inf, self._clipped_scaled = False, None, False
+        self._deferred = []
         self._next_launch = 0
         self._passes = [0] * len(self._params)
         self._grads_since_step = False
@@ -357,6 +383,7 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
         """dear.shutdown(): apply what is pending; an offline autotune still tracing detaches
         its tracer (its hooks would otherwise stay on the model)."""
         self.flush_updates()
+        self._schedule.close()
         if self._autotuner is not None:
             self._autotuner.close()
 
@@ -369,9 +396,12 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
             return
         self._refuse_edited_grads()
         self._communicate()
+        if self._sparse is not None:           # averaged sparse gradients in .grad, as Horovod
+            self._sparse.to_grad()
         assert self._buckets is not None
         for bucket in self._buckets:
             used = self._finish_all_gather(bucket)
+            self._apply_deferred(bucket)
             for p, view, u in zip(bucket.params, bucket.grad_views, used):
                 if u and p.grad is None:
                     p.grad = view.clone()
@@ -393,6 +423,7 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
         """dear.KFAC's eigenbasis path; with buckets already planned, `ties` take effect at the
         next synchronized step() (dear.KFAC synchronizes until the layout fits)."""
         self._transform, self._ties = transform, ties
+        self._schedule.paused = True           # it edits the shards between the collectives
         self._relayout_wanted = self._buckets is not None and not transform.layout_fits()
 
     @contextlib.contextmanager
@@ -404,11 +435,23 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
         finally:
             self._skip_sync = False
 
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        """Horovod's: reduce after `passes` backward passes from the next step on; call it
+        between step() and the next backward, on every rank."""
+        if passes < 1:
+            raise ValueError(f"backward_passes_per_step must be >= 1, got {passes}")
+        if self._had_gradients or any(self._passes):
+            raise RuntimeError("set_backward_passes_per_step() between backward and step(): "
+                               "call it after step(), before the next backward")
+        self._passes_needed = passes
+        self._arm_hooks()
+
     # ---------------------------------------------------------------- next forward: the update
     def _apply(self, bucket: Bucket) -> None:
         """Run the wrapped optimizer's update on this bucket's parameters only, with the averaged
         gradient as .grad (a view into the gathered buffer); the user's .grad is put back."""
         used = self._finish_all_gather(bucket)
+        self._apply_deferred(bucket)
         saved = native.swap_grads(bucket.params, [view if u else None for view, u
                                                   in zip(bucket.grad_views, used)])
         groups = self.param_groups
@@ -425,6 +468,12 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
             native.swap_grads(bucket.params, saved)
             bucket.reset()
             self._num_pending -= 1
+
+    def _apply_deferred(self, bucket: Bucket) -> None:
+        """Unscale / clip factors of step() that chunks gathered in backward missed."""
+        grads = bucket.buffer[:bucket.spec.flags_offset]
+        for factor in self._deferred_at_step:
+            grads.mul_(factor.to(grads.dtype))
 
     def _finish_all_gather(self, bucket: Bucket) -> list[bool]:
         """The averaged gradients in the bucket's buffer (dear.KFAC's rotation undone); which
@@ -486,6 +535,7 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
         self._buckets, self._where = layout.buckets, layout.where
         self._gather_groups = layout.gather_groups
         self._triggers = {}
+        self._schedule.reset(layout.buckets)
         if self._model is not None:
             self._map_triggers(self._model)
         self._bind_hooks()
@@ -661,13 +711,15 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          named_parameters: Optional[Iterable[tuple[str, torch.nn.Parameter]]] = None,
                          compression: Any = Compression.none,
                          backward_passes_per_step: int = 1, op: Any = ReduceOp.Average,
-                         gradient_predivide_factor: float = 1.0,
+                         gradient_predivide_factor: float = 1.0, num_groups: int = 0,
                          groups: Optional[Any] = None, sparse_as_dense: bool = False,
                          process_set: Any = None, *, model: Optional[torch.nn.Module] = None,
+                         broadcast_buffers: bool = True,
                          fusion_threshold: Optional[int] = None,
                          overlap_allgather: bool = True,
                          autotune: Optional[Union[bool, str]] = None,
-                         fusion_config: Optional[Any] = None) -> torch.optim.Optimizer:
+                         fusion_config: Optional[Any] = None,
+                         schedule: Optional[str] = None) -> torch.optim.Optimizer:
     """Wrap `optimizer` so its gradients are averaged with DeAR's decoupled all-reduce.
 
     Accepts everything hvd.DistributedOptimizer accepts, in the same positions. Returns an
@@ -676,15 +728,23 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     `autotune`: True or "online" tunes the fusion layout on measured iterations, "offline" on
     the simulator's predictions from a traced window, then confirms the best few (None:
     DEAR_AUTOTUNE).
+    `broadcast_buffers` (with model=): DDP's; rank 0's buffers go to every rank in each step()
+    (dear/buffers.py).
+    `schedule`: "planned" (default, DEAR_SCHEDULE) also gathers in backward's idle link time
+    by a plan made on rank 0 from the first iterations; "dear" keeps DeAR's order
+    (dear/fusion/schedule.py).
     """
+    if schedule is not None and schedule not in ("planned", "dear"):
+        raise ValueError(f"schedule must be 'planned' or 'dear', got {schedule!r}")
     if not runtime.is_initialized() and _horovod_is_initialized():
         runtime.init(backend="horovod")        # hvd.init() was called: the one-line swap
     comm = runtime.communicator()              # fails clearly before dear.init()
     check_optimizer(optimizer)
+    check_not_wrapped(optimizer)               # dear or hvd over dear / hvd: clear errors
     op = resolve_op(op)
     compressor = resolve_compression(compression)
-    if process_set is not None:
-        raise ValueError("process_set is not supported: dear averages over all ranks")
+    check_process_set(process_set)             # Horovod's global set (or None) only
+    groups = horovod_groups(num_groups, groups)
     if backward_passes_per_step < 1:
         raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
     if gradient_predivide_factor <= 0:
@@ -698,12 +758,21 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     for dtype in {p.dtype for _, p in named}:
         comm.check_dtype(compressor.wire_dtype(dtype))
     check_same_across_ranks(named, comm)
+    warn_if_ddp(model, named)
+    sparse_ids = sparse_parameters(named, model)   # kept out of the dense buckets
+    sparse_named = [(n, p) for n, p in named if id(p) in sparse_ids]
+    named = [(n, p) for n, p in named if id(p) not in sparse_ids]
     cls = type(optimizer.__class__.__name__, (_DistributedOptimizer, optimizer.__class__), {})
     wrapped = cls.__new__(cls)
     wrapped.__dict__.update(optimizer.__dict__)
+    wrapped._buffer_sync = (BufferBroadcast(model, comm)  # type: ignore[arg-type]
+                            if BufferBroadcast.wanted(model, broadcast_buffers) else None)
+    wrapped._sparse = (SparseGradients(wrapped, sparse_named, comm, sparse_as_dense)
+                       if sparse_named else None)
     fusion, tune = _fusion_settings(named, fusion_threshold, mode, fusion_config, groups)
     wrapped._dear_setup(named, model, backward_passes_per_step, op, gradient_predivide_factor,
-                        fusion, overlap_allgather, compressor, groups, sparse_as_dense, tune)
+                        fusion, overlap_allgather, compressor, groups, sparse_as_dense, tune,
+                        schedule)
     if getattr(runtime.config(), "trace", ""):  # DEAR_TRACE=dir: dear.diagnose records the run
         from .diagnose.trace import attach_from_config
         attach_from_config(wrapped, model)

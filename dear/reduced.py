@@ -33,6 +33,8 @@ class ReducedGradientMixin:
         _synchronized: bool
         _amp_found_inf: Optional[torch.Tensor]
         _clipped_scaled: bool
+        _schedule: Any
+        _deferred: list[torch.Tensor]
 
         def _finish_reduce(self) -> None: ...
         def _refuse_edited_grads(self) -> None: ...
@@ -50,7 +52,7 @@ class ReducedGradientMixin:
                     "grad_scaler=scaler), without scaler.unscale_(optimizer)")
             assert self._buckets is not None
             try:
-                found = amp.unscale_local(self._buckets, self._comm.rank, grad_scaler)
+                found = self._unscale_shards(grad_scaler)
             except ValueError:                 # e.g. fp16 gradients: the same on every rank
                 self._end_iteration()
                 raise
@@ -77,8 +79,11 @@ class ReducedGradientMixin:
         assert self._buckets is not None
         found = None
         if grad_scaler is not None and self._amp_found_inf is None:
-            found = amp.unscale_local(self._buckets, self._comm.rank, grad_scaler)
+            found = self._unscale_shards(grad_scaler)
         total, agreed = clip.global_norm(self._buckets, self._comm, norm_type, found)
+        if self._schedule.gathered_early():    # the shards are still scaled by what was deferred
+            for factor in self._deferred:
+                total = total * factor.to(total.dtype)
         if agreed is not None:
             self._amp_found_inf = agreed
             amp.record(grad_scaler, self, agreed)
@@ -88,8 +93,20 @@ class ReducedGradientMixin:
                                "is non-finite, so it cannot be clipped; set "
                                "error_if_nonfinite=False to scale them by it anyway")
         if max_norm != math.inf:
-            clip.scale_(self._buckets, self._comm.rank, total, max_norm)
+            if self._schedule.gathered_early():
+                self._deferred.append(clip.coefficient(total, max_norm))
+            else:
+                clip.scale_(self._buckets, self._comm.rank, total, max_norm)
         return total
+
+    def _unscale_shards(self, grad_scaler: Any) -> torch.Tensor:
+        """GradScaler's check (and unscale) of this rank's shards; with chunks already
+        gathered in backward the unscale is deferred to after the gather, for every bucket."""
+        if self._schedule.gathered_early():
+            found = amp.unscale_local(self._buckets, self._comm.rank, grad_scaler, in_place=False)
+            self._deferred.append(amp.inverse_scale(grad_scaler))
+            return found
+        return amp.unscale_local(self._buckets, self._comm.rank, grad_scaler)
 
     def grad_norm(self, norm_type: float = 2.0, *, grad_scaler: Optional[Any] = None
                   ) -> torch.Tensor:

@@ -130,7 +130,10 @@ def local_rank() -> int:
 
 
 def _flush_all() -> None:
+    """Before a collective of the user's: pending updates applied, and whatever an optimizer's
+    collective thread was given is issued, so this one keeps its place in the order."""
     for opt in list(_state.optimizers):
+        opt._schedule.drain()
         opt.flush_updates()
 
 
@@ -168,6 +171,8 @@ def allreduce(tensor: torch.Tensor, op: Any = ReduceOp.Average) -> torch.Tensor:
     """Return the sum or average of `tensor` over ranks (a new tensor, as Horovod does)."""
     op = resolve_op(op)
     comm = communicator()
+    for opt in list(_state.optimizers):        # keep its place after what backward submitted
+        opt._schedule.drain()
     out = tensor.detach().clone().contiguous()
     comm.all_reduce(out).wait()
     if op is ReduceOp.Average:

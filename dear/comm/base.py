@@ -107,6 +107,23 @@ class Communicator(abc.ABC):
     def all_gather(self, input: torch.Tensor, output: torch.Tensor) -> Work:
         """Concatenate every rank's `input` into `output` (numel = size * input.numel())."""
 
+    def all_gather_columns(self, input: torch.Tensor, output: torch.Tensor, start: int,
+                           length: int) -> Work:
+        """All-gather elements [start, start + length) of every rank's `input` (a shard) into
+        the same columns of `output` viewed as (size, input.numel()): one chunk of an
+        all-gather, so a large one can travel in pieces. Backends that gather into place
+        override this; here a contiguous gather and a copy."""
+        check_shard_sizes(output, input, self.size)
+        if start == 0 and length == input.numel():
+            return self.all_gather(input, output)
+        staging = input.new_empty(self.size * length)
+        work = self.all_gather(input[start:start + length], staging)
+
+        def place() -> None:
+            output.view(self.size, -1)[:, start:start + length].copy_(
+                staging.view(self.size, length))
+        return CallbackWork([work], place)
+
     @abc.abstractmethod
     def all_reduce(self, tensor: torch.Tensor) -> Work:
         """Sum `tensor` over ranks, in place."""

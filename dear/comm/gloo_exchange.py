@@ -89,6 +89,22 @@ class PairwiseExchange:
 
         return CallbackWork(works, finish, self._timeout)
 
+    def all_gather_columns(self, input: torch.Tensor, output: torch.Tensor, start: int,
+                           length: int) -> Work:
+        """Elements [start, start + length) of every rank's shard `input`, received straight
+        into their place in `output` (size x input.numel()): a chunk of an all-gather."""
+        check_shard_sizes(output, input, self.size)
+        n, me, shard = self.size, self.rank, input.numel()
+        own = output[me * shard + start:me * shard + start + length]
+        if own.data_ptr() != input.data_ptr() + start * input.element_size():
+            own.copy_(input[start:start + length])
+        if n == 1:
+            return CallbackWork([])
+        peers = [(me + step) % n for step in range(1, n)]
+        return CallbackWork(self._exchange(
+            [(src, output[src * shard + start:src * shard + start + length]) for src in peers],
+            [(dst, own) for dst in peers]), timeout=self._timeout)
+
     def all_gather(self, input: torch.Tensor, output: torch.Tensor) -> Work:
         """Every rank's `input` into `output`, in rank order (`input` may be our own slice)."""
         check_shard_sizes(output, input, self.size)

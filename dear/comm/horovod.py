@@ -171,6 +171,13 @@ class HorovodCommunicator(Communicator):
         handle = self._hvd.allgather_async(input, name=self._name("ag"))
         return HorovodWork(handle, lambda res: output.copy_(res.view(-1)), self._timeout)
 
+    def all_gather_columns(self, input: torch.Tensor, output: torch.Tensor, start: int,
+                           length: int) -> Work:
+        if self._on_gloo(input):
+            return self._exchange.all_gather_columns(  # type: ignore[union-attr]
+                input, output, start, length)
+        return super().all_gather_columns(input, output, start, length)
+
     def _gloo_only(self, tensor: torch.Tensor) -> bool:
         """A dtype Horovod lacks (bfloat16), on CPU: the Gloo groups carry it instead."""
         return tensor.dtype in _UNSUPPORTED and self._on_gloo(tensor)

@@ -86,6 +86,12 @@ class TorchCommunicator(Communicator):
         return CallbackWork([dist.all_gather_into_tensor(
             output, own, group=self._group, async_op=True)], timeout=self._timeout)
 
+    def all_gather_columns(self, input: torch.Tensor, output: torch.Tensor, start: int,
+                           length: int) -> Work:
+        if self._exchange is not None:
+            return self._exchange.all_gather_columns(input, output, start, length)
+        return super().all_gather_columns(input, output, start, length)
+
     def all_reduce(self, tensor: torch.Tensor) -> Work:
         return CallbackWork([dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self._group,
                                              async_op=True)], timeout=self._timeout)

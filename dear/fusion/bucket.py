@@ -10,7 +10,8 @@ longer needed, so the bucket costs one buffer plus one shard of memory.
 from __future__ import annotations
 
 import enum
-from typing import Optional, Sequence
+import threading
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -51,7 +52,12 @@ class Bucket:
         # What a gradient transform did to the packed gradients before the reduce-scatter
         # (dear.KFAC's eigenbasis rotation, dear/kfac/overlap.py), undone after the all-gather.
         self.transformed: Optional[object] = None
-        self._work: Optional[Work] = None
+        self._work: Optional[Work] = None          # the reduce-scatter
+        self._gathers: list[Work] = []              # all-gathers (whole, grouped or chunks)
+        self._averaged = False                      # finish_reduce_scatter ran
+        # The reduce-scatter may be finished by the thread that issues planned all-gather
+        # chunks (dear/fusion/schedule.py) or by step(): whichever comes first, once.
+        self._finish_lock = threading.Lock()
         # Native path (csrc/, `native` None: DEAR_NATIVE and whether it was built): hooks only
         # record gradients; C++ packs the bucket, flags and padding when the last one arrives.
         use_native = _native.enabled() if native is None else native
@@ -100,7 +106,9 @@ class Bucket:
             if not self.packed[j]:
                 self.pack(j, p.grad)
 
-    def start_reduce_scatter(self, comm: Communicator, prescale: float) -> None:
+    def start_reduce_scatter(self, comm: Communicator, prescale: float,
+                             submit: Optional[Callable[..., Work]] = None) -> None:
+        """`submit` (the schedule's executor) issues the collective in its thread, in order."""
         assert self.stage is Stage.IDLE and self.full, "bucket reduced twice or before it is full"
         if self._ready is None:            # the native pack wrote flags and padding
             self.flags.copy_(torch.tensor(self.used, dtype=self.flags.dtype))
@@ -109,13 +117,17 @@ class Bucket:
             self.buffer.mul_(prescale)
         if self.wire is not self.buffer:
             self.wire.copy_(self.buffer)
-        self._work = comm.reduce_scatter(self.wire, self.wire_shard)
+        wire, wire_shard = self.wire, self.wire_shard
+        self._work = (comm.reduce_scatter(wire, wire_shard) if submit is None
+                      else submit(lambda: comm.reduce_scatter(wire, wire_shard)))
+        self._averaged = False
         self.stage = Stage.REDUCING
 
-    def _wait(self, what: str) -> None:
-        assert self._work is not None
+    def _wait(self, what: str, work: Optional[Work] = None) -> None:
+        work = self._work if work is None else work
+        assert work is not None
         try:
-            self._work.wait()
+            work.wait()
         except Exception as exc:
             mb = self.buffer.numel() * self.buffer.element_size() / 2**20
             raise RuntimeError(
@@ -123,12 +135,17 @@ class Bucket:
                 f"{mb:.2f} MB) failed; another rank probably died or stalled: {exc}") from exc
 
     def finish_reduce_scatter(self, postscale: float) -> None:
-        assert self.stage is Stage.REDUCING
-        self._wait("reduce-scatter")
-        if self.wire_shard is not self.shard:
-            self.shard.copy_(self.wire_shard)
-        if postscale != 1.0:
-            self.shard.mul_(postscale)
+        """Wait for the reduce-scatter and average this rank's shard, exactly once."""
+        with self._finish_lock:
+            if self._averaged:
+                return
+            assert self.stage in (Stage.REDUCING, Stage.GATHERING)
+            self._wait("reduce-scatter")
+            if self.wire_shard is not self.shard:
+                self.shard.copy_(self.wire_shard)
+            if postscale != 1.0:
+                self.shard.mul_(postscale)
+            self._averaged = True
 
     def outgoing_shard(self) -> torch.Tensor:
         """This rank's averaged shard, in the wire dtype, ready to be all-gathered."""
@@ -139,9 +156,23 @@ class Bucket:
     def start_all_gather(self, comm: Communicator) -> None:
         self.gathering(comm.all_gather(self.outgoing_shard(), self.wire))
 
-    def gathering(self, work: Work) -> None:
-        """The all-gather filling `wire` is `work` (possibly shared with other buckets)."""
-        self._work = work
+    def gather_columns(self, comm: Communicator, start: int, length: int) -> Work:
+        """All-gather one chunk of the shard, columns [start, start + length); the shard must
+        be averaged already (finish_reduce_scatter) and sent in the wire dtype."""
+        if start == 0 and self.wire_shard is not self.shard:
+            self.wire_shard.copy_(self.shard)          # compression: the whole shard, once
+        return comm.all_gather_columns(self.wire_shard, self.wire, start, length)
+
+    def gather_early(self, work: Work) -> None:
+        """A chunk's all-gather issued during backward (a planned schedule): the bucket stays
+        REDUCING, its update is not pending yet; step() adds the rest."""
+        self._gathers.append(work)
+
+    def gathering(self, work: Optional[Work] = None) -> None:
+        """An all-gather filling (the rest of) `wire` is `work` (possibly shared with other
+        buckets; None: chunks issued earlier filled it all): the update is now pending."""
+        if work is not None:
+            self._gathers.append(work)
         self.stage = Stage.GATHERING
         if self._ready is not None:        # its C++ hooks hand gradients to Python now
             self._ready.set_pending(True)
@@ -149,7 +180,9 @@ class Bucket:
     def finish_all_gather(self) -> list[bool]:
         """Wait for the averaged gradients; return which parameters any rank produced one for."""
         assert self.stage is Stage.GATHERING
-        self._wait("all-gather")
+        for work in self._gathers:
+            self._wait("all-gather", work)
+        self._gathers = []
         self._work = None
         if self._ready is not None:
             return _native.extension().unpack_bucket(self.wire, self.buffer,
@@ -157,6 +190,17 @@ class Bucket:
         if self.wire is not self.buffer:
             self.buffer.copy_(self.wire)
         return (self.flags != 0).tolist()
+
+    def drop(self) -> None:
+        """Forget this iteration's gradients once nothing is in flight any more (a skipped or
+        refused step): the collectives were issued on every rank, so they are completed."""
+        try:
+            if self.stage is not Stage.IDLE and self._work is not None:
+                self._wait("reduce-scatter")
+            for work in self._gathers:
+                self._wait("all-gather", work)
+        finally:
+            self.reset()
 
     def reset(self) -> None:
         if self._ready is not None:
@@ -166,3 +210,5 @@ class Bucket:
         self.num_packed = 0
         self.stage = Stage.IDLE
         self.transformed = None
+        self._gathers = []
+        self._averaged = False

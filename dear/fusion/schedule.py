@@ -1,0 +1,398 @@
+"""When each collective goes on the link: DeAR's order, or a plan that also uses backward's idle
+link time for all-gathers.
+
+DeAR issues reduce-scatters in backward as buckets fill and every all-gather at step(), so the
+all-gathers can hide only behind the next forward pass (a third of the compute): it is bounded
+by max(T_fwd, T_ag) + max(T_bwd, T_rs), 1.17 x max(T_compute, T_comm) when the two are equal.
+Meanwhile the link sits idle in backward whenever the reduce-scatters of the buckets ready so far
+are done. The planned schedule fills those gaps with all-gathers of buckets already reduced, cut
+into chunks small enough that a reduce-scatter becoming ready never waits long behind one; what
+does not fit is gathered at step() in the order the next forward needs it, as in DeAR.
+
+Every rank must issue the same collectives in the same order, so the decision cannot depend on a
+rank's own timing. It is a plan: after a few iterations in DeAR's order, every rank measures the
+link (`probe_link`, a collective at the same step everywhere), rank 0 replays the measured
+backward (when each bucket became ready, when backward ended) with a greedy simulation
+(`plan_gaps`: after each reduce-scatter, the chunks that finish before the next bucket is ready)
+and broadcasts the plan. The plan only says WHICH chunks follow WHICH reduce-scatter; WHEN is up
+to readiness: a chunk cannot be sent before its bucket's reduce-scatter is complete, and the
+training thread must not wait for that. So every collective of a backward pass is issued by one
+thread (`CommExecutor`) in the order the training thread submits them; a chunk whose shard is not
+averaged yet waits in that thread, never in backward. The executor is drained (everything
+submitted is issued) before anything else uses the communicator (step(), clipping, dear.allreduce),
+so main-thread collectives keep their place in the order too.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import statistics
+import threading
+import time
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from ..comm.base import Communicator, Work
+
+
+class FutureWork(Work):
+    """A collective submitted to the executor: issued by its thread, waited for by anyone."""
+
+    def __init__(self) -> None:
+        self._issued = threading.Event()
+        self._work: Optional[Work] = None
+        self._error: Optional[BaseException] = None
+
+    def _set(self, work: Optional[Work], error: Optional[BaseException]) -> None:
+        self._work, self._error = work, error
+        self._issued.set()
+
+    def wait(self) -> None:
+        self._issued.wait()
+        if self._error is not None:
+            raise RuntimeError(f"dear: a collective could not be issued: {self._error}") \
+                from self._error
+        assert self._work is not None
+        self._work.wait()
+
+
+class CommExecutor:
+    """Issues collectives from one thread, strictly in submission order. A task may first wait
+    for its input (`before`, e.g. the reduce-scatter a chunk's shard comes from)."""
+
+    def __init__(self) -> None:
+        self._tasks: collections.deque[tuple[Callable[[], Work], Optional[Callable[[], None]],
+                                             FutureWork]] = collections.deque()
+        self._cond = threading.Condition()
+        self._busy = False
+        self._error: Optional[BaseException] = None
+        self._thread: Optional[threading.Thread] = None
+        self._closed = False
+
+    def submit(self, issue: Callable[[], Work],
+               before: Optional[Callable[[], None]] = None) -> FutureWork:
+        future = FutureWork()
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("dear: the collective executor was closed (dear.shutdown())")
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="dear-collectives",
+                                                daemon=True)
+                self._thread.start()
+            self._tasks.append((issue, before, future))
+            self._cond.notify_all()
+        return future
+
+    def drain(self) -> None:
+        """Return once every submitted collective is issued (not necessarily complete)."""
+        with self._cond:
+            while self._tasks or self._busy:
+                self._cond.wait()
+            error, self._error = self._error, None
+        if error is not None:
+            raise RuntimeError(f"dear: a collective failed in the executor: {error}") from error
+
+    @property
+    def idle(self) -> bool:
+        with self._cond:
+            return not self._tasks and not self._busy
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=60)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._tasks and not self._closed:
+                    self._cond.wait()
+                if not self._tasks:
+                    return
+                issue, before, future = self._tasks.popleft()
+                self._busy = True
+            try:
+                if self._error is not None:
+                    raise self._error
+                if before is not None:
+                    before()
+                work: Optional[Work] = issue()
+                future._set(work, None)
+            except BaseException as exc:    # a dead rank: every later task fails the same way
+                self._error = self._error or exc
+                future._set(None, exc)
+            with self._cond:
+                self._busy = False
+                self._cond.notify_all()
+
+
+# --------------------------------------------------------------------------- measurement
+@dataclasses.dataclass(frozen=True)
+class LinkCost:
+    """Seconds for a collective of `nbytes` (the full buffer): alpha + nbytes / rate."""
+
+    alpha_rs: float
+    rate_rs: float
+    alpha_ag: float
+    rate_ag: float
+
+    def reduce_scatter(self, nbytes: float) -> float:
+        return self.alpha_rs + nbytes / self.rate_rs
+
+    def all_gather(self, nbytes: float) -> float:
+        return self.alpha_ag + nbytes / self.rate_ag
+
+
+def _fit(small: tuple[int, float], large: tuple[int, float]) -> tuple[float, float]:
+    (b1, t1), (b2, t2) = small, large
+    rate = (b2 - b1) / max(t2 - t1, 1e-9)
+    return max(t1 - b1 / rate, 0.0), rate
+
+
+def probe_link(comm: Communicator, sizes: Sequence[int] = (1 << 16, 4 << 20),
+               repeats: int = 3) -> LinkCost:
+    """Time a reduce-scatter and an all-gather of two sizes (float32), on every rank at once
+    (a collective: call it at the same step everywhere); the best of `repeats` each."""
+    n = comm.size
+    points: dict[str, list[tuple[int, float]]] = {"rs": [], "ag": []}
+    for nbytes in sizes:
+        numel = max(n, nbytes // 4 // n * n)
+        full = torch.zeros(numel)
+        shard = torch.zeros(numel // n)
+        for kind in ("rs", "ag"):
+            best = float("inf")
+            for _ in range(repeats):
+                comm.barrier()
+                start = time.perf_counter()
+                if kind == "rs":
+                    comm.reduce_scatter(full, shard).wait()
+                else:
+                    comm.all_gather(shard, full).wait()
+                best = min(best, time.perf_counter() - start)
+            points[kind].append((numel * 4, best))
+    alpha_rs, rate_rs = _fit(*points["rs"])
+    alpha_ag, rate_ag = _fit(*points["ag"])
+    return LinkCost(alpha_rs, rate_rs, alpha_ag, rate_ag)
+
+
+class BackwardClock:
+    """When each bucket's reduce-scatter was submitted in backward and when step() came,
+    relative to the first submission, over the last few iterations (medians)."""
+
+    def __init__(self, num_buckets: int) -> None:
+        self._current: dict[int, float] = {}
+        self._samples: list[tuple[dict[int, float], float]] = []
+        self._n = num_buckets
+
+    def reduce_scatter_submitted(self, bucket: int) -> None:
+        self._current.setdefault(bucket, time.perf_counter())
+
+    def step(self) -> None:
+        """step() was called: the iteration's backward is over."""
+        now = time.perf_counter()
+        if len(self._current) == self._n:
+            origin = min(self._current.values())
+            self._samples.append(({b: t - origin for b, t in self._current.items()},
+                                  now - origin))
+        self._current = {}
+
+    @property
+    def samples(self) -> int:
+        return len(self._samples)
+
+    def medians(self) -> tuple[list[float], float]:
+        ready = [statistics.median(s[0][b] for s in self._samples) for b in range(self._n)]
+        return ready, statistics.median(s[1] for s in self._samples)
+
+
+# ------------------------------------------------------------------------------ planning
+Chunk = tuple[int, int, int]          # (bucket, first column, number of columns) of the shard
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """After the reduce-scatter of bucket b is submitted, submit the all-gathers `after[b]`;
+    the rest of every bucket is gathered at step() in forward order."""
+
+    after: dict[int, tuple[Chunk, ...]]
+    predicted_gap_fill_s: float = 0.0
+
+    @property
+    def num_chunks(self) -> int:
+        return sum(len(c) for c in self.after.values())
+
+
+def chunk_columns(shard_numel: int, chunk: int) -> list[tuple[int, int]]:
+    """The shard cut into the fewest pieces of at most `chunk` columns, of near-equal length
+    (no tiny tail piece paying a whole collective's latency)."""
+    pieces = max(1, -(-shard_numel // max(1, chunk)))
+    base, extra = divmod(shard_numel, pieces)
+    out, start = [], 0
+    for k in range(pieces):
+        length = base + (k < extra)
+        out.append((start, length))
+        start += length
+    return out
+
+
+def plan_gaps(ready: Sequence[float], rs_bytes: Sequence[int],
+              shard_numels: Sequence[int], itemsizes: Sequence[int], world: int,
+              cost: LinkCost, chunk_bytes: int, slack: float = 0.1) -> Plan:
+    """Replay one backward on a FIFO link: reduce-scatters in reduce order (last bucket first)
+    at their ready times; after each, the all-gather chunks that fit before the next bucket is
+    ready (with `slack` of the gap kept free), needed-first (lowest bucket, lowest column)
+    among the buckets already reduced. Bucket 0's reduce-scatter is last; everything after it
+    waits for step()."""
+    n = len(ready)
+    order = list(range(n - 1, -1, -1))
+    link_free = 0.0
+    done: dict[int, float] = {}
+    waiting: list[Chunk] = []
+    after: dict[int, tuple[Chunk, ...]] = {}
+    filled = 0.0
+    for k, b in enumerate(order):
+        link_free = max(link_free, ready[b]) + cost.reduce_scatter(rs_bytes[b])
+        done[b] = link_free
+        columns = max(1, chunk_bytes // max(1, world * itemsizes[b]))
+        waiting.extend((b, s, length) for s, length in chunk_columns(shard_numels[b], columns))
+        waiting.sort()
+        if k == n - 1:
+            break                            # bucket 0: step() gathers the rest, needed first
+        nxt = ready[order[k + 1]]
+        budget = nxt - slack * max(0.0, nxt - ready[b])
+        chosen: list[Chunk] = []
+        while waiting:
+            c = waiting[0]
+            took = cost.all_gather(world * c[2] * itemsizes[c[0]])
+            end = max(link_free, done[c[0]]) + took
+            if end > budget:
+                break
+            chosen.append(waiting.pop(0))
+            link_free = end
+            filled += took
+        if chosen:
+            after[b] = tuple(chosen)
+    return Plan(after=after, predicted_gap_fill_s=filled)
+
+
+__all__ = ["BackwardClock", "CommExecutor", "FutureWork", "LinkCost", "Plan", "chunk_columns",
+           "plan_gaps", "probe_link"]
+
+
+# ------------------------------------------------------------------------------- driving
+log = __import__("logging").getLogger("dear")
+
+
+class ScheduleDriver:
+    """The planned schedule inside one dear.DistributedOptimizer: measures its first
+    iterations, plans at the same step on every rank, and submits the collectives in the
+    plan's order. `enabled=False` (DEAR_SCHEDULE=dear) keeps DeAR's own order."""
+
+    def __init__(self, comm_of: Callable[[], Communicator], enabled: bool, plan_after: int,
+                 chunk_bytes: int) -> None:
+        self._comm_of = comm_of                 # the optimizer's (dear.diagnose may wrap it)
+        self.enabled = enabled and comm_of().size > 1
+        self._plan_after = plan_after
+        self._chunk_bytes = chunk_bytes
+        self.executor: Optional[CommExecutor] = CommExecutor() if self.enabled else None
+        self.plan: Optional[Plan] = None
+        self.cost: Optional[LinkCost] = None
+        self._clock: Optional[BackwardClock] = None
+        self._steps = 0                         # step()s since the layout was (re)built
+        self._buckets: list[Any] = []
+        self._prefix: dict[int, int] = {}       # columns of each bucket gathered in backward
+        self.paused = False                     # e.g. dear.KFAC edits the shards before gathers
+
+    @property
+    def _comm(self) -> Communicator:
+        return self._comm_of()
+
+    def reset(self, buckets: Sequence[Any]) -> None:
+        """A new layout: forget the plan and measure again (every rank at the same step)."""
+        self._buckets = list(buckets)
+        self.plan, self._steps = None, 0
+        self._clock = BackwardClock(len(buckets)) if self.enabled else None
+        self._prefix = {}
+
+    @property
+    def active(self) -> bool:
+        return self.plan is not None and not self.paused
+
+    def submitter(self) -> Optional[Callable[..., Work]]:
+        """How this iteration's reduce-scatters are issued: through the executor once a plan is
+        in force (the chunks it interleaves are), directly otherwise."""
+        return self.executor.submit if self.active and self.executor is not None else None
+
+    def reduce_scatter_submitted(self, bucket: Any, postscale: float) -> None:
+        """Right after bucket's reduce-scatter was submitted: the chunks the plan puts next."""
+        if self._clock is not None:
+            self._clock.reduce_scatter_submitted(bucket.spec.index)
+        if not self.active:
+            return
+        assert self.plan is not None and self.executor is not None
+        comm = self._comm
+        for b, start, length in self.plan.after.get(bucket.spec.index, ()):
+            target = self._buckets[b]
+            work = self.executor.submit(
+                lambda t=target, s=start, n=length: t.gather_columns(comm, s, n),
+                before=lambda t=target: t.finish_reduce_scatter(postscale))
+            target.gather_early(work)
+            self._prefix[b] = start + length
+
+    def gathered_early(self) -> bool:
+        return bool(self._prefix)
+
+    def drain(self) -> None:
+        if self.executor is not None:
+            self.executor.drain()
+
+    def gather_rest(self, groups: Sequence[Any]) -> None:
+        """step(): every all-gather not issued in backward, in forward order (whole groups where
+        no member was gathered early, else each bucket's remaining columns)."""
+        for group in groups:
+            if not any(b.spec.index in self._prefix for b in group.buckets):
+                group.start(self._comm)
+                continue
+            for bucket in group.buckets:
+                done = self._prefix.get(bucket.spec.index, 0)
+                left = bucket.spec.shard_numel - done
+                bucket.gathering(bucket.gather_columns(self._comm, done, left) if left else None)
+
+    def end_step(self) -> None:
+        """After step() issued its all-gathers: record the iteration's backward; plan when the
+        measured iterations are there (every rank at the same step: a collective)."""
+        self._prefix = {}
+        if self._clock is None:
+            return
+        self._clock.step()
+        self._steps += 1
+
+    def maybe_plan(self, itemsizes: Sequence[int]) -> None:
+        """At step(), with nothing in flight (before its all-gathers): probe and plan once the
+        layout has run `plan_after` iterations. Same step on every rank."""
+        if self._clock is None or self.plan is not None or self._steps != self._plan_after:
+            return
+        cost = probe_link(self._comm)
+        plan = None
+        if self._comm.rank == 0 and self._clock.samples:
+            ready, _ = self._clock.medians()
+            specs = [b.spec for b in self._buckets]
+            plan = plan_gaps(ready, [b.wire.numel() * b.wire.element_size()
+                                     for b in self._buckets],
+                             [s.shard_numel for s in specs], itemsizes, self._comm.size, cost,
+                             self._chunk_bytes)
+            log.info("dear: planned schedule: %d all-gather chunks in backward's idle link "
+                     "time (%.1f ms predicted); link rs %.2f Gbit/s, ag %.2f Gbit/s",
+                     plan.num_chunks, 1e3 * plan.predicted_gap_fill_s, 8e-9 * cost.rate_rs,
+                     8e-9 * cost.rate_ag)
+        self.plan = self._comm.broadcast_object(plan, 0)
+        self.cost = cost
+        self._steps += 1                       # plan once per layout
+
+    def close(self) -> None:
+        if self.executor is not None:
+            self.executor.close()

@@ -1,0 +1,192 @@
+"""The planned schedule (dear/fusion/schedule.py): all-gather chunks in backward's idle link time.
+
+What must hold whatever each rank's timing: every rank issues the same collectives in the same
+order (2 and 3 ranks, a rank whose backward is slower in one layer, a branch one rank skips),
+training equals single-process training on the global batch and DDP, and a new layout mid-run
+is planned again. Plus the planner's greedy replay and the executor on their own.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import dear
+from dear.comm.base import Communicator, DoneWork, Work
+from dear.fusion.fusion_config import FusionConfig
+from dear.fusion.schedule import CommExecutor, LinkCost, Plan, chunk_columns, plan_gaps
+from tests.distributed import run_distributed
+from tests.workloads import OPTIMIZERS, batch, branch_used, make_net, max_diff, reference, state_of
+
+STEPS = 7
+
+
+# ------------------------------------------------------------------------------ the planner
+def test_plan_fills_idle_gaps_and_leaves_a_busy_link_alone() -> None:
+    cost = LinkCost(alpha_rs=0.0, rate_rs=1e6, alpha_ag=0.0, rate_ag=1e6)   # 1 MB/s
+    # 3 buckets of 1000 bytes, 2 ranks, float32 shards of 125 elements; chunks of <= 63 columns
+    shard, item, world = [125] * 3, [4] * 3, 2
+    # Buckets 2, 1, 0 ready at 0, 10 ms, 20 ms: each reduce-scatter takes 1 ms, so after
+    # bucket 2's there are 9 ms idle: both chunks of bucket 2 (0.5 ms each) fit.
+    plan = plan_gaps([0.020, 0.010, 0.0], [1000] * 3, shard, item, world, cost, 504)
+    assert plan.after[2] == ((2, 0, 63), (2, 63, 62))
+    # after bucket 1's: bucket 1's chunks; after bucket 0's nothing (step() gathers the rest)
+    assert plan.after[1] == ((1, 0, 63), (1, 63, 62)) and 0 not in plan.after
+    assert plan.predicted_gap_fill_s == pytest.approx(4 * 0.504e-3, rel=0.01)
+    # Link-bound: every bucket ready at once, no gap, DeAR's order.
+    busy = plan_gaps([0.0, 0.0, 0.0], [1000] * 3, shard, item, world, cost, 504)
+    assert busy.after == {} and busy.num_chunks == 0
+
+
+def test_chunk_columns_cover_the_shard_once() -> None:
+    assert chunk_columns(10, 4) == [(0, 4), (4, 3), (7, 3)]
+    assert sum(n for _, n in chunk_columns(1001, 7)) == 1001
+
+
+def test_executor_issues_in_submission_order_after_dependencies() -> None:
+    ex = CommExecutor()
+    gate = threading.Event()
+    order: list[str] = []
+
+    def issue(name: str) -> Any:
+        def run() -> Work:
+            order.append(name)
+            return DoneWork()
+        return run
+
+    first = ex.submit(issue("a"), before=lambda: gate.wait(5))
+    second = ex.submit(issue("b"))
+    time.sleep(0.05)
+    assert order == [], "a task ran before the one ahead of it was issued"
+    gate.set()
+    second.wait()
+    first.wait()
+    ex.drain()
+    assert order == ["a", "b"]
+    failing = ex.submit(issue("c"), before=lambda: (_ for _ in ()).throw(OSError("peer gone")))
+    with pytest.raises(RuntimeError, match="peer gone"):
+        failing.wait()
+    ex.close()
+
+
+# ---------------------------------------------------------------------- on several ranks
+class RecordingCommunicator(Communicator):
+    """Logs every collective this rank issues, in issue order, from whichever thread."""
+
+    def __init__(self, inner: Communicator) -> None:
+        self.inner, self.log = inner, []
+        self._lock = threading.Lock()
+        self.name = inner.name
+
+    def _note(self, *what: Any) -> None:
+        with self._lock:
+            self.log.append(what)
+
+    @property
+    def rank(self) -> int:
+        return self.inner.rank
+
+    @property
+    def size(self) -> int:
+        return self.inner.size
+
+    def reduce_scatter(self, input: torch.Tensor, output: torch.Tensor) -> Work:
+        self._note("rs", input.numel())
+        return self.inner.reduce_scatter(input, output)
+
+    def all_gather(self, input: torch.Tensor, output: torch.Tensor) -> Work:
+        self._note("ag", output.numel())
+        return self.inner.all_gather(input, output)
+
+    def all_gather_columns(self, input: torch.Tensor, output: torch.Tensor, start: int,
+                           length: int) -> Work:
+        self._note("ag-chunk", output.numel(), start, length)
+        return self.inner.all_gather_columns(input, output, start, length)
+
+    def all_reduce(self, tensor: torch.Tensor) -> Work:
+        self._note("ar", tensor.numel())
+        return self.inner.all_reduce(tensor)
+
+    def broadcast(self, tensor: torch.Tensor, root: int) -> Work:
+        self._note("bc", tensor.numel())
+        return self.inner.broadcast(tensor, root)
+
+    def broadcast_object(self, obj: Any, root: int) -> Any:
+        self._note("bco")
+        return self.inner.broadcast_object(obj, root)
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        self._note("ago")
+        return self.inner.all_gather_object(obj)
+
+
+def _slow_in_backward(module: torch.nn.Module, seconds: float) -> None:
+    module.register_full_backward_pre_hook(lambda *_: time.sleep(seconds))
+
+
+def _planned_run(forced: bool, relayout_at: int) -> dict:
+    """Adam on make_net() with the planned schedule; rank 1's fc1 backward is slow, the branch
+    runs on some ranks only. `forced`: after every bucket's reduce-scatter, gather all of that
+    bucket in 3-column chunks (the most chunks in backward any plan can have)."""
+    dear.init()
+    rank, world = dear.rank(), dear.size()
+    recorder = RecordingCommunicator(dear.runtime._state.comm)
+    dear.runtime._state.comm = recorder
+    model = make_net()
+    if rank == 1:
+        _slow_in_backward(model.fc1, 0.02)
+    opt = dear.DistributedOptimizer(OPTIMIZERS["adam"](model.parameters()), model=model,
+                                    fusion_threshold=1024, schedule="planned")
+    chunks_in_backward, plans = 0, 0
+    for step in range(STEPS):
+        if step == relayout_at:                # what the autotuner does between steps
+            opt.flush_updates()
+            opt._relayout(FusionConfig.single(512))
+        if forced and opt._buckets is not None and opt._schedule.plan is None:
+            opt._schedule.plan = Plan(after={
+                b.spec.index: tuple((b.spec.index, s, n)
+                                    for s, n in chunk_columns(b.spec.shard_numel, 3))
+                for b in opt._buckets if b.spec.index > 0})
+        opt.zero_grad()
+        x, y = batch(step, world, rank)
+        F.mse_loss(model(x, branch_used(step, rank)), y).backward()
+        before = len(recorder.log)
+        opt.step()
+        chunks_in_backward += sum(1 for e in recorder.log[:before] if e[0] == "ag-chunk")
+        plans += opt._schedule.plan is not None
+    opt.flush_updates()
+    out = {"params": state_of(model), "log": list(recorder.log), "plans": plans,
+           "chunks_in_backward": chunks_in_backward, "buckets": len(opt._buckets)}
+    dear.shutdown()
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_forced_plan_same_order_everywhere_and_same_training(world: int) -> None:
+    ranks = run_distributed(_planned_run, world, True, -1, timeout=180,
+                            env={"DEAR_PLAN_AFTER": "100"})
+    ref = reference("adam", world, STEPS, branch=True)
+    for rank, res in enumerate(ranks):
+        assert res["chunks_in_backward"] > 0, "no all-gather chunk was issued in backward"
+        assert res["log"] == ranks[0]["log"], f"rank {rank} issued another collective order"
+        scale = max(v.abs().max().item() for v in ref.values())
+        assert max_diff(res["params"], ref) <= 1e-6 * scale
+    assert max_diff(ranks[0]["params"], ranks[1]["params"]) == 0.0
+
+
+def test_measured_plan_and_a_new_layout_mid_run() -> None:
+    """The plan comes from rank 0's measured backward and a link probe at the same step
+    everywhere; a new layout (step 4) drops it and is planned again 2 steps later."""
+    ranks = run_distributed(_planned_run, 2, False, 4, timeout=180,
+                            env={"DEAR_PLAN_AFTER": "2"})
+    ref = reference("adam", 2, STEPS, branch=True)
+    scale = max(v.abs().max().item() for v in ref.values())
+    for res in ranks:
+        assert res["log"] == ranks[0]["log"]
+        assert res["plans"] >= 3               # planned in the first layout and in the second
+        assert max_diff(res["params"], ref) <= 1e-6 * scale
