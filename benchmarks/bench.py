@@ -6,7 +6,14 @@ Writes benchmarks/results/bench_<model>.{json,md} (from benchmarks.train), and
 benchmarks/results/bench.{json,md,png}: every method as a ratio to the lower bound T_lb and to DDP.
 Without root (or `ip`/`tc`) it says so and runs on loopback with --no-shaping.
 
+Then the same methods on an emulated accelerator (benchmarks.emulated_bench: the real models'
+parameters, compute that sleeps and leaves the cores to the network, as on a GPU cluster):
+benchmarks/results/bench_emulated{,.json,.png}, its table also in bench.md. On the CPU table every
+method's compute shares each rank's one core with the network stack (bench_analysis.md); the
+emulated table is the one that says how the schedules compare where compute runs on a device.
+
     python -m benchmarks.bench [--models resnet50,bert_base] [--quick] [--no-shaping]
+                               [--emulated SETUPS | --emulated ''] [--emulated-only]
 """
 
 from __future__ import annotations
@@ -27,6 +34,10 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "bert_base": {"bandwidth": "2gbit", "args": ["--seq-len", "64", "--batch", "4"], "iters": 3},
 }
 METHODS = "ddp,fsdp2,allreduce,wfbp,horovod,dear,dear-hvd"
+# The emulated-accelerator table: under 10 minutes on the 2-core machine (2 rounds, 3 timed
+# iterations per method and round). The full study: benchmarks.emulated_bench --setups ... (README).
+EMULATED_SETUPS = "resnet50:2,vgg16:2:1gbit:4,bert_base:2:1gbit:4,resnet50:4:1gbit:2"
+EMULATED_METHODS = "ddp,wfbp,horovod,fsdp2,dear,dear:first_bucket=2MB"
 
 
 def horovod_installed() -> bool:
@@ -90,12 +101,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-shaping", action="store_true")
     parser.add_argument("--suffix", default="", help="appended to the result names")
     parser.add_argument("--timeout", type=float, default=900.0)
+    parser.add_argument("--emulated", default=EMULATED_SETUPS,
+                        help="emulated-accelerator setups (benchmarks.emulated_bench); '' skips")
+    parser.add_argument("--emulated-methods", default=EMULATED_METHODS)
+    parser.add_argument("--emulated-only", action="store_true", help="skip the CPU table")
     args = parser.parse_args(argv)
     shaping = not args.no_shaping
     reason = check_can_shape() if shaping else None
     if reason:
         print(f"bench: cannot shape a network here ({reason}); running on loopback instead")
         shaping = False
+    emulated = run_emulated(args, shaping) if args.emulated else ""
+    if args.emulated_only:
+        return 0
     reports = {m: run_model(m, args, shaping) for m in args.models.split(",") if m}
     rows = []
     for model, rep in reports.items():
@@ -119,8 +137,27 @@ def main(argv: list[str] | None = None) -> int:
     chart(reports, png)
     results.write(name, "DeAR vs baselines on an emulated 2-node cluster",
                   {"shaping": shaping, "configs": CONFIGS, "reports": reports}, table,
-                  limits + f"\n\n![ratios]({os.path.basename(png)})")
+                  limits + f"\n\n![ratios]({os.path.basename(png)})" + emulated)
     return 0
+
+
+def run_emulated(args: argparse.Namespace, shaping: bool) -> str:
+    """The emulated-accelerator table (bench_emulated.*); returns a section for bench.md."""
+    from benchmarks import emulated_bench
+
+    name = f"bench_emulated{args.suffix}"
+    iters = (["--rounds", "1", "--warmup", "1", "--iters", "2"] if args.quick else
+             ["--rounds", "2", "--warmup", "1", "--iters", "3"])
+    cmd = ["--setups", args.emulated, "--methods", args.emulated_methods, "--name", name,
+           "--comm-repeats", "2", "--timeout", str(args.timeout), *iters]
+    if not shaping:
+        cmd.append("--no-shaping")
+    emulated_bench.main(cmd)
+    with open(os.path.join(results.RESULTS_DIR, f"{name}.json")) as fh:
+        reports = json.load(fh)["reports"]
+    table, notes = emulated_bench.table(reports)
+    return (f"\n\n## Emulated accelerator (compute off the CPU): {name}.md\n\n{table}\n\n"
+            f"{notes}\n\n{emulated_bench.EXPLAIN}\n\n![x T_lb]({name}.png)")
 
 
 if __name__ == "__main__":

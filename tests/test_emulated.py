@@ -93,7 +93,7 @@ def test_method_specs() -> None:
         emulated_bench.parse_method("dearr")
     with pytest.raises(ValueError, match="KEY=VALUE"):
         emulated_bench.parse_method("dear:first_bucket")
-    assert emulated_bench.parse_setup("resnet50:8") == ("resnet50", 8, "250mbit", 4)
+    assert emulated_bench.parse_setup("resnet50:8") == ("resnet50", 8, "500mbit", 2)
     assert emulated_bench.parse_setup("vgg16:2:2gbit:1") == ("vgg16", 2, "2gbit", 1)
 
 
@@ -128,3 +128,34 @@ def test_dear_equals_ddp_on_the_emulated_model_two_ranks() -> None:
     # both ranks hold the same model (the average of both ranks' gradients)
     for name, p in per_rank[0]["dear"][1].items():
         assert torch.equal(p, per_rank[1]["dear"][1][name])
+
+
+def _trace_and_read(out: str) -> tuple[list[float], list[float], list[float], list[float]]:
+    import torch.distributed as dist
+
+    import dear
+    dist.init_process_group("gloo")
+    s = emulated.spec("resnet50", scale=16).timed(0.3)
+    model = emulated.EmulatedModel(s)
+    opt = emulated.EmulatedSGD(model.parameters())
+    with dear.diagnose.trace(model, opt, out=out, iterations=range(1, 3)):
+        for step in range(4):
+            x, y = emulated.make_batch(step, 0, 4)
+            opt.zero_grad()
+            emulated.loss_fn(model(x), y).backward()
+            opt.step()
+    t = emulated.times_from_trace(emulated.spec("resnet50", scale=16), out, compute_s=0.3)
+    return list(s.forward_s), list(t.forward_s), list(s.backward_s), list(t.backward_s)
+
+
+def test_layer_times_from_a_dear_diagnose_trace(tmp_path) -> None:
+    """Tracing the emulated model gives back its own per-layer times (roughly: a loaded
+    machine wakes sleepers late), rescaled to the requested compute time."""
+    fwd, traced_fwd, bwd, traced_bwd = run_distributed(_trace_and_read, 1, str(tmp_path),
+                                                       timeout=60)[0]
+    assert sum(traced_fwd) + sum(traced_bwd) == pytest.approx(0.3)
+    s = emulated.spec("resnet50", scale=16)
+    names = [layer.name for layer in s.layers]
+    conv, bn = names.index("layer1.0.conv2"), names.index("layer1.0.bn2")
+    assert traced_fwd[conv] > traced_fwd[bn] and traced_bwd[conv] > traced_bwd[bn]
+    assert sum(traced_bwd) > sum(traced_fwd)
