@@ -194,7 +194,7 @@ class BackwardClock:
     def step(self) -> None:
         """step() was called: the iteration's backward is over."""
         now = time.perf_counter()
-        if len(self._current) == self._n:
+        if self._current and len(self._current) == self._n:   # 0 buckets: sparse params only
             origin = min(self._current.values())
             self._samples.append(({b: t - origin for b, t in self._current.items()},
                                   now - origin))
