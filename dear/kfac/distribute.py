@@ -48,17 +48,15 @@ class Distribution:
             dec_transport, grad_transport = grid_transports(transport, columns)
         for i in order:
             s = self.layers[i]
-            if plan.strategy in (Strategy.COMM_OPT, Strategy.HYBRID_OPT):
-                if columns and self.column(i) != self.rank % columns:
-                    pass                            # another column's layer: not held here
-                else:
-                    for which, owner in (("A", plan.a_owner[i]), ("G", plan.g_owner[i])):
-                        if owner != EVERYWHERE:
-                            diagonal = which == "A" and s.layer.diagonal_a
-                            dim = s.layer.a_dim if which == "A" else s.layer.g_dim
-                            root = owner // columns if columns else owner
-                            dec_items.append(((which, i), flat_size(method, dim, diagonal),
-                                              root))
+            # hybrid: only the layers of this rank's column are held here
+            held = not columns or self.column(i) == self.rank % columns
+            if plan.strategy in (Strategy.COMM_OPT, Strategy.HYBRID_OPT) and held:
+                for which, owner in (("A", plan.a_owner[i]), ("G", plan.g_owner[i])):
+                    if owner != EVERYWHERE:
+                        diagonal = which == "A" and s.layer.diagonal_a
+                        dim = s.layer.a_dim if which == "A" else s.layer.g_dim
+                        root = owner // columns if columns else owner  # index in the column
+                        dec_items.append(((which, i), flat_size(method, dim, diagonal), root))
             if plan.strategy is Strategy.COMM_OPT or plan.layer_owner[i] == EVERYWHERE:
                 continue
             root = self.column(i) if columns else plan.layer_owner[i]
