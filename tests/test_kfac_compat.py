@@ -6,6 +6,7 @@ module's name and class name) written out here."""
 from __future__ import annotations
 
 import enum
+import logging
 import re
 
 import pytest
@@ -228,3 +229,11 @@ def test_loads_a_kfac_pytorch_checkpoint():
     lazy = KFAC(W.make_model("mlp"), **ARGS)
     lazy.load_state_dict(theirs, compute_inverses=False)
     assert not lazy._force_decompose
+
+
+def test_loglevel_of_the_registration_lines(caplog):
+    with caplog.at_level(logging.INFO, logger="dear"):
+        KFAC(W.make_model("cnn"), loglevel=logging.INFO)
+        KFAC(W.make_model("mlp"))                      # kfac-pytorch's default: DEBUG
+    registered = [r.getMessage() for r in caplog.records if "registered" in r.getMessage()]
+    assert [line.split(":")[1].split()[-1] for line in registered] == ["conv1", "conv2", "fc"]

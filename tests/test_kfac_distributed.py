@@ -36,6 +36,8 @@ CASES = [
     ("cnn", "pad", dict(network_model=FAST_NET, pipeline_factors=False, method="inverse")),
     ("embed", "pad", dict(network_model=FAST_NET)),
     ("mlp", "pad", dict(network_model=FAST_NET, factor_update_freq=2)),
+    ("cnn", "comm-opt", dict(network_model=FAST_NET, allreduce_bucket_cap_mb=0)),  # kfac-pytorch:
+                                                    # no bucketing (a message per factor)
     ("cnn", "auto", dict()),                            # measured network, calibrated costs
 ]
 
