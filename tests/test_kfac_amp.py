@@ -198,3 +198,31 @@ def test_two_ranks_pick_the_scale_up(strategy):
         assert W.max_rel_diff({k: params[k] - want[0][k] for k in params},
                               {k: want[STEPS][k] - want[0][k] for k in params}) < TOL
     assert all(torch.equal(results[0][0][k], results[1][0][k]) for k in results[0][0])
+
+
+def test_horovods_loop_with_grad_scaler_matches_the_reference():
+    """synchronize(); precond.step(); skip_synchronize(): scaler.step(opt): .grad is averaged
+    but still scaled when K-FAC runs (the optimizer unscales it afterwards)."""
+    want = W.reference_params("mlp", 1, STEPS, **ARGS)
+    dear.init(backend="local")
+    try:
+        model = W.make_model("mlp")
+        opt = dear.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                        model=model)
+        scaler = _scaler(1)
+        precond = KFAC(model, **ARGS, grad_scaler=scaler)
+        for step in range(STEPS):
+            x, y = W.batch("mlp", step, 1)
+            opt.zero_grad()
+            scaler.scale(W.loss_fn(model(x), y)).backward()
+            opt.synchronize()
+            precond.step()
+            with opt.skip_synchronize():
+                scaler.step(opt)
+            scaler.update()
+        opt.flush_updates()
+        got = W.params_of(model)
+        assert W.max_rel_diff({k: got[k] - want[0][k] for k in got},
+                              {k: want[STEPS][k] - want[0][k] for k in got}) < TOL
+    finally:
+        dear.shutdown()
