@@ -117,6 +117,9 @@ class Config:
     autotune_out: str = "dear_fusion.json"
     #: a saved layout to use instead of the thresholds; skips tuning (DEAR_FUSION_CONFIG).
     fusion_config: str = ""
+    #: bytes of the first bucket in forward order (reduced last, gathered first: on the critical
+    #: path twice); 0: no special first bucket (DEAR_FIRST_BUCKET).
+    first_bucket: int = 2 * _MB
     #: "planned": all-gather chunks also fill backward's idle link time, by a plan rank 0 makes
     #: from the first iterations; "dear": DeAR's order, all-gathers at step() (DEAR_SCHEDULE).
     schedule: str = "planned"
@@ -137,6 +140,7 @@ class Config:
         "autotune_log": ("DEAR_AUTOTUNE_LOG", str),
         "autotune_out": ("DEAR_AUTOTUNE_OUT", str),
         "fusion_config": ("DEAR_FUSION_CONFIG", str),
+        "first_bucket": ("DEAR_FIRST_BUCKET", _parse_bytes),
         "schedule": ("DEAR_SCHEDULE", str),
         "plan_after": ("DEAR_PLAN_AFTER", int),
         "chunk_bytes": ("DEAR_CHUNK_BYTES", _parse_bytes),

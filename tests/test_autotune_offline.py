@@ -115,7 +115,8 @@ def test_offline_run_confirms_switches_everywhere_and_keeps_parameters(tmp_path)
     first = tuned[0]
     assert first["finished"] and first["iterations"] == 2 + 3 + 3 * 4
     plan = first["plan"]
-    assert len(plan) == 3 and plan[0][0] == FusionConfig.single(1024)
+    # the current layout first: threshold 1024 for both, and (DEAR_FIRST_BUCKET) a first bucket
+    assert len(plan) == 3 and plan[0][0] == FusionConfig(1024, 1024, 1024)
     assert all(p is not None and p > 0 for _, p in plan)
     assert len({json.dumps(lay) for lay in first["layouts"]}) >= 2, "never switched"
     assert first["fusion"] == first["current"] and first["current"] in [c for c, _ in plan]

@@ -170,6 +170,9 @@ class Tracer:
                                     self._bucket_of)
         if opt_comm is not None:
             self.optimizer._comm = proxy
+        schedule = getattr(self.optimizer, "_schedule", None)
+        if schedule is not None:               # the replay models DeAR's order: trace that
+            self._schedule_was_paused, schedule.paused = schedule.paused, True
         if rt_comm is target:
             runtime._state.comm = proxy
         self._proxy = proxy
@@ -182,6 +185,9 @@ class Tracer:
             return
         if getattr(self.optimizer, "_comm", None) is proxy:
             self.optimizer._comm = proxy.inner
+        schedule = getattr(self.optimizer, "_schedule", None)
+        if schedule is not None:
+            schedule.paused = getattr(self, "_schedule_was_paused", False)
         if runtime._state.comm is proxy:
             runtime._state.comm = proxy.inner
 

@@ -306,6 +306,7 @@ class ScheduleDriver:
         self._buckets: list[Any] = []
         self._prefix: dict[int, int] = {}       # columns of each bucket gathered in backward
         self.paused = False                     # e.g. dear.KFAC edits the shards before gathers
+        self._planned = False
 
     @property
     def _comm(self) -> Communicator:
@@ -314,7 +315,7 @@ class ScheduleDriver:
     def reset(self, buckets: Sequence[Any]) -> None:
         """A new layout: forget the plan and measure again (every rank at the same step)."""
         self._buckets = list(buckets)
-        self.plan, self._steps = None, 0
+        self.plan, self._steps, self._planned = None, 0, False
         self._clock = BackwardClock(len(buckets)) if self.enabled else None
         self._prefix = {}
 
@@ -374,8 +375,9 @@ class ScheduleDriver:
     def maybe_plan(self, itemsizes: Sequence[int]) -> None:
         """At step(), with nothing in flight (before its all-gathers): probe and plan once the
         layout has run `plan_after` iterations. Same step on every rank."""
-        if self._clock is None or self.plan is not None or self._steps != self._plan_after:
-            return
+        if (self._clock is None or self._planned or self.paused
+                or self._steps < self._plan_after):
+            return                              # (paused is the same on every rank)
         cost = probe_link(self._comm)
         plan = None
         if self._comm.rank == 0 and self._clock.samples:
@@ -391,7 +393,7 @@ class ScheduleDriver:
                      8e-9 * cost.rate_ag)
         self.plan = self._comm.broadcast_object(plan, 0)
         self.cost = cost
-        self._steps += 1                       # plan once per layout
+        self._planned = True                   # plan once per layout
 
     def close(self) -> None:
         if self.executor is not None:
