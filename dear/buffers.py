@@ -22,7 +22,19 @@ from typing import Optional
 import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from . import runtime
 from .comm.base import Communicator
+
+
+def issue_pending() -> None:
+    """Before a collective issued from the main thread inside dear (buffers, sparse gradients,
+    dear.join): every optimizer's collective thread has issued what backward gave it, so this
+    collective keeps its place in the order on every rank (as runtime._flush_all does for the
+    user's collectives)."""
+    for opt in list(runtime._state.optimizers):
+        schedule = getattr(opt, "_schedule", None)
+        if schedule is not None:
+            schedule.drain()
 
 
 class BufferBroadcast:
@@ -51,6 +63,7 @@ class BufferBroadcast:
     def __call__(self) -> None:
         if self._comm.size == 1:
             return
+        issue_pending()
         # Read the buffers again each time: a module may have reassigned one.
         by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
         for buf in self._model.buffers():

@@ -48,6 +48,8 @@ from typing import Any, Optional, Sequence, Union
 import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from .buffers import issue_pending
+
 
 class join:  # noqa: N801 (used like a function: `with dear.join(optimizer):`)
     """Context manager for loops whose ranks run different numbers of iterations."""
@@ -145,6 +147,7 @@ class join:  # noqa: N801 (used like a function: `with dear.join(optimizer):`)
     # ------------------------------------------------------------------------------ helpers
     def _exchange(self, active: bool) -> list[int]:
         """The all-reduce every rank issues once per iteration: which ranks are still active."""
+        issue_pending()
         device = next((p.device for p in self._model.parameters()), torch.device("cpu"))
         mask = torch.zeros(self._comm.size, device=device)
         mask[self._comm.rank] = float(active)
@@ -166,6 +169,7 @@ class join:  # noqa: N801 (used like a function: `with dear.join(optimizer):`)
         by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
         for t in tensors:
             by_kind.setdefault((t.dtype, t.device), []).append(t)
+        issue_pending()
         with torch.no_grad():
             for group in by_kind.values():
                 flat = _flatten_dense_tensors(group)

@@ -32,6 +32,7 @@ from typing import Any, Optional
 
 import torch
 
+from .buffers import issue_pending
 from .comm.base import Communicator
 
 _SPARSE_MODULES = (torch.nn.Embedding, torch.nn.EmbeddingBag)
@@ -87,6 +88,7 @@ class SparseGradients:
     # ------------------------------------------------------------------ inside _communicate
     def reduce(self, prescale: float, postscale: float) -> None:
         """Average every sparse parameter's gradient over ranks (same collectives everywhere)."""
+        issue_pending()                        # other optimizers' collective threads first
         local = []
         for p in self._params:
             g = p.grad

@@ -14,6 +14,9 @@ import dear
 from tests.distributed import run_distributed
 from tests.workloads import OPTIMIZERS, batch, make_net, max_diff, state_of
 
+# The planned schedule (dear/fusion/schedule.py) from the 3rd step, so these runs cover it.
+PLANNED = {"DEAR_PLAN_AFTER": "2"}
+
 BATCHES = {2: [3, 5], 3: [4, 0, 6]}          # per rank; rank 1 of 3 has no batch at all
 
 
@@ -83,7 +86,7 @@ def _ranks(batches: list[int]) -> dict:
 
 @functools.lru_cache(maxsize=None)
 def results(world: int) -> list[dict]:
-    return run_distributed(_ranks, world, BATCHES[world], timeout=240)
+    return run_distributed(_ranks, world, BATCHES[world], timeout=240, env=PLANNED)
 
 
 def rel(a: dict, b: dict) -> float:
@@ -162,7 +165,7 @@ def _sparse_ranks() -> dict:
 def test_two_optimizers_and_sparse_gradients_under_join() -> None:
     from tests.workloads import assert_float32_close
     ref, exact = _sparse_reference(torch.float32), _sparse_reference(torch.float64)
-    ranks = run_distributed(_sparse_ranks, len(SPARSE_BATCHES), timeout=120)
+    ranks = run_distributed(_sparse_ranks, len(SPARSE_BATCHES), timeout=120, env=PLANNED)
     for rank, res in enumerate(ranks):
         assert max_diff(res, ranks[0]) == 0.0
         assert_float32_close(res, exact, ref, what=f"rank {rank}")

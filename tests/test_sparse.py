@@ -15,6 +15,9 @@ import dear
 from tests.distributed import run_distributed
 from tests.workloads import assert_float32_close
 
+# The planned schedule (dear/fusion/schedule.py) from the 3rd step, so these runs cover it.
+PLANNED = {"DEAR_PLAN_AFTER": "2"}
+
 STEPS = 4
 PER_RANK = 3
 
@@ -105,7 +108,7 @@ def _ranks() -> dict:
 
 @functools.lru_cache(maxsize=None)
 def results(world: int) -> list[dict]:
-    return run_distributed(_ranks, world, timeout=180)
+    return run_distributed(_ranks, world, timeout=180, env=PLANNED)
 
 
 @pytest.mark.parametrize("world", [3])         # 3 ranks: uneven counts; Horovod's test has 2
