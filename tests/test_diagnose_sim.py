@@ -330,3 +330,28 @@ def test_contention_takes_the_trace_back_to_quiet_compute(tmp_path):
     assert fit_contention(trace, trace) == 0.0
     with pytest.raises(ValueError, match="contention"):
         Simulator(trace, contention=-1)
+
+
+def test_trace_without_model_says_what_to_pass(tmp_path) -> None:
+    """A DEAR_TRACE of an optimizer built Horovod-style (named_parameters, no model=) has no
+    forward to replay: the error must say to pass model=, not blame gradient accumulation."""
+    import torch
+
+    import dear
+    from dear import diagnose
+    dear.init(backend="local")
+    try:
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+        opt = dear.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                        named_parameters=model.named_parameters())
+        out = str(tmp_path / "trace")
+        with diagnose.Tracer(None, opt, out, range(1, 3)):
+            for _ in range(4):
+                opt.zero_grad()
+                model(torch.ones(4, 8)).sum().backward()
+                opt.step()
+    finally:
+        dear.shutdown()
+    with pytest.raises(ValueError, match="model=") as info:
+        Simulator(out).predict(Schedule.DEAR)
+    assert "accumulation" not in str(info.value)

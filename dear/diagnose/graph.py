@@ -82,6 +82,13 @@ def _rank_profile(rank: RankTrace, iteration: int, comm: list[Interval],
     modules = rank.meta.get("modules", [])
     roots = [s for s in spans if s.cat == "forward" and s.args.get("module") == 0]
     steps = [s for s in spans if s.cat == "step"]
+    if not modules and not roots:
+        raise ValueError(
+            f"rank {rank.rank}: the trace has no forward pass to replay, because the traced "
+            "optimizer was built without model= (Horovod-style, from named_parameters), so "
+            "dear could not hook the model's modules. Pass the model: "
+            "dear.DistributedOptimizer(optimizer, named_parameters=..., model=model) with "
+            "DEAR_TRACE, or trace explicitly with dear.diagnose.trace(model, optimizer, ...)")
     if len(roots) != 1 or len(steps) != 1:
         raise ValueError(
             f"rank {rank.rank} iteration {iteration}: replay models one forward, one backward "
