@@ -169,3 +169,21 @@ def test_two_optimizers_and_sparse_gradients_under_join() -> None:
     for rank, res in enumerate(ranks):
         assert max_diff(res, ranks[0]) == 0.0
         assert_float32_close(res, exact, ref, what=f"rank {rank}")
+
+
+def test_join_on_horovod(tmp_path) -> None:
+    """hvd.join()'s use case on dear's Horovod backend: the same uneven run under horovodrun's
+    environment (dear.init() picks Horovod)."""
+    from tests.horovod_launch import run_horovod
+    from tests.workloads import assert_float32_close
+    script = tmp_path / "join.py"
+    script.write_text("import os, torch\nfrom tests.test_join import _sparse_ranks\n"
+                      "out = _sparse_ranks()\n"
+                      f"torch.save(out, {str(tmp_path)!r} + '/' + os.environ['HOROVOD_RANK'] "
+                      "+ '.pt')\n")
+    run_horovod([str(script)], np=len(SPARSE_BATCHES), timeout=120)
+    ref, exact = _sparse_reference(torch.float32), _sparse_reference(torch.float64)
+    ranks = [torch.load(tmp_path / f"{r}.pt") for r in range(len(SPARSE_BATCHES))]
+    for rank, res in enumerate(ranks):
+        assert max_diff(res, ranks[0]) == 0.0
+        assert_float32_close(res, exact, ref, what=f"rank {rank}")
