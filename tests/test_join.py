@@ -187,3 +187,31 @@ def test_join_on_horovod(tmp_path) -> None:
     for rank, res in enumerate(ranks):
         assert max_diff(res, ranks[0]) == 0.0
         assert_float32_close(res, exact, ref, what=f"rank {rank}")
+
+
+def _scaler_in_join() -> None:
+    dear.init()
+    model = make_net()
+    opt = dear.DistributedOptimizer(OPTIMIZERS["sgd"](model.parameters()), model=model)
+    scaler = torch.amp.GradScaler("cpu")
+    with dear.join(opt):
+        x, y = batch(0, dear.size(), dear.rank())
+        scaler.scale(F.mse_loss(model(x), y)).backward()
+        scaler.step(opt)
+
+
+def test_what_join_cannot_shadow_is_refused_on_every_rank() -> None:
+    outcomes = run_distributed(_scaler_in_join, 2, timeout=60, expect_failure=True)
+    for text in outcomes:                      # both ranks, at the same step: no hang
+        assert isinstance(text, str) and "GradScaler inside dear.join() is not supported" in text
+    dear.init(backend="local")
+    try:
+        plain = torch.nn.Linear(2, 2)
+        opt = dear.DistributedOptimizer(torch.optim.SGD(plain.parameters(), lr=0.1),
+                                        plain.named_parameters())
+        with pytest.raises(ValueError, match="needs the model"):
+            dear.join(opt)
+        with pytest.raises(TypeError, match="dear.DistributedOptimizer"):
+            dear.join(torch.optim.SGD(plain.parameters(), lr=0.1), plain)
+    finally:
+        dear.shutdown()
