@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import statistics
-from typing import Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -43,6 +43,7 @@ ITERATIONS = 4
 
 class Schedule(str, enum.Enum):
     DEAR = "dear"
+    PLANNED = "planned"            # dear's default: DeAR + all-gather chunks in backward's gaps
     DDP = "ddp"
     WFBP = "wfbp"
     ALLREDUCE = "allreduce"
@@ -155,7 +156,14 @@ def ddp_buckets(model: Model, threshold: int, first_bucket: Optional[int]
     return out
 
 
-def _dear_program(prof: Profile, layout: DearLayout, numel: list[int]) -> list[Action]:
+def _dear_program(prof: Profile, layout: DearLayout, numel: list[int],
+                  plan: Optional[Any] = None) -> list[Action]:
+    """DeAR's program; with a `plan` (dear.fusion.schedule.Plan) the planned schedule: after
+    bucket b's reduce-scatter, the chunks plan.after[b] ("agc" keys); at step() the rest of each
+    bucket touched by a chunk ("agr"), whole groups otherwise. A chunk issued right after a
+    reduce-scatter starts on the FIFO link after it, hence after its own bucket's (earlier)."""
+    after = plan.after if plan is not None else {}
+    early = {c[0] for chunks in after.values() for c in chunks}
     buckets = layout.buckets
     owner = {p: b for b, (ps, _) in enumerate(buckets) for p in ps}
     gather = {b: g for g, members in enumerate(layout.groups) for b in members}
@@ -173,8 +181,13 @@ def _dear_program(prof: Profile, layout: DearLayout, numel: list[int]) -> list[A
             first = []
             for b in due:
                 if b in pending:               # waits for its group's all-gather (once in flight)
-                    prog += [("wait", ("ag", it - 1, gather[b])),
-                             ("compute", update[b], "update")]
+                    if b in early:
+                        prog += [("wait", ("agc", it - 1, b, c[1])) for chunks in after.values()
+                                 for c in chunks if c[0] == b]
+                        prog.append(("wait", ("agr", it - 1, b)))
+                    else:
+                        prog.append(("wait", ("ag", it - 1, gather[b])))
+                    prog.append(("compute", update[b], "update"))
                     pending.remove(b)
             prog.append(("compute", seg.duration, "forward"))
         prog.append(("compute", prof.loss, "forward"))
@@ -185,12 +198,19 @@ def _dear_program(prof: Profile, layout: DearLayout, numel: list[int]) -> list[A
                 filled[owner[seg.produces]] += 1
             while nxt >= 0 and filled[nxt] == sizes[nxt]:
                 prog.append(("issue", ("rs", it, nxt)))
+                prog += [("issue", ("agc", it, c[0], c[1])) for c in after.get(nxt, ())]
                 nxt -= 1
         prog.append(("compute", prof.backward_tail, "backward"))
-        prog += [("issue", ("rs", it, b)) for b in range(nxt, -1, -1)]
+        for b in range(nxt, -1, -1):
+            prog.append(("issue", ("rs", it, b)))
+            prog += [("issue", ("agc", it, c[0], c[1])) for c in after.get(b, ())]
         prog += [("wait", ("rs", it, b)) for b in reversed(range(len(buckets)))]
         prog.append(("compute", prof.step_extra, "step"))
-        prog += [("issue", ("ag", it, g)) for g in range(len(layout.groups))]
+        for g, members in enumerate(layout.groups):
+            if any(b in early for b in members):
+                prog += [("issue", ("agr", it, b)) for b in members]
+            else:
+                prog.append(("issue", ("ag", it, g)))
         prog.append(("compute", prof.tail, "idle"))
     prog.append(("mark", "iteration"))
     return prog
@@ -278,10 +298,10 @@ class Simulator:
         if fusion is not None:
             if not isinstance(fusion, FusionConfig):
                 raise TypeError(f"fusion must be a dear FusionConfig, got {type(fusion).__name__}")
-            if fusion_threshold is not None or schedule is not Schedule.DEAR:
+            if fusion_threshold is not None or schedule not in (Schedule.DEAR, Schedule.PLANNED):
                 raise ValueError("fusion= is DeAR's layout: give it with Schedule.DEAR and "
                                  "without fusion_threshold=")
-        elif schedule is Schedule.DEAR and fusion_threshold is not None:
+        elif schedule in (Schedule.DEAR, Schedule.PLANNED) and fusion_threshold is not None:
             fusion = FusionConfig.single(fusion_threshold)
         if not compute_scale > 0:
             raise ValueError(f"compute_scale must be > 0, got {compute_scale}")
@@ -300,7 +320,7 @@ class Simulator:
         """The schedule's buckets (and DeAR's layout), planned once per prediction."""
         m = self.model
         threshold = DEFAULT_THRESHOLD if fusion_threshold is None else fusion_threshold
-        if schedule is Schedule.DEAR:
+        if schedule in (Schedule.DEAR, Schedule.PLANNED):
             layout = dear_layout(m, fusion, n, unclaimed_first)
             return layout.buckets, layout
         if schedule is Schedule.ALLREDUCE:
@@ -318,6 +338,13 @@ class Simulator:
             programs = [_dear_program(p, layout, self.model.param_numel) for p in profiles]
             kinds = {"rs": "reduce_scatter", "ag": "all_gather"}
             nbytes = {"rs": [b for _, b in buckets], "ag": layout.group_bytes()}
+            if schedule is Schedule.PLANNED:
+                plan, chunk_bytes = self._planned(programs, layout, cost)
+                programs = [_dear_program(p, layout, self.model.param_numel, plan)
+                            for p in profiles]
+                result = replay_contended(programs, lambda key: cost.time(
+                    kinds.get(key[0], "all_gather"), chunk_bytes(key)), self.contention)
+                return _measure(result, schedule, cost.world_size, len(buckets))
         else:
             programs = [_allreduce_program(p, buckets, schedule is Schedule.ALLREDUCE)
                         for p in profiles]
@@ -327,6 +354,53 @@ class Simulator:
             programs, lambda key: cost.time(kinds[key[0]], nbytes[key[0]][key[2]]),
             self.contention)
         return _measure(result, schedule, cost.world_size, len(buckets))
+
+
+    def _planned(self, programs: list[list[Action]], layout: DearLayout,
+                 cost: CostModel) -> tuple[Any, Callable[[tuple], int]]:
+        """What dear does: replay DeAR's order, take when each bucket's reduce-scatter was
+        issued in the last iteration, and plan the gaps with dear's own planner."""
+        from ..config import Config
+        from ..fusion.schedule import LinkCost, plan_gaps
+        buckets, group_bytes = layout.buckets, layout.group_bytes()
+        base = replay_contended(programs, lambda key: cost.time(
+            {"rs": "reduce_scatter", "ag": "all_gather"}[key[0]],
+            (buckets[key[2]][1] if key[0] == "rs" else group_bytes[key[2]])), self.contention)
+        n, world = len(buckets), cost.world_size
+        last = ITERATIONS - 1
+        issued = base.issued[0]
+        origin = min(issued[("rs", last, b)] for b in range(n))
+        ready = [issued[("rs", last, b)] - origin for b in range(n)]
+        small, large = 1 << 16, 4 << 20
+        link = LinkCost(*_alpha_rate(cost, "reduce_scatter", small, large),
+                        *_alpha_rate(cost, "all_gather", small, large))
+        itemsize = [max(1, b // max(1, sum(self.model.param_numel[p] for p in ps) + len(ps)))
+                    for ps, b in buckets]
+        shard = [b // itemsize[k] // world for k, (_, b) in enumerate(buckets)]
+        chunk = Config().chunk_bytes
+        plan = plan_gaps(ready, [b for _, b in buckets], shard, itemsize, world, link, chunk)
+        length = {(c[0], c[1]): c[2] for cs in plan.after.values() for c in cs}
+        done: dict[int, int] = {}
+        for cs in plan.after.values():
+            for c in cs:
+                done[c[0]] = max(done.get(c[0], 0), c[1] + c[2])
+
+        def nbytes(key: tuple) -> int:
+            kind, b = key[0], key[2]
+            if kind == "rs":
+                return buckets[b][1]
+            if kind == "agc":
+                return world * length[(b, key[3])] * itemsize[b]
+            if kind == "agr":
+                return world * (shard[b] - done.get(b, 0)) * itemsize[b]
+            return group_bytes[b]                       # "ag": a whole group
+        return plan, nbytes
+
+
+def _alpha_rate(cost: CostModel, kind: str, small: int, large: int) -> tuple[float, float]:
+    t1, t2 = cost.time(kind, small), cost.time(kind, large)
+    rate = (large - small) / max(t2 - t1, 1e-12)
+    return max(t1 - small / rate, 0.0), rate
 
 
 def _scaled(p: Profile, k: float) -> Profile:

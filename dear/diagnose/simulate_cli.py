@@ -49,7 +49,7 @@ def _simulate(args: argparse.Namespace) -> int:
     print("|---|---|---|---|---|---|---|---|")
     for n in worlds:
         for schedule in schedules:
-            layout = dict(fusion=fusion) if fusion is not None and schedule is Schedule.DEAR \
+            layout = dict(fusion=fusion) if fusion is not None and schedule in (Schedule.DEAR, Schedule.PLANNED) \
                 else dict(fusion_threshold=args.fusion_threshold)
             p = sim.predict(schedule, **layout,
                             bandwidth_bps=args.bandwidth, latency_s=args.latency, world_size=n,
@@ -65,8 +65,8 @@ def _simulate(args: argparse.Namespace) -> int:
 def add_parser(sub: Any) -> None:
     sim = sub.add_parser("simulate", help="replay the traced iteration under what-if settings")
     sim.add_argument("trace", help="directory holding rank*.json")
-    sim.add_argument("--schedule", default="dear,ddp,wfbp,allreduce",
-                     help="comma-separated: dear, ddp, wfbp, allreduce")
+    sim.add_argument("--schedule", default="planned,dear,ddp,wfbp,allreduce",
+                     help="comma-separated: planned (dear's default), dear, ddp, wfbp, allreduce")
     sim.add_argument("--bandwidth", type=_rate, default=None,
                      help="link rate, e.g. 10gbit (default: as fitted from the trace)")
     sim.add_argument("--latency", type=_seconds, default=None,
