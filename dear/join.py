@@ -16,8 +16,9 @@ same reduce-scatters (all of them, in reduce order, inside step(); the active ra
 same ones during backward, in the same order), then the buffer broadcast, then the same
 all-gathers, as an active rank's step(). The answer "nobody is active" reaches every rank in the
 same round, so all leave together. An active rank's `optimizer.clip_grad_norm_()` (one tiny
-all-gather) is shadowed too, as in the rank's own last iteration (so when the loop clips,
-every rank needs at least one batch: a rank without any cannot know that the others clip).
+all-gather) is shadowed too, as in the rank's own last iteration: so a loop inside dear.join()
+clips in every iteration or in none, and when it clips every rank needs at least one batch (a
+rank without any cannot know that the others clip).
 
 Semantics, as DDP's Join (divide_by_initial_world_size=True): a joined rank contributes zero
 gradients and the average still divides by the whole world size. A joined rank applies the
