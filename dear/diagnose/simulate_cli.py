@@ -49,7 +49,8 @@ def _simulate(args: argparse.Namespace) -> int:
     print("|---|---|---|---|---|---|---|---|")
     for n in worlds:
         for schedule in schedules:
-            layout = dict(fusion=fusion) if fusion is not None and schedule in (Schedule.DEAR, Schedule.PLANNED) \
+            dear_like = schedule in (Schedule.DEAR, Schedule.PLANNED)
+            layout = dict(fusion=fusion) if fusion is not None and dear_like \
                 else dict(fusion_threshold=args.fusion_threshold)
             p = sim.predict(schedule, **layout,
                             bandwidth_bps=args.bandwidth, latency_s=args.latency, world_size=n,
