@@ -286,7 +286,8 @@ def rank_main(args: argparse.Namespace) -> int:
                                 "DEAR_CLUSTER_BANDWIDTH_MEASURED"),
                             "bandwidth_requested_bps": os.environ.get(
                                 "DEAR_CLUSTER_BANDWIDTH_REQUESTED"),
-                            "mpi": MPI.Get_library_version().split("\n")[0].strip()}
+                            "mpi": MPI.Get_library_version().split("\n")[0].strip(),
+                            "loadavg_at_start": list(os.getloadavg())}
     if args.sizes_mb:
         gloo = TorchCommunicator(gloo_collectives="pairwise")
         mpi = MPICommunicator(timeout=600, progress=args.progress)
@@ -334,10 +335,18 @@ def _write(args: argparse.Namespace, data: dict[str, Any]) -> None:
         if ratios:
             table += ("\n\nmpi / torch per round: " + ", ".join(f"{r:.3f}" for r in ratios)
                       + f" (median {statistics.median(ratios):.3f})")
-    notes = (f"{args.nproc} ranks, {link}, {data['mpi']}; MPI progress: {args.progress}. "
+    mpi_version = " ".join(data["mpi"].split())
+    load = data.get("loadavg_at_start")
+    notes = (f"{args.nproc} ranks, {link}, {mpi_version}; MPI progress: {args.progress}"
+             + (f"; load average at the start {load[0]:.1f} on {os.cpu_count()} cores (other "
+                "work on the machine slows compute at random: compare backends within a round)"
+                if load else "") + ". "
              "Ratios: median over repeats of each repeat's ratio to the all-reduce of the same "
-             "library. Overlap (dear.diagnose): hidden / total communication time of the traced "
-             "iterations, median.")
+             "library. Traced (dear.diagnose, last round, median iteration): comm is the union of "
+             "the collectives' issue-to-completion intervals, exposed comm the part of it during "
+             "which the training thread computed nothing (waited); overlap = 1 - exposed / comm. "
+             "Without the progress thread (mpi-noprogress) a collective moves only inside wait(), "
+             "so its interval stretches to the wait and the waits grow.")
     path = results.write(args.name, "dear's MPI backend vs the Gloo pairwise exchange", data,
                          table, notes)
     print(f"mpi: wrote {path}", flush=True)
