@@ -2,7 +2,7 @@
 wheel, mpi4py; both installed by `make setup`).
 
 The ranks are started by mpirun running this file (`python -m tests.test_mpi <case>`); each rank
-prints one RESULT line (JSON) that the test reads. Every run has a hard timeout that kills
+writes its result (JSON) to a file that the test reads. Every run has a hard timeout that kills
 mpirun's whole process group.
 
 - conformance, on 2 and 3 ranks: test_comm's checks (every dtype, odd shard sizes, several
@@ -26,6 +26,7 @@ import json
 import os
 import shutil
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -50,10 +51,14 @@ def _launch(case: str, n: int, *extra: str, env: dict[str, str] | None = None,
     clean = {k: v for k, v in os.environ.items()
              if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     clean.update(env or {})
-    out = run([_mpirun(), *flags, "-np", str(n), sys.executable, "-m", "tests.test_mpi", case,
-               *extra], timeout=timeout, env=clean, cwd=ROOT)
-    results = [json.loads(line[len("RESULT "):]) for line in out.stdout.splitlines()
-               if line.startswith("RESULT ")]
+    with tempfile.TemporaryDirectory(prefix="dear-mpi-test-") as outdir:
+        clean["DEAR_TEST_OUT"] = outdir         # one file per rank: mpirun may interleave lines
+        out = run([_mpirun(), *flags, "-np", str(n), sys.executable, "-m", "tests.test_mpi",
+                   case, *extra], timeout=timeout, env=clean, cwd=ROOT)
+        results = []
+        for name in sorted(os.listdir(outdir)):
+            with open(os.path.join(outdir, name)) as fh:
+                results.append(json.load(fh))
     return out.returncode, sorted(results, key=lambda r: r["rank"]), out.stdout
 
 
@@ -121,7 +126,15 @@ def test_mpi_backend_needs_mpi4py() -> None:
 
 # ------------------------------------------------------------------- what the ranks run
 def _report(**fields: Any) -> None:
-    print("RESULT " + json.dumps(fields), flush=True)
+    """This rank's result, as a file in DEAR_TEST_OUT (or a line on stdout when run by hand)."""
+    outdir = os.environ.get("DEAR_TEST_OUT")
+    if not outdir:
+        print("RESULT " + json.dumps(fields), flush=True)
+        return
+    path = os.path.join(outdir, f"{fields['rank']}.json")
+    with open(path + ".tmp", "w") as fh:
+        json.dump(fields, fh)
+    os.replace(path + ".tmp", path)
 
 
 def _conformance() -> None:
