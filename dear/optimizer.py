@@ -87,14 +87,14 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
         self._buckets: Optional[list[Bucket]] = None
         self._gather_groups: list[GatherGroup] = []
         self._order: list[int] = []            # rank 0's parameter order, for re-layouts
-        self._autotuner = self._make_autotuner(named, autotune) if autotune else None
         # Which collective goes on the link when (dear/fusion/schedule.py): DeAR's order, or a
         # plan that also fills backward's idle link time with all-gather chunks.
         cfg = runtime.config()
         planned = (cfg.schedule if schedule is None else schedule) == "planned"
-        self._schedule = ScheduleDriver(lambda: self._comm, planned and all(p.device.type == "cpu"
-                                                              for p in self._params),
+        on_cpu = all(p.device.type == "cpu" for p in self._params)
+        self._schedule = ScheduleDriver(lambda: self._comm, planned and on_cpu,
                                         cfg.plan_after, cfg.chunk_bytes)
+        self._autotuner = self._make_autotuner(named, autotune) if autotune else None
         # clip / unscale factors that must reach chunks gathered before step(): applied to the
         # gathered gradients instead of the shards (the same multiplications, the same bits)
         self._deferred: list[torch.Tensor] = []
@@ -547,6 +547,10 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
         step() through on_step() and switch every rank at the same step."""
         cfg = runtime.config()
         model_bytes = sum(p.numel() * p.element_size() for _, p in named)
+        # A trial must time the layout as it will run: planned, once its plan is made (a new
+        # layout measures plan_after iterations first), so those are part of the settling.
+        settle = (max(cfg.autotune_settle, cfg.plan_after + 1) if self._schedule.enabled
+                  else cfg.autotune_settle)
         if mode is Autotune.OFFLINE:
             if not self._overlap:
                 raise ValueError(
@@ -559,7 +563,7 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
             from .fusion.offline import OfflineAutotuner
             return OfflineAutotuner(self, self._comm, self._fusion,
                                     fingerprint=fusion_file.model_fingerprint(named),
-                                    model_bytes=model_bytes, settle=cfg.autotune_settle,
+                                    model_bytes=model_bytes, settle=settle,
                                     window=cfg.autotune_window,
                                     simulated_trials=cfg.autotune_simulated_trials,
                                     confirm=cfg.autotune_confirm,
@@ -568,7 +572,7 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
         tuner = FusionTuner(model_bytes, budget=cfg.autotune_trials, initial=self._fusion)
         return OnlineAutotuner(tuner, self._comm, self._fusion,
                                fingerprint=fusion_file.model_fingerprint(named),
-                               settle=cfg.autotune_settle, window=cfg.autotune_window,
+                               settle=settle, window=cfg.autotune_window,
                                log_path=cfg.autotune_log or None,
                                out_path=cfg.autotune_out or None)
 
