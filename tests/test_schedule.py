@@ -190,3 +190,37 @@ def test_measured_plan_and_a_new_layout_mid_run() -> None:
         assert res["log"] == ranks[0]["log"]
         assert res["plans"] >= 3               # planned in the first layout and in the second
         assert max_diff(res["params"], ref) <= 1e-6 * scale
+
+
+def _two_optimizers() -> dict:
+    """Two dear optimizers on one model (half the parameters each), both planned: their
+    backward collectives share one executor, so one order on every rank."""
+    dear.init()
+    rank, world = dear.rank(), dear.size()
+    model = make_net()
+    named = list(model.named_parameters())
+    opts = [dear.DistributedOptimizer(OPTIMIZERS["adam"]([p for _, p in part]),
+                                      named_parameters=part, model=model, fusion_threshold=512)
+            for part in (named[:6], named[6:])]
+    for step in range(STEPS):
+        for opt in opts:
+            opt.zero_grad()
+        x, y = batch(step, world, rank)
+        F.mse_loss(model(x), y).backward()
+        for opt in opts:
+            opt.step()
+    for opt in opts:
+        opt.flush_updates()
+    out = {"params": state_of(model), "plans": [o._schedule.plan is not None for o in opts]}
+    dear.shutdown()
+    return out
+
+
+def test_two_optimizers_share_one_order() -> None:
+    ranks = run_distributed(_two_optimizers, 2, timeout=180, env={"DEAR_PLAN_AFTER": "2"})
+    ref = reference("adam", 2, STEPS)
+    scale = max(v.abs().max().item() for v in ref.values())
+    for res in ranks:
+        assert res["plans"] == [True, True]
+        assert max_diff(res["params"], ref) <= 1e-6 * scale
+    assert max_diff(ranks[0]["params"], ranks[1]["params"]) == 0.0

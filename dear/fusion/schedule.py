@@ -286,19 +286,46 @@ __all__ = ["BackwardClock", "CommExecutor", "FutureWork", "LinkCost", "Plan", "c
 # ------------------------------------------------------------------------------- driving
 log = __import__("logging").getLogger("dear")
 
+_shared: Optional[CommExecutor] = None
+_shared_lock = threading.Lock()
+
+
+def shared_executor() -> CommExecutor:
+    """One executor per process: every optimizer's backward collectives go through the same
+    FIFO, so two optimizers on one model keep one order (each rank submits in the same order;
+    two threads issuing at once would not)."""
+    global _shared
+    with _shared_lock:
+        if _shared is None:
+            _shared = CommExecutor()
+        return _shared
+
+
+def close_shared() -> None:
+    """dear.shutdown(): stop the executor's thread (a later dear.init() starts a new one)."""
+    global _shared
+    with _shared_lock:
+        executor, _shared = _shared, None
+    if executor is not None:
+        executor.drain()
+        executor.close()
+
 
 class ScheduleDriver:
     """The planned schedule inside one dear.DistributedOptimizer: measures its first
     iterations, plans at the same step on every rank, and submits the collectives in the
-    plan's order. `enabled=False` (DEAR_SCHEDULE=dear) keeps DeAR's own order."""
+    plan's order. `enabled=False` (DEAR_SCHEDULE=dear) keeps DeAR's own order. `threaded`:
+    backward's collectives go through the process's executor thread (CPU tensors on several
+    ranks), planned or not, so every optimizer's share one order."""
 
     def __init__(self, comm_of: Callable[[], Communicator], enabled: bool, plan_after: int,
-                 chunk_bytes: int) -> None:
+                 chunk_bytes: int, threaded: bool = True) -> None:
         self._comm_of = comm_of                 # the optimizer's (dear.diagnose may wrap it)
-        self.enabled = enabled and comm_of().size > 1
+        threaded = threaded and comm_of().size > 1
+        self.enabled = enabled and threaded
         self._plan_after = plan_after
         self._chunk_bytes = chunk_bytes
-        self.executor: Optional[CommExecutor] = CommExecutor() if self.enabled else None
+        self.executor: Optional[CommExecutor] = shared_executor() if threaded else None
         self.plan: Optional[Plan] = None
         self.cost: Optional[LinkCost] = None
         self._clock: Optional[BackwardClock] = None
@@ -324,9 +351,11 @@ class ScheduleDriver:
         return self.plan is not None and not self.paused
 
     def submitter(self) -> Optional[Callable[..., Work]]:
-        """How this iteration's reduce-scatters are issued: through the executor once a plan is
-        in force (the chunks it interleaves are), directly otherwise."""
-        return self.executor.submit if self.active and self.executor is not None else None
+        """How this iteration's reduce-scatters are issued: through the executor (directly while
+        a dear.diagnose Tracer records this optimizer: it records on the training thread)."""
+        if self.executor is None or self.paused:
+            return None
+        return self.executor.submit
 
     def reduce_scatter_submitted(self, bucket: Any, postscale: float) -> None:
         """Right after bucket's reduce-scatter was submitted: the chunks the plan puts next."""
@@ -396,5 +425,6 @@ class ScheduleDriver:
         self._planned = True                   # plan once per layout
 
     def close(self) -> None:
-        if self.executor is not None:
-            self.executor.close()
+        """This optimizer is done: what it submitted is issued (the thread is the process's,
+        stopped by dear.shutdown())."""
+        self.drain()
