@@ -2,11 +2,13 @@
 
     python examples/lightning_train.py                  # 2 CPU processes, strategy="dear"
     python examples/lightning_train.py --strategy ddp   # the same with DDP, for comparison
-    python examples/lightning_train.py --resume         # continue from the last checkpoint
+    python examples/lightning_train.py --resume --epochs 5   # continue to epoch 5
+    python examples/lightning_train.py --epochs 5            # the same 5 epochs in one go
 
 Lightning starts the second process itself (as for strategy="ddp"); under torchrun, srun or
 mpirun it uses the processes the launcher started. The script prints a checksum of the final
-parameters: "dear" and "ddp" print the same one.
+parameters: "dear" and "ddp" print the same one, and so do a run resumed from a checkpoint
+and an uninterrupted one.
 """
 
 import argparse
@@ -70,9 +72,10 @@ def main() -> None:
                 ckpt_path=last if args.resume and os.path.exists(last) else None)
     if trainer.is_global_zero:
         checksum = sum(float(p.double().sum()) for p in model.parameters())
+        acc = trainer.callback_metrics.get("val_acc")
         print(f"strategy={args.strategy}: {trainer.global_step} steps, "
-              f"val_acc {float(trainer.callback_metrics['val_acc']):.3f}, "
-              f"parameter checksum {checksum:.6f}")
+              + (f"val_acc {float(acc):.3f}, " if acc is not None else "")
+              + f"parameter checksum {checksum:.6f}")
 
 
 if __name__ == "__main__":
