@@ -240,3 +240,21 @@ def test_import_dear_without_lightning() -> None:
     assert out.returncode == 0, out.stdout
     assert "ERR dear.lightning needs PyTorch Lightning: pip install 'dear[lightning]'" \
         in out.stdout
+
+
+def test_mpirun_with_mpi_data_plane() -> None:
+    """examples/lightning_train.py under a real `mpirun -np 2` (Lightning's MPI environment),
+    dear's collectives on MPI (DEAR_BACKEND=mpi): the same parameters as strategy="ddp" there."""
+    pytest.importorskip("mpi4py")
+    mpirun = os.path.join(os.path.dirname(sys.executable), "mpirun")
+    if not os.path.exists(mpirun):
+        pytest.skip("no mpirun: `make setup` installs the mpich wheel")
+    sums = {}
+    for strategy, env in (("dear", {"DEAR_BACKEND": "mpi"}), ("ddp", {})):
+        out = run([mpirun, "-np", "2", sys.executable, "examples/lightning_train.py",
+                   "--strategy", strategy, "--epochs", "1"], timeout=300, env=env, cwd=ROOT)
+        assert out.returncode == 0, out.stdout
+        lines = [line for line in out.stdout.splitlines() if line.startswith("strategy=")]
+        assert len(lines) == 1, out.stdout
+        sums[strategy] = lines[0].split("parameter checksum ")[1]
+    assert sums["dear"] == sums["ddp"]
