@@ -1,5 +1,6 @@
-"""DeAR against DDP, WFBP, Horovod and FSDP2 on an emulated accelerator (benchmarks.emulated):
-real gradient volumes, compute that sleeps and leaves the cores to the network.
+"""DeAR vs DDP, WFBP, Horovod and FSDP2 on an emulated accelerator (benchmarks.emulated).
+
+Real gradient volumes; compute that sleeps and leaves the cores to the network.
 
     python -m benchmarks.emulated_bench --setups resnet50:2,bert_base:2 \
         --methods ddp,wfbp,horovod,fsdp2,dear,dear:first_bucket=2MB --rounds 3
@@ -468,7 +469,8 @@ def table(reports: list[dict[str, Any]]) -> tuple[str, str]:
         link = rep.get("bandwidth_measured_bps")
         notes.append(
             f"- {rep['model']} x{rep['ranks']}: gradient {rep['gradient_mb']:.1f} MB"
-            + (f" (every parameter's first dimension / {rep['scale']}, bandwidth scaled alike)"
+            + (f" (every parameter's first dimension / {rep['scale']}: fewer bytes for the "
+               f"cores' network work, with a slower link to keep T_comm ~ 1 s)"
                if rep["scale"] > 1 else "")
             + f"; T_compute {rep['t_compute_s'] * 1e3:.0f} ms (emulated forward "
             f"{rep['emulated_forward_s'] * 1e3:.0f} + backward {rep['emulated_backward_s'] * 1e3:.0f}"
@@ -479,8 +481,17 @@ def table(reports: list[dict[str, Any]]) -> tuple[str, str]:
             f"; link {rep.get('bandwidth_requested') or 'loopback'}"
             + (f", measured {link / 1e9:.3f} Gbit/s" if link else "")
             + f"; load average before/after {rep['loadavg_before'][0]:.2f}/"
-            f"{rep['loadavg_after'][0]:.2f}")
+            f"{rep['loadavg_after'][0]:.2f}" + _overshoot(rep))
     return results.markdown_table(headers, rows), "\n".join(notes)
+
+
+def _overshoot(rep: dict[str, Any]) -> str:
+    """A warning when the compute measured alone ran well past the requested sleeps: sleepers
+    woken late on a loaded machine; T_lb (and every ratio) is then unreliable."""
+    requested = rep["emulated_forward_s"] + rep["emulated_backward_s"]
+    over = rep["t_compute_s"] / requested - 1 if requested else 0.0
+    return (f"; WARNING: T_compute {100 * over:.0f}% above the requested compute (a loaded "
+            "machine woke the sleepers late): ratios to T_lb unreliable" if over > 0.1 else "")
 
 
 EXPLAIN = """Emulated accelerator (benchmarks/emulated.py): every layer keeps the real model's
