@@ -220,6 +220,9 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
             raise ValueError("dear.DistributedOptimizer.step() does not take a closure: the "
                              "update is applied later, in the next forward pass")
         amp.check_contract(self, grad_scaler)
+        original = self._dear_original()
+        if original is not None:               # an LR scheduler made before wrapping checks it
+            original._opt_called = True
         if not self._synchronized and self._had_gradients:
             if grad_scaler is not None and amp.unscaled_by_user(grad_scaler, self):
                 self._abandon_iteration()
@@ -772,6 +775,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     cls = type(optimizer.__class__.__name__, (_DistributedOptimizer, optimizer.__class__), {})
     wrapped = cls.__new__(cls)
     wrapped.__dict__.update(optimizer.__dict__)
+    # An LR scheduler made before wrapping patched `step` on the optimizer's instance, bound to
+    # the original object: copied, it would run the original step and bypass dear entirely.
+    wrapped.__dict__.pop("step", None)
+    wrapped._dear_original = weakref.ref(optimizer)   # whose _opt_called that scheduler reads
     wrapped._buffer_sync = (BufferBroadcast(model, comm)  # type: ignore[arg-type]
                             if BufferBroadcast.wanted(model, broadcast_buffers) else None)
     wrapped._sparse = (SparseGradients(wrapped, sparse_named, comm, sparse_as_dense)
