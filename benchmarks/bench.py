@@ -37,7 +37,7 @@ METHODS = "ddp,fsdp2,allreduce,wfbp,horovod,dear,dear-hvd"
 # The emulated-accelerator table: under 10 minutes on the 2-core machine (2 rounds, 3 timed
 # iterations per method and round). The full study: benchmarks.emulated_bench --setups ... (README).
 EMULATED_SETUPS = "resnet50:2,vgg16:2:1gbit:4,bert_base:2:1gbit:4,resnet50:4:1gbit:2"
-EMULATED_METHODS = "ddp,wfbp,horovod,fsdp2,dear,dear:first_bucket=2MB"
+EMULATED_METHODS = "ddp,wfbp,horovod,fsdp2,dear,dear:schedule=dear"
 
 
 def horovod_installed() -> bool:

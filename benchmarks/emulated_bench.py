@@ -49,7 +49,7 @@ import torch.distributed as dist
 
 from benchmarks import emulated, results
 
-DEFAULT_METHODS = "ddp,wfbp,horovod,fsdp2,dear,dear:first_bucket=2MB"
+DEFAULT_METHODS = "ddp,wfbp,horovod,fsdp2,dear,dear:schedule=dear"
 LOSS_RTOL = 1e-3
 # (model, ranks) -> (bandwidth per host, scale). Scale: every parameter's first dimension divided
 # by it. Rule: at most 4 Gbit/s in all through the emulated switch (2 x 2, 4 x 1, 8 x 0.5): above
@@ -177,11 +177,13 @@ def _busy_jiffies() -> tuple[int, int]:
 
 
 def train(method: Method, model_spec: emulated.ModelSpec, warmup: int, iters: int,
-          batch_size: int, update: str = "probe") -> dict[str, Any]:
+          batch_size: int, update: str = "probe", plan_warmup: bool = True) -> dict[str, Any]:
     """Train a fresh emulated model with `method` on this rank: per-iteration times (total and
     forward / backward / step), losses, CPU use over the timed iterations, final parameters
-    (update="full" only: to compare methods' numbers)."""
+    (update="full" only: to compare methods' numbers). plan_warmup: dear's planned schedule
+    warms up until it runs its plan (losses still start at step 0: comparable with DDP's)."""
     rank, started = dist.get_rank(), time.perf_counter()
+    warmup = max(warmup, _plan_warmup(method)) if plan_warmup else warmup
     model = emulated.EmulatedModel(model_spec)
     net, opt = METHODS[method.base](model, make_optimizer(update), method.options)
     rec: dict[str, list[float]] = {"total": [], "forward": [], "backward": [], "step": []}
@@ -219,10 +221,23 @@ def train(method: Method, model_spec: emulated.ModelSpec, warmup: int, iters: in
     if method.base == "horovod":                  # its background thread would take CPU from
         import horovod.torch as hvd                # every method measured after it
         hvd.shutdown()
-    return {"times": rec, "losses": losses, "cpu_s": cpu, "wall_s": wall, "setup_s": setup,
+    return {"times": rec, "losses": losses, "warmup": warmup, "cpu_s": cpu,
+            "wall_s": wall, "setup_s": setup,
             "teardown_s": time.perf_counter() - started - setup - wall,
             "machine_busy": (busy1[0] - busy0[0]) / max(1, busy1[1] - busy0[1]),
             "loadavg": os.getloadavg()[0], "params": params}
+
+
+def _plan_warmup(method: Method) -> int:
+    """dear's planned schedule runs DeAR's order for plan_after iterations, then plans: time it
+    only once it runs the plan (2 more iterations), not in the order it measures first."""
+    if method.base != "dear":
+        return 0
+    import dear
+    cfg = dear.runtime.config()
+    if method.options.get("schedule", getattr(cfg, "schedule", "dear")) != "planned":
+        return 0
+    return int(method.options.get("plan_after", getattr(cfg, "plan_after", 0))) + 2
 
 
 def compute_only(model_spec: emulated.ModelSpec, warmup: int, iters: int, batch_size: int
