@@ -25,6 +25,7 @@ so main-thread collectives keep their place in the order too.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import dataclasses
 import statistics
@@ -99,12 +100,12 @@ class CommExecutor:
         with self._cond:
             return not self._tasks and not self._busy
 
-    def close(self) -> None:
+    def close(self, timeout: float = 60.0) -> None:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
         if self._thread is not None:
-            self._thread.join(timeout=60)
+            self._thread.join(timeout=timeout)
 
     def _run(self) -> None:
         while True:
@@ -298,6 +299,9 @@ def shared_executor() -> CommExecutor:
     with _shared_lock:
         if _shared is None:
             _shared = CommExecutor()
+            # Never leave its thread inside a collective while the interpreter (and Gloo's or
+            # MPI's teardown) finalizes, e.g. in a script that does not call dear.shutdown().
+            atexit.register(_shared.close, 5.0)
         return _shared
 
 
