@@ -92,8 +92,9 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
         cfg = runtime.config()
         planned = (cfg.schedule if schedule is None else schedule) == "planned"
         on_cpu = all(p.device.type == "cpu" for p in self._params)
-        self._schedule = ScheduleDriver(lambda: self._comm, planned and on_cpu,
-                                        cfg.plan_after, cfg.chunk_bytes)
+        self._schedule = ScheduleDriver(lambda: self._comm, planned, cfg.plan_after,
+                                        cfg.chunk_bytes,
+                                        threaded=on_cpu and comm.issue_from_any_thread)
         self._autotuner = self._make_autotuner(named, autotune) if autotune else None
         # clip / unscale factors that must reach chunks gathered before step(): applied to the
         # gathered gradients instead of the shards (the same multiplications, the same bits)

@@ -86,6 +86,10 @@ class Communicator(abc.ABC):
 
     #: short name shown in logs and benchmark tables ("gloo-pairwise", "nccl", "horovod", ...)
     name: str = "abstract"
+    #: whether collectives may be issued from dear's executor thread (dear/fusion/schedule.py)
+    #: as well as from the training thread; False keeps every call on the training thread
+    #: (and dear's planned schedule off).
+    issue_from_any_thread: bool = True
 
     @property
     @abc.abstractmethod

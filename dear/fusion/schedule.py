@@ -289,6 +289,7 @@ log = __import__("logging").getLogger("dear")
 
 _shared: Optional[CommExecutor] = None
 _shared_lock = threading.Lock()
+_planned_somewhere = False      # some optimizer of this process runs a plan: all go threaded
 
 
 def shared_executor() -> CommExecutor:
@@ -307,9 +308,9 @@ def shared_executor() -> CommExecutor:
 
 def close_shared() -> None:
     """dear.shutdown(): stop the executor's thread (a later dear.init() starts a new one)."""
-    global _shared
+    global _shared, _planned_somewhere
     with _shared_lock:
-        executor, _shared = _shared, None
+        executor, _shared, _planned_somewhere = _shared, None, False
     if executor is not None:
         executor.drain()
         executor.close()
@@ -357,8 +358,8 @@ class ScheduleDriver:
     def submitter(self) -> Optional[Callable[..., Work]]:
         """How this iteration's reduce-scatters are issued: through the executor (directly while
         a dear.diagnose Tracer records this optimizer: it records on the training thread)."""
-        if self.executor is None or self.paused:
-            return None
+        if self.executor is None or self.paused or not (self.active or _planned_somewhere):
+            return None                         # DeAR's order alone: the training thread issues
         return self.executor.submit
 
     def reduce_scatter_submitted(self, bucket: Any, postscale: float) -> None:
@@ -425,6 +426,9 @@ class ScheduleDriver:
                      plan.num_chunks, 1e3 * plan.predicted_gap_fill_s, 8e-9 * cost.rate_rs,
                      8e-9 * cost.rate_ag)
         self.plan = self._comm.broadcast_object(plan, 0)
+        if self.plan is not None:               # from now on every optimizer's backward
+            global _planned_somewhere            # collectives share the executor's order
+            _planned_somewhere = True
         self.cost = cost
         self._planned = True                   # plan once per layout
 
