@@ -10,6 +10,7 @@ the sum, on every rank.
 from __future__ import annotations
 
 import os
+import re
 import random
 import shutil
 import socket
@@ -83,7 +84,11 @@ def _run_ranks(envs: list[dict[str, str]], timeout: float = 120) -> list[str]:
 
 
 def _ok_lines(outs: list[str]) -> list[str]:
-    return sorted(line for out in outs for line in out.splitlines() if line.startswith("OK "))
+    """The ranks' OK reports. Under mpirun the ranks share one pipe and a report's newline may
+    be written after the next rank's text ("...:39480OK rank=0 ..."), so split on the marker."""
+    pieces = (piece.strip() for out in outs for line in out.splitlines()
+              for piece in re.split(r"(?=OK rank=)", line))
+    return sorted(piece for piece in pieces if piece.startswith("OK "))
 
 
 # ----------------------------------------------------------------------------- unit tests
