@@ -28,6 +28,7 @@ from __future__ import annotations
 import atexit
 import collections
 import dataclasses
+import logging
 import statistics
 import threading
 import time
@@ -36,6 +37,8 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from ..comm.base import Communicator, Work
+
+log = logging.getLogger("dear")
 
 
 class FutureWork(Work):
@@ -285,8 +288,6 @@ __all__ = ["BackwardClock", "CommExecutor", "FutureWork", "LinkCost", "Plan", "c
 
 
 # ------------------------------------------------------------------------------- driving
-log = __import__("logging").getLogger("dear")
-
 _shared: Optional[CommExecutor] = None
 _shared_lock = threading.Lock()
 _planned_somewhere = False      # some optimizer of this process runs a plan: all go threaded
