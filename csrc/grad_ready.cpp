@@ -49,13 +49,16 @@ bool GradReady::record(int64_t j, const std::optional<at::Tensor>& grad) {
   }
   recorded_[j] = 1;
   ++num_recorded_;
-  if (full()) {
-    // Every gradient of the bucket is here: pack them all in one call and drop the references,
-    // so autograd may accumulate into .grad in place again.
-    pack_bucket(buffer_, layout_, grads_, used_);
-    for (auto& g : grads_) g = at::Tensor();
-  }
   return full();
+}
+
+void GradReady::pack() {
+  TORCH_CHECK(full(), "dear: bucket packed with ", num_recorded_, " of ", size(),
+              " gradients recorded");
+  if (packed_) return;
+  pack_bucket(buffer_, layout_, grads_, used_);
+  for (auto& g : grads_) g = at::Tensor();
+  packed_ = true;
 }
 
 bool GradReady::recorded(int64_t j) const {
@@ -97,6 +100,7 @@ void GradReady::reset() {
                               c10::intrusive_ptr<c10::TensorImpl>());
   std::fill(versions_.begin(), versions_.end(), -1);
   num_recorded_ = 0;
+  packed_ = false;
   pending_ = false;
 }
 

@@ -1,10 +1,12 @@
 // Gradient-ready bookkeeping of one fusion bucket (the C++ side of dear/fusion/bucket.py).
 //
-// The backward hooks of the Python path pay one tensor op per parameter (a copy into the
-// bucket). Here a hook only records a reference to the gradient; when the last gradient of the
-// bucket arrives, every recorded gradient is copied into the flat buffer in one call, the usage
-// flags are written after them and the padding is zero-filled: the same bytes the Python path
-// writes, in a different order.
+// The backward hooks of the Python path pay one tensor op per parameter. Here a hook only
+// records a reference to the gradient; once the bucket is full, pack() copies every recorded
+// gradient into the flat buffer in one call, writes the usage flags after them and zero-fills
+// the padding: the same bytes the Python path writes, in a different order. pack() is separate
+// from record() so that the copy can run on the thread that issues the reduce-scatter (the
+// planned schedule's executor), not in backward: a GPU copies on a side stream, the CPU here
+// would otherwise lengthen backward by the copy of every gradient.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -32,9 +34,13 @@ class GradReady {
             int64_t flags_offset, bool sparse_as_dense);
 
   // Record parameter j's gradient for this iteration (nullopt: this rank has none; it counts as
-  // zero with usage flag 0). A second record of j before reset() is ignored. When this record
-  // completes the bucket, the bucket is packed into the buffer at once. Returns full().
+  // zero with usage flag 0). A second record of j before reset() is ignored. Returns full().
   bool record(int64_t j, const std::optional<at::Tensor>& grad);
+
+  // Copy the recorded gradients, the usage flags and zero padding into the buffer and drop the
+  // references (so autograd may accumulate into .grad in place again). The bucket must be full;
+  // a second call before reset() does nothing. Needs no Python: called without the GIL.
+  void pack();
 
   bool recorded(int64_t j) const;
   bool full() const { return num_recorded_ == layout_.size(); }
@@ -73,6 +79,7 @@ class GradReady {
   std::vector<c10::weak_intrusive_ptr<c10::TensorImpl>> stamps_;
   std::vector<int64_t> versions_;
   int64_t num_recorded_ = 0;
+  bool packed_ = false;
   bool pending_ = false;
 };
 

@@ -57,8 +57,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("buffer"), py::arg("offsets"), py::arg("numels"), py::arg("flags_offset"),
            py::arg("sparse_as_dense") = false)
       .def("record", &dear::GradReady::record, py::arg("j"), py::arg("grad"),
-           "Record parameter j's gradient (None: none); packs the bucket when it completes it. "
-           "Returns whether the bucket is full.")
+           "Record parameter j's gradient (None: none); returns whether the bucket is full.")
+      .def("pack", &dear::GradReady::pack, py::call_guard<py::gil_scoped_release>(),
+           "Copy the recorded gradients, flags and padding into the full bucket's buffer "
+           "(once; the GIL is released meanwhile).")
       .def("recorded", &dear::GradReady::recorded, py::arg("j"))
       .def("full", &dear::GradReady::full)
       .def("num_recorded", &dear::GradReady::num_recorded)

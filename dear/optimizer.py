@@ -205,7 +205,8 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
             # (and last step's "full"): it waits for step(), which applies it first.
             if bucket.stage is not Stage.IDLE or not bucket.full:
                 return
-            if self._transform is not None:
+            if self._transform is not None:     # it rotates the packed gradients
+                bucket.fill()
                 self._transform.before_reduce(bucket)
             bucket.start_reduce_scatter(self._comm, self._prescale, self._schedule.submitter())
             self._schedule.reduce_scatter_submitted(bucket, self._postscale)

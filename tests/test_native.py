@@ -163,6 +163,8 @@ def test_pack_writes_the_gradient_bytes_flags_and_zero_padding() -> None:
     bucket.buffer.fill_(float("nan"))                 # stale bytes must all be overwritten
     for j, g in enumerate(grads):
         bucket.pack(j, g)
+    assert bucket.buffer.isnan().all(), "backward's hooks must only take references"
+    bucket.fill()                                     # the copy, on the issuing thread
     spec = bucket.spec
     for j, (off, n) in enumerate(zip(spec.offsets, spec.numels)):
         expect = torch.zeros(n) if grads[j] is None else grads[j].reshape(-1)

@@ -5,6 +5,12 @@
 The same flat buffer carries the local gradients into the reduce-scatter and the averaged
 gradients out of the all-gather: once the reduce-scatter is done the local gradients are no
 longer needed, so the bucket costs one buffer plus one shard of memory.
+
+Backward's hooks only take references to the gradients (`pack`); they are copied into the
+buffer right before the reduce-scatter is issued (`fill`), by whichever thread issues it. Under
+the planned schedule that is the collective executor (dear/fusion/schedule.py), so the copy of
+every gradient runs beside backward instead of lengthening it, as a GPU's copy on a side
+stream would.
 """
 
 from __future__ import annotations
@@ -47,7 +53,9 @@ class Bucket:
         self.flags = self.buffer[spec.flags_offset:spec.flags_offset + len(self.params)]
         self.packed = [False] * len(self.params)
         self.used = [0.0] * len(self.params)
+        self._held: list[Optional[torch.Tensor]] = [None] * len(self.params)
         self.num_packed = 0
+        self._filled = False                       # fill() ran this iteration
         self.stage = Stage.IDLE
         # What a gradient transform did to the packed gradients before the reduce-scatter
         # (dear.KFAC's eigenbasis rotation, dear/kfac/overlap.py), undone after the all-gather.
@@ -74,16 +82,14 @@ class Bucket:
         return self.num_packed == len(self.params)
 
     def pack(self, j: int, grad: Optional[torch.Tensor]) -> None:
-        """Copy parameter j's local gradient in (None: this rank has none, counts as zero)."""
+        """Take parameter j's local gradient (None: this rank has none, counts as zero); it is
+        copied into the buffer by fill()."""
         if self._ready is not None:
             self._ready.record(j, grad)
             return
         if self.packed[j]:
             return
-        if grad is None:
-            self.grad_views[j].zero_()
-            self.used[j] = 0.0
-        else:
+        if grad is not None:
             if grad.is_sparse:
                 if not self.sparse_as_dense:
                     raise RuntimeError(
@@ -91,10 +97,34 @@ class Bucket:
                         "buckets. Use a dense layer (nn.Embedding(sparse=False)) or pass "
                         "sparse_as_dense=True.")
                 grad = grad.to_dense()
-            self.grad_views[j].copy_(grad)
-            self.used[j] = 1.0
+            if grad.numel() != self.grad_views[j].numel():
+                raise RuntimeError(
+                    f"dear: the gradient of parameter {j} of bucket {self.spec.index} has "
+                    f"{grad.numel()} elements, but the parameter has "
+                    f"{self.grad_views[j].numel()}")
+        self._held[j] = grad
+        self.used[j] = 0.0 if grad is None else 1.0
         self.packed[j] = True
         self.num_packed += 1
+
+    def fill(self) -> None:
+        """Copy the taken gradients, the usage flags and zero padding into the buffer (once an
+        iteration; the bucket must be full). Drops the references to the gradients."""
+        if self._filled:
+            return
+        assert self.full, "bucket filled before every gradient was taken"
+        if self._ready is not None:
+            self._ready.pack()                 # C++, without the GIL
+        else:
+            for view, grad in zip(self.grad_views, self._held):
+                if grad is None:
+                    view.zero_()
+                else:
+                    view.copy_(grad)
+            self._held = [None] * len(self.params)
+            self.flags.copy_(torch.tensor(self.used, dtype=self.flags.dtype))
+            self.buffer[self.spec.flags_offset + len(self.params):].zero_()
+        self._filled = True
 
     def pack_missing(self) -> None:
         """Parameters whose hook did not fire this iteration contribute their .grad, or zero."""
@@ -108,18 +138,19 @@ class Bucket:
 
     def start_reduce_scatter(self, comm: Communicator, prescale: float,
                              submit: Optional[Callable[..., Work]] = None) -> None:
-        """`submit` (the schedule's executor) issues the collective in its thread, in order."""
+        """`submit` (the schedule's executor) fills the buffer and issues the collective in its
+        thread, in order; without it, this thread does both now."""
         assert self.stage is Stage.IDLE and self.full, "bucket reduced twice or before it is full"
-        if self._ready is None:            # the native pack wrote flags and padding
-            self.flags.copy_(torch.tensor(self.used, dtype=self.flags.dtype))
-            self.buffer[self.spec.flags_offset + len(self.params):].zero_()
-        if prescale != 1.0:
-            self.buffer.mul_(prescale)
-        if self.wire is not self.buffer:
-            self.wire.copy_(self.buffer)
         wire, wire_shard = self.wire, self.wire_shard
-        self._work = (comm.reduce_scatter(wire, wire_shard) if submit is None
-                      else submit(lambda: comm.reduce_scatter(wire, wire_shard)))
+
+        def issue() -> Work:
+            self.fill()
+            if prescale != 1.0:
+                self.buffer.mul_(prescale)
+            if wire is not self.buffer:
+                wire.copy_(self.buffer)
+            return comm.reduce_scatter(wire, wire_shard)
+        self._work = issue() if submit is None else submit(issue)
         self._averaged = False
         self.stage = Stage.REDUCING
 
@@ -207,7 +238,9 @@ class Bucket:
             self._ready.reset()
         self.packed = [False] * len(self.params)
         self.used = [0.0] * len(self.params)
+        self._held = [None] * len(self.params)
         self.num_packed = 0
+        self._filled = False
         self.stage = Stage.IDLE
         self.transformed = None
         self._gathers = []
