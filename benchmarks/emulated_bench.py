@@ -16,7 +16,8 @@ rotated each round, so drift hits every method alike):
 - T_compute: every rank trains the emulated model alone at once, no communication;
 - every method: warm-up, then timed iterations, split into forward, backward and step.
 Reported: median iteration, x T_lb (T_lb = max(T_compute, T_comm)), x DDP, DeAR's bound
-max(T_fwd, T_comm/2) + max(T_bwd, T_comm/2) and DDP's T_fwd + max(T_bwd, T_comm) beside it;
+max(T_fwd, T_comm/2) + max(T_bwd, T_comm/2), DDP's T_fwd + max(T_bwd, T_comm) and the layers'
+dependency bound (`dependency_bound`; each method's "x dep bound") beside it;
 where time goes (forward wait = forward - the forward alone, backward extra, step wait); CPU:
 CPU seconds per iteration of each rank's process (all its threads) and the machine's busy cores
 (/proc/stat, everything on the machine). Losses are compared with DDP's (same data, same
@@ -42,7 +43,7 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -265,7 +266,11 @@ def compute_only(model_spec: emulated.ModelSpec, warmup: int, iters: int, batch_
 # ---------------------------------------------------------------- the worker (every rank)
 
 
-def worker(args: argparse.Namespace) -> int:
+def worker(args: argparse.Namespace,
+           before_rounds: Optional[Callable[[emulated.ModelSpec], dict[str, Any]]] = None) -> int:
+    """One rank: the link measured, the model timed, then every method in interleaved rounds.
+    `before_rounds(model_spec)` (benchmarks.emulated_validate: a dear.diagnose trace) runs on
+    every rank once the model is timed; rank 0's return value goes into the report as "extra"."""
     import dear
     from benchmarks.train import measure_comm
 
@@ -292,6 +297,7 @@ def worker(args: argparse.Namespace) -> int:
                                                compute_s if args.compute_ms else None)
     else:
         model_spec = model_spec.timed(compute_s, args.backward_factor)
+    extra = before_rounds(model_spec) if before_rounds is not None else None
     runs: dict[str, list[dict[str, Any]]] = {m.label: [] for m in methods}
     compute: list[dict[str, Any]] = []
     for r in range(args.rounds):
@@ -311,9 +317,47 @@ def worker(args: argparse.Namespace) -> int:
         report = summarize(gathered, methods, model_spec, comm, t_comm, args)
         report["worker_s"] = {"spec": spec_s, "comm": comm_s,
                               "total": time.perf_counter() - started}
+        if extra is not None:
+            report["extra"] = extra
         with open(args.out, "w") as fh:
             json.dump(report, fh, indent=2, default=str)
     return 0
+
+
+def dependency_bound(forward: Sequence[float], backward: Sequence[float],
+                     comm: Sequence[float]) -> float:
+    """A lower bound on the iteration from the layers' dependencies, for any schedule that
+    overlaps a layer's reduce-scatter + all-gather (c_j seconds of link) with compute: layer k's
+    gradient is ready at R_k = F + sum_{j>=k} b_j (backward runs n..1), the link must still
+    carry layers 1..k's communication after it, and the next forward needs layers 1..k by
+    T + sum_{i<k} f_i. So T >= max(T_comm, max_k R_k + sum_{j<=k} c_j - sum_{i<k} f_i).
+    Why: max(T_compute, T_comm) ignores that the first layers' gradients are ready last and
+    needed first (BERT-Base's word embedding: 1.2 x T_lb)."""
+    if not len(forward) == len(backward) == len(comm):
+        raise ValueError("one forward, backward and comm time per layer")
+    total_f = sum(forward)
+    best = sum(comm)
+    later_b = sum(backward)                  # sum_{j>=k} b_j
+    done_c = earlier_f = 0.0                 # sum_{j<=k} c_j, sum_{i<k} f_i
+    for f, b, c in zip(forward, backward, comm):
+        done_c += c
+        best = max(best, total_f + later_b + done_c - earlier_f)
+        later_b -= b
+        earlier_f += f
+    return best
+
+
+def _dependency_bound(model_spec: emulated.ModelSpec, fwd: float, bwd: float,
+                      t_comm: float) -> float:
+    """dependency_bound with the layers' requested times scaled to the measured forward and
+    backward (+ step) and c_j = T_comm x layer j's share of the bytes (the measured rate)."""
+    kf = fwd / model_spec.forward_total if model_spec.forward_total else 0.0
+    kb = bwd / model_spec.backward_total if model_spec.backward_total else 0.0
+    numel = [layer.numel for layer in model_spec.layers]
+    total = max(sum(numel), 1)
+    return dependency_bound([t * kf for t in model_spec.forward_s],
+                            [t * kb for t in model_spec.backward_s],
+                            [t_comm * x / total for x in numel])
 
 
 def _phase_medians(per_rank: list[list[dict[str, Any]]]) -> dict[str, float]:
@@ -343,6 +387,7 @@ def summarize(gathered: list[dict[str, Any]], methods: list[Method],
         "emulated_backward_s": model_spec.backward_total, "t_lb_s": t_lb,
         "dear_bound_s": max(fwd, t_comm / 2) + max(bwd, t_comm / 2),
         "ddp_bound_s": fwd + max(bwd, t_comm),
+        "dep_bound_s": _dependency_bound(model_spec, fwd, bwd, t_comm),
         "bandwidth_measured_bps": float(os.environ.get("DEAR_CLUSTER_BANDWIDTH_MEASURED", 0))
         or None, "methods": {}}
     ref = None
@@ -360,6 +405,7 @@ def summarize(gathered: list[dict[str, Any]], methods: list[Method],
             "backward_extra_s": ph["backward"] - base["backward"],
             "step_wait_s": ph["step"] - base["step"],
             "ratio_lb": ph["total"] / t_lb,
+            "ratio_dep": ph["total"] / report["dep_bound_s"],
             "samples_per_s": args.batch * world / ph["total"],
             "cpu_s_per_iter_per_rank": cpu,
             "ranks_cores": cpu * world / ph["total"],   # cores the ranks' processes kept busy
@@ -413,7 +459,11 @@ def horovod_installed() -> bool:
     return hasattr(hvd, "init")
 
 
-def run_setup(setup: str, args: argparse.Namespace, shaping: bool) -> dict[str, Any]:
+def run_setup(setup: str, args: argparse.Namespace, shaping: bool,
+              module: str = "benchmarks.emulated_bench",
+              worker_args: tuple[str, ...] = ()) -> dict[str, Any]:
+    """One setup on the emulated cluster; `module --worker ... worker_args` on every rank
+    (benchmarks.emulated_validate passes its own module and options)."""
     from benchmarks.cluster import EmulatedCluster
 
     model, nproc, bandwidth, scale = parse_setup(setup)
@@ -426,7 +476,7 @@ def run_setup(setup: str, args: argparse.Namespace, shaping: bool) -> dict[str, 
     load_before = os.getloadavg()
     fd, out = tempfile.mkstemp(prefix="dear-emulated-", suffix=".json")
     os.close(fd)
-    cmd = [sys.executable, "-m", "benchmarks.emulated_bench", "--worker", "--out", out,
+    cmd = [sys.executable, "-m", module, "--worker", "--out", out,
            "--model", model, "--scale", str(scale), "--methods", methods,
            "--rounds", str(args.rounds), "--warmup", str(args.warmup), "--iters", str(args.iters),
            "--batch", str(args.batch), "--comm-repeats", str(args.comm_repeats),
@@ -434,6 +484,7 @@ def run_setup(setup: str, args: argparse.Namespace, shaping: bool) -> dict[str, 
            "--backward-factor", str(args.backward_factor)]
     if args.trace:
         cmd += ["--trace", args.trace]
+    cmd += list(worker_args)
     try:
         for attempt in (1, 2):
             with EmulatedCluster(nproc, bandwidth, shaping=shaping, horovod=use_hvd) as cluster:
@@ -469,13 +520,14 @@ def table(reports: list[dict[str, Any]]) -> tuple[str, str]:
                                                      else "")
         for label, r in rep["methods"].items():
             rows.append([where, label, round(r["median_s"] * 1e3), round(r["ratio_lb"], 3),
+                         round(r["ratio_dep"], 3) if "ratio_dep" in r else "-",
                          round(r["ratio_ddp"], 3) if r.get("ratio_ddp") else "-",
                          round(r["forward_wait_s"] * 1e3), round(r["backward_extra_s"] * 1e3),
                          round(r["step_wait_s"] * 1e3), round(r["cpu_s_per_iter_per_rank"], 3),
                          round(r["ranks_cores"], 2), round(r["machine_busy_cores"], 2),
                          ("ok" if r.get("loss_matches_ddp", True) else "DIFFERS")
                          + ("" if r["rounds_agree"] else ", rounds differ")])
-    headers = ["setup", "method", "iter (ms)", "x T_lb", "x DDP", "fwd wait (ms)",
+    headers = ["setup", "method", "iter (ms)", "x T_lb", "x dep bound", "x DDP", "fwd wait (ms)",
                "bwd extra (ms)", "step wait (ms)", "CPU s/iter/rank", "ranks' cores",
                "busy cores",
                "loss vs DDP"]
@@ -493,7 +545,9 @@ def table(reports: list[dict[str, Any]]) -> tuple[str, str]:
             f"{rep['comm_s']['all_reduce'] * 1e3:.0f}, dear rs+ag {rep['comm_s']['rs_ag'] * 1e3:.0f})"
             f"; T_lb {rep['t_lb_s'] * 1e3:.0f} ms; bounds x T_lb: DeAR "
             f"{rep['dear_bound_s'] / rep['t_lb_s']:.2f}, DDP {rep['ddp_bound_s'] / rep['t_lb_s']:.2f}"
-            f"; link {rep.get('bandwidth_requested') or 'loopback'}"
+            + (f", dependency {rep['dep_bound_s'] / rep['t_lb_s']:.2f}" if "dep_bound_s" in rep
+               else "")
+            + f"; link {rep.get('bandwidth_requested') or 'loopback'}"
             + (f", measured {link / 1e9:.3f} Gbit/s" if link else "")
             + f"; load average before/after {rep['loadavg_before'][0]:.2f}/"
             f"{rep['loadavg_after'][0]:.2f}" + _overshoot(rep))
@@ -553,7 +607,10 @@ def chart(reports: list[dict[str, Any]], path: str) -> None:
     plt.close(fig)
 
 
-def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+def parse_args(argv: Optional[list[str]] = None,
+               extend: Optional[Callable[[argparse.ArgumentParser], None]] = None
+               ) -> argparse.Namespace:
+    """`extend` adds a caller's own options (benchmarks.emulated_validate)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--setups", default="resnet50:2",
                    help="MODEL:RANKS[:BANDWIDTH[:SCALE]],... (defaults per setup: SETUPS)")
@@ -575,6 +632,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--out", default="", help=argparse.SUPPRESS)
     p.add_argument("--model", default="resnet50", help=argparse.SUPPRESS)
     p.add_argument("--scale", type=int, default=1, help=argparse.SUPPRESS)
+    if extend is not None:
+        extend(p)
     return p.parse_args(argv)
 
 

@@ -3,6 +3,7 @@ iteration time has a closed form; graph extraction from a synthetic trace; the C
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -378,3 +379,54 @@ def test_planned_schedule_replayed() -> None:
     slow = Simulator.from_model(model, CostModel.ideal(1e8, 0.0, world_size=2))
     assert slow.predict(Schedule.PLANNED).iteration_time == pytest.approx(
         slow.predict(Schedule.DEAR).iteration_time, rel=1e-9)
+
+
+def test_horovod_fuses_what_is_ready_when_the_link_frees():
+    """Horovod's dynamic fusion (dear.diagnose.dynamic): gradients ready at 10, 20, 30 ms, 25 ms
+    per all-reduce, 1 ms cycle: a alone at 11 ms (link free at 36), then b and c together (both
+    ready by 37); with a 1 MB threshold b and c go one by one; a parameter never produced goes
+    last."""
+    from dear.diagnose.dynamic import horovod_buckets
+    prof = Profile(rank=0, lead=0.0, forward=[Segment(0.0)], loss=0.0,
+                   backward=[Segment(0.010, produces=0), Segment(0.010, produces=1),
+                             Segment(0.010, produces=2)],
+                   backward_tail=0.0, update=0.0, step_extra=0.0, tail=0.0)
+    cost = lambda b: 0.025  # noqa: E731
+    assert horovod_buckets([prof], [MB] * 3, cost, cycle_s=1e-3) == [([0], MB), ([1, 2], 2 * MB)]
+    assert horovod_buckets([prof], [MB] * 3, cost, threshold=MB, cycle_s=1e-3) == [
+        ([0], MB), ([1], MB), ([2], MB)]
+    assert horovod_buckets([prof], [MB] * 4, cost, cycle_s=1e-3)[-1] == ([3], MB)
+    # A later rank decides: the coordinator waits for every rank's request.
+    late = dataclasses.replace(prof, lead=0.050)
+    assert [b for b, _ in horovod_buckets([prof, late], [MB] * 3, cost, cycle_s=1e-3)] == [
+        [0], [1, 2]]
+
+
+def test_horovod_schedule_and_step_overhead_closed_form():
+    """On the two-gradient model with a fast link each gradient is its own all-reduce (p1's
+    hides behind G0): Horovod is DDP's closed form plus one negotiation cycle. A step overhead
+    (WFBP's unpacking) adds to the iteration as is."""
+    from dear.diagnose.dynamic import HOROVOD_CYCLE_S
+    cost = CostModel.ideal(2e9, 0.0, world_size=2)
+    sim = Simulator.from_model(_model("ddp", buckets=[]), cost)
+    compute = F0 + F1 + G1 + G0 + UPDATE
+    ar = cost.time("all_reduce", 2 * MB)
+    hvd = sim.predict(Schedule.HOROVOD)
+    assert hvd.buckets == 2
+    assert hvd.iteration_time == pytest.approx(compute + HOROVOD_CYCLE_S + ar, rel=1e-9)
+    wfbp = sim.predict(Schedule.WFBP).iteration_time
+    assert sim.predict(Schedule.WFBP, step_overhead_s=0.005).iteration_time == pytest.approx(
+        wfbp + 0.005, rel=1e-9)
+    with pytest.raises(ValueError, match="step_overhead_s"):
+        sim.predict(Schedule.WFBP, step_overhead_s=-1.0)
+
+
+def test_cost_fit_takes_the_median_iteration_rate():
+    """One traced iteration whose collectives ran at half the rate (a shared machine) does not
+    slow the fitted link: per-iteration rates, their median."""
+    rate = 1e9 / 8
+    samples = [{"kind": "reduce_scatter", "bytes": 8 * MB, "iteration": it,
+                "seconds": 4 * MB / rate * (2 if it == 3 else 1)} for it in range(4)]
+    assert CostModel.fit(samples, 2).rate["reduce_scatter"] == pytest.approx(rate)
+    pooled = [{k: v for k, v in s.items() if k != "iteration"} for s in samples]
+    assert CostModel.fit(pooled, 2).rate["reduce_scatter"] == pytest.approx(rate * 4 / 5)

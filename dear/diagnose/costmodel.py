@@ -75,6 +75,9 @@ class CostModel:
             if busy - len(mine) * steps * a <= 0:
                 a = 0.0
             alpha[kind], rate[kind] = a, sent / (busy - len(mine) * steps * a)
+            per_it = _rates_per_iteration(mine, kind, world_size, steps * a)
+            if len(per_it) >= 3:
+                rate[kind] = statistics.median(per_it)
         if not rate:
             raise ValueError("the trace has no completed collective to fit a cost model on; "
                              "give --bandwidth (and --latency)")
@@ -103,6 +106,22 @@ class CostModel:
     def describe(self) -> str:
         return ", ".join(f"{k} {self.rate[k] * 8 / 1e9:.2f} Gbit/s + {self.alpha[k] * 1e6:.0f} us"
                          f"/step" for k in ("reduce_scatter", "all_gather", "all_reduce"))
+
+
+def _rates_per_iteration(samples: list[dict], kind: str, n: int, latency: float
+                         ) -> list[float]:
+    """The kind's rate in each traced iteration (bytes sent / its busy time). Their median,
+    not the pooled rate, is the fit when there are 3 or more: on a shared machine one iteration
+    whose transport threads lost their cores (measured: one of four at 0.80 Gbit/s, the others
+    0.93 on a 0.96 Gbit/s link) otherwise slows every replayed iteration."""
+    by_it: dict[int, list[float]] = {}
+    for s in samples:
+        if s.get("iteration") is None:
+            return []
+        acc = by_it.setdefault(int(s["iteration"]), [0.0, 0.0])
+        acc[0] += volume(kind, s["bytes"], n)
+        acc[1] += s["seconds"] - latency
+    return [sent / busy for sent, busy in by_it.values() if busy > 0 and sent > 0]
 
 
 def _check_positive(value: float, what: str) -> None:

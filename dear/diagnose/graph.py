@@ -225,7 +225,8 @@ def collective_samples(trace: Trace, queued: bool = False) -> list[dict[str, Any
         if len(spans) == len(trace.ranks):
             begin, end = max(s.start for s in spans), max(s.end for s in spans)
             items.append({"kind": spans[0].args["kind"], "bytes": int(spans[0].args["bytes"]),
-                          "seconds": 0.0, "seq": seq, "begin": begin, "end": end})
+                          "seconds": 0.0, "seq": seq, "begin": begin, "end": end,
+                          "iteration": spans[0].iteration})
     if queued:
         latest = float("-inf")
         for it in items:                       # in issue (sequence) order

@@ -18,6 +18,9 @@ the last one measured so DeAR's all-gathers from the previous step are in it):
 - WFBP: as DDP, but buckets never exceed the threshold (dear's planner rule, as Horovod's
   fusion and benchmarks.baselines.WFBP) and there is no small first bucket.
 - ALLREDUCE: one all-reduce of every gradient after backward, then the update.
+- HOROVOD: Horovod's tensor fusion (see `dynamic`): each fused all-reduce holds what became
+  ready while the previous one ran (up to 128 MB), one negotiation cycle (1 ms) each; step()
+  waits for all.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import torch
 from ..fusion.fusion_config import FusionConfig
 from .chrome import Trace, load_trace
 from .costmodel import CostModel
+from .dynamic import HOROVOD_CYCLE_S, horovod_buckets
 from .engine import Action, Replay, replay_contended
 from .graph import Model, Profile, build_model, collective_samples
 from .intervals import clip, subtract, total, union
@@ -47,6 +51,7 @@ class Schedule(str, enum.Enum):
     DDP = "ddp"
     WFBP = "wfbp"
     ALLREDUCE = "allreduce"
+    HOROVOD = "horovod"            # dynamic fusion: what is ready when the link frees
 
 
 @dataclasses.dataclass
@@ -217,7 +222,7 @@ def _dear_program(prof: Profile, layout: DearLayout, numel: list[int],
 
 
 def _allreduce_program(prof: Profile, buckets: list[tuple[list[int], int]],
-                       after_backward: bool) -> list[Action]:
+                       after_backward: bool, step_overhead_s: float = 0.0) -> list[Action]:
     owner = {p: b for b, (ps, _) in enumerate(buckets) for p in ps}
     sizes = [len(ps) for ps, _ in buckets]
     prog: list[Action] = []
@@ -236,7 +241,8 @@ def _allreduce_program(prof: Profile, buckets: list[tuple[list[int], int]],
         prog.append(("compute", prof.backward_tail, "backward"))
         prog += [("issue", ("ar", it, b)) for b in range(nxt, len(buckets))]
         prog += [("wait", ("ar", it, b)) for b in range(len(buckets))]
-        prog += [("compute", prof.update, "step"), ("compute", prof.tail, "idle")]
+        prog += [("compute", prof.update + step_overhead_s, "step"),
+                 ("compute", prof.tail, "idle")]
     prog.append(("mark", "iteration"))
     return prog
 
@@ -288,10 +294,14 @@ class Simulator:
                 latency_s: Optional[float] = None, world_size: Optional[int] = None,
                 traced_bandwidth_bps: Optional[float] = None,
                 compute_scale: float = 1.0, unclaimed_first: bool = False,
-                fusion: Optional[FusionConfig] = None) -> Prediction:
+                fusion: Optional[FusionConfig] = None, step_overhead_s: float = 0.0
+                ) -> Prediction:
         """`fusion_threshold` is one threshold for every schedule (for DeAR:
         FusionConfig.single, as dear's own fusion_threshold=); `fusion` is DeAR's full layout
-        (reduce-scatter threshold, all-gather threshold, first bucket)."""
+        (reduce-scatter threshold, all-gather threshold, first bucket). `step_overhead_s`: CPU
+        seconds an all-reduce implementation spends in step() after its waits that the traced
+        one did not (e.g. benchmarks.baselines.WFBP copies every averaged gradient out of its
+        buckets); measured apart, never in the trace."""
         schedule = Schedule(schedule)
         if fusion_threshold is not None and fusion_threshold < 0:
             raise ValueError(f"fusion_threshold must be >= 0 bytes, got {fusion_threshold}")
@@ -305,11 +315,14 @@ class Simulator:
             fusion = FusionConfig.single(fusion_threshold)
         if not compute_scale > 0:
             raise ValueError(f"compute_scale must be > 0, got {compute_scale}")
+        if step_overhead_s < 0:
+            raise ValueError(f"step_overhead_s must be >= 0, got {step_overhead_s}")
         cost = self.cost_model(bandwidth_bps, latency_s, world_size, traced_bandwidth_bps)
         # Each traced iteration replayed on its own; the median one is the prediction (the
         # median of iterations, as measured, rather than an iteration of medians).
         plan = self._plan(schedule, fusion_threshold, fusion, cost.world_size, unclaimed_first)
-        runs = [self._replay(ps, schedule, plan, cost, compute_scale)
+        runs = [self._replay(ps, schedule, plan, cost, compute_scale,
+                             step_overhead_s=step_overhead_s)
                 for ps in (self.model.iterations or [self.model.profiles])]
         runs.sort(key=lambda p: p.iteration_time)
         return runs[len(runs) // 2]
@@ -325,15 +338,19 @@ class Simulator:
             return layout.buckets, layout
         if schedule is Schedule.ALLREDUCE:
             return [(list(range(len(m.param_bytes))), sum(m.param_bytes))], None
+        if schedule is Schedule.HOROVOD:
+            return [], None                    # decided per replayed iteration (_replay)
         if schedule is Schedule.DDP:
             return ddp_buckets(m, threshold, DDP_FIRST_BUCKET), None
         return wfbp_buckets(m, threshold), None
 
     def _replay(self, profiles: list[Profile], schedule: Schedule,
                 plan: "tuple[list[tuple[list[int], int]], Optional[DearLayout]]",
-                cost: CostModel, compute_scale: float) -> Prediction:
+                cost: CostModel, compute_scale: float, step_overhead_s: float = 0.0
+                ) -> Prediction:
         buckets, layout = plan
         profiles = [_scaled(p, compute_scale) for p in profiles]
+        delay = 0.0                            # per collective: Horovod's negotiation cycle
         if layout is not None:
             programs = [_dear_program(p, layout, self.model.param_numel) for p in profiles]
             kinds = {"rs": "reduce_scatter", "ag": "all_gather"}
@@ -346,13 +363,17 @@ class Simulator:
                     kinds.get(key[0], "all_gather"), chunk_bytes(key)), self.contention)
                 return _measure(result, schedule, cost.world_size, len(buckets))
         else:
-            programs = [_allreduce_program(p, buckets, schedule is Schedule.ALLREDUCE)
-                        for p in profiles]
+            if schedule is Schedule.HOROVOD:   # dynamic fusion: from this iteration's timing
+                delay = HOROVOD_CYCLE_S
+                buckets = horovod_buckets(profiles, self.model.param_bytes, lambda b: cost.time(
+                    "all_reduce", b) + delay)
+            programs = [_allreduce_program(p, buckets, schedule is Schedule.ALLREDUCE,
+                                           step_overhead_s) for p in profiles]
             kinds = {"ar": "all_reduce"}
             nbytes = {"ar": [b for _, b in buckets]}
         result = replay_contended(
-            programs, lambda key: cost.time(kinds[key[0]], nbytes[key[0]][key[2]]),
-            self.contention)
+            programs, lambda key: cost.time(kinds[key[0]], nbytes[key[0]][key[2]])
+            + (delay if key[0] == "ar" else 0.0), self.contention)
         return _measure(result, schedule, cost.world_size, len(buckets))
 
 

@@ -1,0 +1,324 @@
+"""dear.diagnose's simulator against the emulated accelerator, in one run per setup.
+
+    python -m benchmarks.emulated_validate --setups resnet50:2,resnet50:4,resnet50:8 \
+        --compute-ms 860 --rounds 1 --name emulated_validate
+
+Why: the emulated accelerator (benchmarks/emulated.py) sleeps its compute, so the cores are
+free and there is no contention to model: the replay should predict every method. Each setup
+runs once on the emulated cluster (benchmarks.emulated_bench's machinery: the same worker,
+link measurement, compute-only run and interleaved rounds of methods), and before the rounds
+every rank (a) traces dear in DeAR's order with dear.diagnose (the tracer pauses the planned
+schedule; the simulator replays the planned schedule from this trace) and (b) probes torch's
+Gloo all-reduce at a few sizes (the trace holds only dear's reduce-scatters and all-gathers;
+DDP, WFBP and Horovod all-reduce). The driver then predicts each method from the trace:
+DDP, WFBP (25 MB buckets), Horovod (dynamic fusion, dear/diagnose/dynamic.py), DeAR's order and
+the planned schedule, and writes predicted vs measured. FSDP2 is not modelled by the simulator.
+
+Scaling: from the first 2-rank setup's trace, samples/s for 1..64 workers (alpha-beta ring
+costs), against the measured points of the other setups at the same compute (--compute-ms is
+one value for every setup). A setup with scaled-down parameters (SETUPS: 8 ranks at 1/2 size
+and 500 Mbit/s) is compared at the 2-rank trace's full size on a link `scale` times its
+measured rate: the same seconds of transfer per byte of the real model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from benchmarks import emulated, emulated_bench, results
+
+METHODS = "ddp,wfbp,horovod,dear:schedule=dear,dear"
+SCHEDULES = {"ddp": "ddp", "wfbp": "wfbp", "horovod": "horovod", "dear:schedule=dear": "dear",
+             "dear": "planned"}
+PROBE_MB = (1, 8, 32)
+WORKERS = (1, 2, 4, 8, 16, 32, 64)
+TOLERANCE = 0.05
+
+
+# ---------------------------------------------------------------- every rank, before the rounds
+
+
+def _extend(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--trace-dir", default="", help=argparse.SUPPRESS)
+    p.add_argument("--trace-warmup", type=int, default=3)
+    p.add_argument("--trace-iters", type=int, default=6)
+    p.add_argument("--reuse", default="", help="recompute the predictions from this earlier "
+                   "results JSON (its traces must still exist), measuring nothing")
+
+
+def trace_and_probe(args: argparse.Namespace, model_spec: emulated.ModelSpec) -> dict[str, Any]:
+    """A dear.diagnose trace of dear in DeAR's order (args.trace_dir) and torch's all-reduce
+    timed at PROBE_MB sizes (median of 3, slowest rank)."""
+    import dear.diagnose
+    from benchmarks.baselines import release
+
+    rank = dist.get_rank()
+    model = emulated.EmulatedModel(model_spec)
+    _, opt = emulated_bench.METHODS["dear"](model, emulated_bench.make_optimizer("probe"),
+                                            {"schedule": "dear"})
+    w, k = args.trace_warmup, args.trace_iters
+    with dear.diagnose.trace(model, opt, out=args.trace_dir, iterations=range(w, w + k)):
+        for step in range(w + k + 1):
+            x, y = emulated.make_batch(step, rank, args.batch)
+            opt.zero_grad()
+            emulated.loss_fn(model(x), y).backward()
+            opt.step()
+    opt.synchronize()
+    release(opt)
+    del opt, model
+    probe = {mb * 2**20: _timed(lambda: dist.all_reduce(torch.ones(mb * 2**18)))
+             for mb in PROBE_MB}
+    out = {"trace_dir": args.trace_dir, "allreduce_probe_s": probe,
+           "wfbp_unpack_s": _timed(_unpack_probe(model_spec))}
+    if "horovod" in [m.base for m in emulated_bench.parse_methods(args.methods)]:
+        out["horovod_allreduce_s"] = _horovod_probe()
+    return out
+
+
+def _timed(fn: Any, repeats: int = 3) -> float:
+    """Median seconds of fn() after one warm-up, the slowest rank's."""
+    times = []
+    for _ in range(repeats + 1):
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    t = torch.tensor([statistics.median(times[1:])])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def _unpack_probe(model_spec: emulated.ModelSpec) -> Any:
+    """What benchmarks.baselines.WFBP.step() does after its waits, on local data: average each
+    bucket buffer in place and clone every parameter's gradient out of it (fresh memory each
+    step, as there)."""
+    from dear.fusion.planner import plan_buckets
+    shapes = [torch.Size(s) for layer in model_spec.layers for _, s in layer.params]
+    metas = [torch.empty(s, device="meta") for s in shapes]
+    specs = plan_buckets(metas, list(reversed(range(len(metas)))), 25 * 2**20, 1)
+    buffers = [torch.ones(s.padded_numel) for s in specs]
+
+    def unpack() -> None:
+        grads = []
+        for spec, buf in zip(specs, buffers):
+            buf.div_(2)
+            for j, i in enumerate(spec.params):
+                grads.append(buf[spec.offsets[j]:spec.offsets[j] + spec.numels[j]]
+                             .view(shapes[i]).clone())
+    return unpack
+
+
+def _horovod_probe() -> dict[int, float]:
+    """Horovod's own all-reduce (fusion buffer copies, its Gloo ring, averaging) of 8 tensors
+    submitted at once, as its optimizer's hooks do: fused into one response."""
+    import horovod.torch as hvd
+    dist.barrier()
+    hvd.init()
+    out = {}
+    for mb in PROBE_MB:
+        tensors = [torch.ones(mb * 2**15) for _ in range(8)]
+
+        def run() -> None:
+            handles = [hvd.allreduce_async_(t, op=hvd.Average, name=f"probe.{mb}.{i}")
+                       for i, t in enumerate(tensors)]
+            for h in handles:
+                hvd.synchronize(h)
+        out[mb * 2**20] = _timed(run)
+    hvd.shutdown()
+    return out
+
+
+def worker(argv: list[str]) -> int:
+    args = emulated_bench.parse_args(argv, _extend)
+    return emulated_bench.worker(args, lambda spec: trace_and_probe(args, spec))
+
+
+# ---------------------------------------------------------------- the driver: predictions
+
+
+def simulator(rep: dict[str, Any], probe: str = "allreduce_probe_s") -> Any:
+    """The trace's simulator, without the first traced iteration (its forward waits for
+    all-gathers issued before the trace: untraced waits, counted as compute), its all-reduce
+    cost from `probe` (alpha-beta, least squares over the probed sizes)."""
+    from dear.diagnose import CostModel, Simulator, load_trace
+    from dear.diagnose.costmodel import latency_steps, volume
+
+    trace = load_trace(rep["extra"]["trace_dir"])
+    sim = Simulator(trace, iterations=trace.common_iterations()[1:])
+    n = sim.model.world_size
+    pts = [(volume("all_reduce", int(b), n), s) for b, s in rep["extra"][probe].items()]
+    mx, my = statistics.mean(x for x, _ in pts), statistics.mean(y for _, y in pts)
+    slope = sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x, _ in pts)
+    alpha = max(my - slope * mx, 0.0) / latency_steps("all_reduce", n)
+    fitted = sim.fitted
+    sim.fitted = CostModel({**fitted.alpha, "all_reduce": alpha},
+                           {**fitted.rate, "all_reduce": 1 / slope}, fitted.world_size)
+    return sim
+
+
+def _predict(sims: dict[str, Any], rep: dict[str, Any], label: str, **kw: Any) -> float:
+    """One method's predicted seconds: Horovod on its own all-reduce cost, WFBP with its
+    measured unpacking in step()."""
+    schedule = SCHEDULES[label]
+    sim = sims.get(schedule, sims["trace"])
+    extra = rep["extra"].get("wfbp_unpack_s", 0.0) if schedule == "wfbp" else 0.0
+    return sim.predict(schedule, step_overhead_s=extra, **kw).iteration_time
+
+
+def simulators(rep: dict[str, Any]) -> dict[str, Any]:
+    sims = {"trace": simulator(rep)}
+    if "horovod_allreduce_s" in rep["extra"]:
+        sims["horovod"] = simulator(rep, "horovod_allreduce_s")
+    return sims
+
+
+def predict_setup(rep: dict[str, Any]) -> list[dict[str, Any]]:
+    sims = simulators(rep)
+    rows = []
+    for label, res in rep["methods"].items():
+        schedule = SCHEDULES.get(label)
+        if schedule is None:
+            continue
+        pred = _predict(sims, rep, label)
+        rows.append({"setup": rep["setup"], "ranks": rep["ranks"], "method": label,
+                     "schedule": schedule, "measured_s": res["median_s"],
+                     "q1_s": res["q1_s"], "q3_s": res["q3_s"], "predicted_s": pred,
+                     "error": pred / res["median_s"] - 1})
+    return rows
+
+
+def scaling(reps: list[dict[str, Any]]) -> dict[str, Any]:
+    """From the first 2-rank setup's trace: samples/s vs workers per method, and the
+    prediction at each measured setup's equivalent link (full size, rate x scale)."""
+    base = next((r for r in reps if r["ranks"] == 2), None)
+    if base is None:
+        return {}
+    sims = simulators(base)
+    link0 = base.get("bandwidth_measured_bps")
+    batch = base["batch_per_rank"]
+    curves = {label: [batch * n / _predict(sims, base, label, world_size=n) for n in WORKERS]
+              for label in SCHEDULES if label in base["methods"]}
+    points = []
+    for rep in reps:
+        link = rep.get("bandwidth_measured_bps")
+        kw = ({"bandwidth_bps": link * rep["scale"] / base["scale"],
+               "traced_bandwidth_bps": link0} if link and link0 else {})
+        for label, res in rep["methods"].items():
+            if label in SCHEDULES:
+                pred = _predict(sims, base, label, world_size=rep["ranks"], **kw)
+                points.append({"setup": rep["setup"], "ranks": rep["ranks"], "method": label,
+                               "scale": rep["scale"], "measured_samples_s":
+                               batch * rep["ranks"] / res["median_s"],
+                               "predicted_samples_s": batch * rep["ranks"] / pred,
+                               "error": res["median_s"] / pred - 1})
+    return {"workers": list(WORKERS), "curves": curves, "points": points,
+            "trace_setup": base["setup"]}
+
+
+def plot_scaling(scale: dict[str, Any], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    colors = dict(zip(SCHEDULES, ("tab:gray", "tab:blue", "tab:green", "tab:orange", "tab:red")))
+    for label, ys in scale["curves"].items():
+        ax.plot(scale["workers"], ys, "-", color=colors[label], label=f"{label} (predicted)")
+        pts = [p for p in scale["points"] if p["method"] == label]
+        ax.plot([p["ranks"] for p in pts], [p["measured_samples_s"] for p in pts], "o",
+                color=colors[label], markersize=7)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("workers")
+    ax.set_ylabel("samples/s")
+    ax.set_title(f"predicted from the {scale['trace_setup']} trace (lines), measured (dots)",
+                 fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--worker" in argv:
+        return worker(argv)
+    args = emulated_bench.parse_args(argv, _extend)
+    if args.methods == emulated_bench.DEFAULT_METHODS:
+        args.methods = METHODS
+    if not args.compute_ms:
+        raise SystemExit("give --compute-ms: one compute time for every setup, so the scaling "
+                         "points are comparable")
+    from benchmarks.cluster import check_can_shape
+    shaping = not args.no_shaping
+    if shaping and (why := check_can_shape()):
+        print(f"emulated_validate: {why}; running on loopback (unshaped)", file=sys.stderr)
+        shaping = False
+    if args.reuse:
+        with open(args.reuse) as fh:
+            old = json.load(fh)
+        reps = old["reports"]
+        rows = [r for rep in reps for r in predict_setup(rep)]
+        write(args, reps, rows, scaling(reps), old["shaping"],
+              os.path.dirname(reps[0]["extra"]["trace_dir"]))
+        return 0
+    workdir = tempfile.mkdtemp(prefix="dear-emulated-validate-")
+    reps, rows = [], []
+    for i, setup in enumerate(s for s in args.setups.split(",") if s.strip()):
+        trace_dir = os.path.join(workdir, f"setup{i}")
+        rep = emulated_bench.run_setup(
+            setup, args, shaping, module="benchmarks.emulated_validate",
+            worker_args=("--trace-dir", trace_dir, "--trace-warmup", str(args.trace_warmup),
+                         "--trace-iters", str(args.trace_iters)))
+        reps.append(rep)
+        rows += predict_setup(rep)
+        for r in rows[-len(rep["methods"]):]:
+            print(f"{r['setup']} {r['method']}: measured {r['measured_s'] * 1e3:.0f} ms, "
+                  f"predicted {r['predicted_s'] * 1e3:.0f} ms ({r['error']:+.1%})", flush=True)
+    scale = scaling(reps)
+    write(args, reps, rows, scale, shaping, workdir)
+    return 0
+
+
+def write(args: argparse.Namespace, reps: list[dict[str, Any]], rows: list[dict[str, Any]],
+          scale: dict[str, Any], shaping: bool, workdir: str) -> None:
+    table = results.markdown_table(
+        ["setup", "method", "schedule", "measured (ms)", "IQR (ms)", "predicted (ms)", "error",
+         "within 5%"],
+        [[r["setup"], r["method"], r["schedule"], round(r["measured_s"] * 1e3),
+          f"{r['q1_s'] * 1e3:.0f}-{r['q3_s'] * 1e3:.0f}", round(r["predicted_s"] * 1e3),
+          f"{r['error']:+.1%}", "yes" if abs(r["error"]) <= TOLERANCE else "NO"] for r in rows])
+    notes = [emulated_bench.table(reps)[1]]
+    if scale:
+        png = os.path.join(results.RESULTS_DIR, f"{args.name}_scaling.png")
+        plot_scaling(scale, png)
+        notes.append("Scaling, predicted from the " + scale["trace_setup"] + " trace (samples/s; "
+                     "scaled setups compared at full size on a link scale x their measured rate):")
+        notes.append(results.markdown_table(
+            ["setup", "method", "measured samples/s", "predicted samples/s", "error"],
+            [[p["setup"], p["method"], round(p["measured_samples_s"], 1),
+              round(p["predicted_samples_s"], 1), f"{p['error']:+.1%}"]
+             for p in scale["points"]]))
+        notes.append(results.markdown_table(
+            ["method"] + [str(n) for n in scale["workers"]],
+            [[m] + [round(y, 1) for y in ys] for m, ys in scale["curves"].items()]))
+        notes.append(f"![scaling]({os.path.basename(png)})")
+    notes.append(f"Load average (1 min) now {os.getloadavg()[0]:.2f}; traces kept in {workdir}.")
+    print(table)
+    print("\n\n".join(notes))
+    results.write(args.name, "dear.diagnose's simulator vs the emulated accelerator",
+                  {"shaping": shaping, "rows": rows, "scaling": scale, "reports": reps},
+                  table, "\n\n".join(notes))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
