@@ -128,6 +128,10 @@ class Config:
     plan_after: int = 4
     #: bytes of an all-gather chunk in backward's idle time (DEAR_CHUNK_BYTES).
     chunk_bytes: int = 1 * _MB
+    #: embedding tables sent as the rows some rank used (dear/fusion/rows.py): "off", "auto"
+    #: (the model's dense nn.Embedding tables of 1 MB or more) or comma-separated parameter
+    #: names (DEAR_ROW_SPARSE).
+    row_sparse: str = "off"
 
     _ENV = {
         "fusion_threshold": ("DEAR_FUSION_THRESHOLD", _parse_bytes),
@@ -144,6 +148,7 @@ class Config:
         "schedule": ("DEAR_SCHEDULE", str),
         "plan_after": ("DEAR_PLAN_AFTER", int),
         "chunk_bytes": ("DEAR_CHUNK_BYTES", _parse_bytes),
+        "row_sparse": ("DEAR_ROW_SPARSE", str),
         "timeout": ("DEAR_TIMEOUT", float),
         "trace": ("DEAR_TRACE", str),
         "trace_iterations": ("DEAR_TRACE_ITERATIONS", str),

@@ -23,7 +23,7 @@ import logging
 import sys
 import warnings
 import weakref
-from typing import Any, Callable, Iterable, Iterator, Optional, Union
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union
 
 import torch
 
@@ -36,6 +36,7 @@ from .fusion.bucket import Bucket, Stage
 from .fusion import fusion_config as fusion_file
 from .fusion.fusion_config import FusionConfig
 from .fusion.layout import GatherGroup, build_layout
+from .fusion.rows import RowSparseBucket, resolve_row_sparse
 from .fusion.schedule import ScheduleDriver
 from .fusion.tuner import FusionTuner, OnlineAutotuner
 from .buffers import BufferBroadcast
@@ -60,7 +61,8 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
                     op: ReduceOp, gradient_predivide_factor: float,
                     fusion: FusionConfig, overlap_allgather: bool,
                     compression: Compressor, groups: Any, sparse_as_dense: bool,
-                    autotune: Autotune, schedule: Optional[str] = None) -> None:
+                    autotune: Autotune, schedule: Optional[str] = None,
+                    row_sparse: Any = None) -> None:
         comm = runtime.communicator()
         self._comm = comm
         step = super(_DistributedOptimizer, type(self)).step
@@ -95,6 +97,9 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
         self._schedule = ScheduleDriver(lambda: self._comm, planned, cfg.plan_after,
                                         cfg.chunk_bytes,
                                         threaded=on_cpu and comm.issue_from_any_thread)
+        # Embedding tables sent as the rows some rank used (dear/fusion/rows.py).
+        self._row_sparse = resolve_row_sparse(
+            cfg.row_sparse if row_sparse is None else row_sparse, named, model)
         self._autotuner = self._make_autotuner(named, autotune) if autotune else None
         # clip / unscale factors that must reach chunks gathered before step(): applied to the
         # gathered gradients instead of the shards (the same multiplications, the same bits)
@@ -474,6 +479,12 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
             bucket.reset()
             self._num_pending -= 1
 
+    def _gathered_early(self) -> bool:
+        """Some bucket already holds gathered gradients before step() (chunks of the planned
+        schedule, row-sparse tables): scale factors of step() are deferred to the update."""
+        return self._schedule.gathered_early() or any(
+            isinstance(b, RowSparseBucket) for b in self._buckets or ())
+
     def _apply_deferred(self, bucket: Bucket) -> None:
         """Unscale / clip factors of step() that chunks gathered in backward missed."""
         grads = bucket.buffer[:bucket.spec.flags_offset]
@@ -533,8 +544,10 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
         if isinstance(explicit, int):          # Horovod: N groups of consecutive parameters
             size = -(-len(order) // explicit)
             explicit = [order[k:k + size] for k in range(0, len(order), size)]
+        row_sparse = self._row_sparse if self._transform is None else ()  # K-FAC rotates rows
         layout = build_layout(self._params, order, fusion, self._comm.size, explicit,
-                              self._compression, self._sparse_as_dense, self._ties)
+                              self._compression, self._sparse_as_dense, self._ties,
+                              row_sparse, self._comm.rank)
         self._fusion = fusion
         self._layout = layout
         self._buckets, self._where = layout.buckets, layout.where
@@ -731,7 +744,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          overlap_allgather: bool = True,
                          autotune: Optional[Union[bool, str]] = None,
                          fusion_config: Optional[Any] = None,
-                         schedule: Optional[str] = None) -> torch.optim.Optimizer:
+                         schedule: Optional[str] = None,
+                         row_sparse: Union[bool, str, Sequence[str], None] = None
+                         ) -> torch.optim.Optimizer:
     """Wrap `optimizer` so its gradients are averaged with DeAR's decoupled all-reduce.
 
     Accepts everything hvd.DistributedOptimizer accepts, in the same positions. Returns an
@@ -745,6 +760,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     `schedule`: "planned" (default, DEAR_SCHEDULE) also gathers in backward's idle link time
     by a plan made on rank 0 from the first iterations; "dear" keeps DeAR's order
     (dear/fusion/schedule.py).
+    `row_sparse`: embedding tables sent as the rows some rank's batch used, not whole (exact;
+    dear/fusion/rows.py): True / "auto" (the model's dense nn.Embedding tables of 1 MB or
+    more), parameter names, or False (None: DEAR_ROW_SPARSE, default off).
     """
     if schedule is not None and schedule not in ("planned", "dear"):
         raise ValueError(f"schedule must be 'planned' or 'dear', got {schedule!r}")
@@ -788,7 +806,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     fusion, tune = _fusion_settings(named, fusion_threshold, mode, fusion_config, groups)
     wrapped._dear_setup(named, model, backward_passes_per_step, op, gradient_predivide_factor,
                         fusion, overlap_allgather, compressor, groups, sparse_as_dense, tune,
-                        schedule)
+                        schedule, row_sparse)
     if getattr(runtime.config(), "trace", ""):  # DEAR_TRACE=dir: dear.diagnose records the run
         from .diagnose.trace import attach_from_config
         attach_from_config(wrapped, model)

@@ -37,6 +37,7 @@ class ReducedGradientMixin:
         _deferred: list[torch.Tensor]
 
         def _finish_reduce(self) -> None: ...
+        def _gathered_early(self) -> bool: ...
         def _refuse_edited_grads(self) -> None: ...
         def _end_iteration(self) -> None: ...
 
@@ -81,7 +82,7 @@ class ReducedGradientMixin:
         if grad_scaler is not None and self._amp_found_inf is None:
             found = self._unscale_shards(grad_scaler)
         total, agreed = clip.global_norm(self._buckets, self._comm, norm_type, found)
-        if self._schedule.gathered_early():    # the shards are still scaled by what was deferred
+        if self._gathered_early():    # the shards are still scaled by what was deferred
             for factor in self._deferred:
                 total = total * factor.to(total.dtype)
         if agreed is not None:
@@ -93,7 +94,7 @@ class ReducedGradientMixin:
                                "is non-finite, so it cannot be clipped; set "
                                "error_if_nonfinite=False to scale them by it anyway")
         if max_norm != math.inf:
-            if self._schedule.gathered_early():
+            if self._gathered_early():
                 self._deferred.append(clip.coefficient(total, max_norm))
             else:
                 clip.scale_(self._buckets, self._comm.rank, total, max_norm)
@@ -102,7 +103,7 @@ class ReducedGradientMixin:
     def _unscale_shards(self, grad_scaler: Any) -> torch.Tensor:
         """GradScaler's check (and unscale) of this rank's shards; with chunks already
         gathered in backward the unscale is deferred to after the gather, for every bucket."""
-        if self._schedule.gathered_early():
+        if self._gathered_early():
             found = amp.unscale_local(self._buckets, self._comm.rank, grad_scaler, in_place=False)
             self._deferred.append(amp.inverse_scale(grad_scaler))
             return found

@@ -35,6 +35,8 @@ class Stage(enum.Enum):
 class Bucket:
     """Buffers and state of one bucket. Not thread-safe: driven by the optimizer's hooks."""
 
+    chunkable = True             # its all-gather may be cut into column chunks (schedule.py)
+
     def __init__(self, spec: BucketSpec, params: Sequence[torch.nn.Parameter],
                  wire_dtype: Optional[torch.dtype] = None, sparse_as_dense: bool = False,
                  native: Optional[bool] = None) -> None:

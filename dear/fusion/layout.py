@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Sequence
+from typing import Collection, Optional, Sequence
 
 import torch
 
@@ -12,6 +12,7 @@ from .bucket import Bucket
 from .fusion_config import FusionConfig
 from .gather import GatherGroup, make_groups
 from .planner import BucketSpec, plan_buckets, plan_gather_groups
+from .rows import RowSparseBucket
 
 
 @dataclasses.dataclass
@@ -35,25 +36,33 @@ class Layout:
 
 def plan_layout(params: Sequence[torch.Tensor], order: Sequence[int], fusion: FusionConfig,
                 world_size: int, explicit: Optional[Sequence[Sequence[int]]] = None,
-                tied: Sequence[Sequence[int]] = ()
+                tied: Sequence[Sequence[int]] = (), row_sparse: Collection[int] = ()
                 ) -> tuple[list[BucketSpec], list[list[int]]]:
     """Bucket specs and all-gather groups (bucket indices) without allocating anything: the
     one place the rules are applied, for the optimizer and for dear.diagnose's simulator
-    (which passes meta tensors)."""
+    (which passes meta tensors). `row_sparse` parameters get a bucket and a group each."""
     specs = plan_buckets(params, order, fusion.rs_threshold, world_size, explicit,
-                         first_bucket_bytes=fusion.first_bucket, tied=tied)
+                         first_bucket_bytes=fusion.first_bucket, tied=tied, alone=row_sparse)
+    alone = [s.index for s in specs if len(s.params) == 1 and s.params[0] in row_sparse]
     groups = plan_gather_groups(specs, fusion.ag_threshold,
-                                first_alone=fusion.first_bucket is not None)
+                                first_alone=fusion.first_bucket is not None, alone=alone)
     return specs, groups
 
 
 def build_layout(params: Sequence[torch.nn.Parameter], order: Sequence[int],
                  fusion: FusionConfig, world_size: int,
                  explicit: Optional[Sequence[Sequence[int]]], compression: Compressor,
-                 sparse_as_dense: bool, tied: Sequence[Sequence[int]] = ()) -> Layout:
-    specs, plan = plan_layout(params, order, fusion, world_size, explicit, tied)
-    buckets = [Bucket(s, [params[i] for i in s.params], compression.wire_dtype(s.dtype),
-                      sparse_as_dense) for s in specs]
+                 sparse_as_dense: bool, tied: Sequence[Sequence[int]] = (),
+                 row_sparse: Collection[int] = (), rank: int = 0) -> Layout:
+    """`row_sparse`: parameters (2-D, no wire compression) sent as their used rows
+    (dear/fusion/rows.py); `rank`: this process's, for their shards."""
+    row_sparse = {i for i in row_sparse if params[i].dim() == 2
+                  and compression.wire_dtype(params[i].dtype) in (None, params[i].dtype)}
+    specs, plan = plan_layout(params, order, fusion, world_size, explicit, tied, row_sparse)
+    buckets = [RowSparseBucket(s, [params[s.params[0]]], rank, sparse_as_dense)
+               if len(s.params) == 1 and s.params[0] in row_sparse
+               else Bucket(s, [params[i] for i in s.params], compression.wire_dtype(s.dtype),
+                           sparse_as_dense) for s in specs]
     where: list[tuple[Bucket, int]] = [None] * len(params)  # type: ignore[list-item]
     for bucket in buckets:
         for j, i in enumerate(bucket.spec.params):

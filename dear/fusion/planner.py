@@ -8,7 +8,7 @@ reduce-scatters run from the last bucket to the first, the order backward produc
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Sequence
+from typing import Collection, Optional, Sequence
 
 import torch
 
@@ -40,7 +40,8 @@ def _padded(numel: int, world_size: int) -> int:
 def plan_buckets(params: Sequence[torch.Tensor], order: Sequence[int], threshold_bytes: int,
                  world_size: int, explicit: Optional[Sequence[Sequence[int]]] = None,
                  first_bucket_bytes: Optional[int] = None,
-                 tied: Sequence[Sequence[int]] = ()) -> list[BucketSpec]:
+                 tied: Sequence[Sequence[int]] = (),
+                 alone: Collection[int] = ()) -> list[BucketSpec]:
     """Group `params` (visited in `order`) into buckets of at most `threshold_bytes` of gradient.
 
     A bucket never mixes dtypes or devices; a parameter larger than the threshold gets a bucket
@@ -49,6 +50,7 @@ def plan_buckets(params: Sequence[torch.Tensor], order: Sequence[int], threshold
     `first_bucket_bytes`, if given, is the threshold of the first bucket instead.
     `tied` parameters (dear.KFAC's weight and bias of one layer) are never split between
     buckets: they join the bucket of the first of them in `order`, as one unit.
+    `alone` parameters (row-sparse embedding tables, dear/fusion/rows.py) get a bucket each.
     """
     if sorted(order) != list(range(len(params))):
         raise ValueError("order must be a permutation of the parameter indices")
@@ -73,6 +75,12 @@ def plan_buckets(params: Sequence[torch.Tensor], order: Sequence[int], threshold
                 groups.append(current)
                 current, current_bytes = [], 0
             groups.append(members)
+            continue
+        if idx in alone and idx not in tie_of:
+            if current:
+                groups.append(current)
+                current, current_bytes = [], 0
+            groups.append([idx])
             continue
         unit = tie_of.get(idx, [idx])
         if unit[0] != idx:
@@ -107,10 +115,11 @@ def plan_buckets(params: Sequence[torch.Tensor], order: Sequence[int], threshold
 
 
 def plan_gather_groups(specs: Sequence[BucketSpec], threshold_bytes: int,
-                       first_alone: bool = False) -> list[list[int]]:
+                       first_alone: bool = False, alone: Collection[int] = ()
+                       ) -> list[list[int]]:
     """Consecutive buckets (forward order) all-gathered together, up to `threshold_bytes` of
     buffer per group; one dtype and device per group. `first_alone`: bucket 0 is gathered on
-    its own (its size was chosen for the critical path)."""
+    its own (its size was chosen for the critical path); so is every bucket in `alone`."""
     groups: list[list[int]] = []
     current: list[int] = []
     size = 0
@@ -119,7 +128,8 @@ def plan_gather_groups(specs: Sequence[BucketSpec], threshold_bytes: int,
         same_kind = bool(current) and (specs[current[0]].dtype == spec.dtype
                                        and specs[current[0]].device == spec.device)
         close = current and (not same_kind or size + nbytes > threshold_bytes
-                             or (first_alone and current == [0]))
+                             or (first_alone and current == [0])
+                             or spec.index in alone or current[-1] in alone)
         if close:
             groups.append(current)
             current, size = [], 0

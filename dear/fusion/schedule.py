@@ -417,10 +417,10 @@ class ScheduleDriver:
         plan = None
         if self._comm.rank == 0 and self._clock.samples:
             ready, _ = self._clock.medians()
-            specs = [b.spec for b in self._buckets]
             plan = plan_gaps(ready, [b.wire.numel() * b.wire.element_size()
                                      for b in self._buckets],
-                             [s.shard_numel for s in specs], itemsizes, self._comm.size, cost,
+                             [b.spec.shard_numel if b.chunkable else 0 for b in self._buckets],
+                             itemsizes, self._comm.size, cost,
                              self._chunk_bytes)
             log.info("dear: planned schedule: %d all-gather chunks in backward's idle link "
                      "time (%.1f ms predicted); link rs %.2f Gbit/s, ag %.2f Gbit/s",

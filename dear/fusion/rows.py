@@ -1,0 +1,157 @@
+"""A bucket for one embedding table whose gradient is mostly zero rows.
+
+A word embedding's gradient is dense in memory but non-zero only in the rows of the tokens the
+batch used (a BERT fine-tune touches a few thousand of 30,522 rows), and it is the worst tensor
+to send densely: complete only at the end of backward, needed by the first layer of the next
+forward, so its whole transfer sits between the two (BERT-Base: 89 MiB, the ~1.2 x T_lb bound
+of benchmarks/results/). Here only the rows some rank touched travel:
+
+    1. every rank marks its non-zero rows; a tiny all-reduce of the marks gives the union,
+       the same on every rank (so the data collective has the same size everywhere);
+    2. one all-reduce of those rows (and the bucket's usage flag) sums them;
+    3. the averaged rows are written into the dense buffer, zero elsewhere: every rank now
+       holds the whole averaged gradient, so the "all-gather" is local.
+
+Exact: a row that is zero on every rank averages to zero. Between 2 and 3 the bucket looks like
+any other (its shard is the dense slice, for clipping norms and GradScaler's inf check); the
+scale factors those apply to shards reach it as to chunks gathered early
+(`DistributedOptimizer._apply_deferred`). Every rank issues the same two collectives in the same
+order; the issuing thread waits for the first (a few hundred KB) before it issues the second.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence, Union
+
+import torch
+
+from ..comm.base import Communicator, DoneWork, Work
+from .bucket import Bucket, Stage
+from .planner import BucketSpec
+
+
+class RowSparseBucket(Bucket):
+    """A bucket holding exactly one 2-D parameter (rows x columns), sent as its used rows."""
+
+    chunkable = False            # no all-gather: the planned schedule leaves it alone
+
+    def __init__(self, spec: BucketSpec, params: Sequence[torch.nn.Parameter], rank: int,
+                 sparse_as_dense: bool = False, native: Optional[bool] = None) -> None:
+        if len(params) != 1 or params[0].dim() != 2:
+            raise ValueError("a row-sparse bucket holds exactly one 2-D parameter")
+        super().__init__(spec, params, None, sparse_as_dense, native)   # no wire compression
+        self.rank = rank
+        self.rows, self.cols = params[0].shape
+        self.sent_rows = 0                    # rows in this iteration's all-reduce (all ranks)
+        self._index: Optional[torch.Tensor] = None
+        self._compact: Optional[torch.Tensor] = None
+
+    def _table(self) -> torch.Tensor:
+        return self.buffer[:self.rows * self.cols].view(self.rows, self.cols)
+
+    def start_reduce_scatter(self, comm: Communicator, prescale: float,
+                             submit: Optional[Callable[..., Work]] = None) -> None:
+        assert self.stage is Stage.IDLE and self.full, "bucket reduced twice or before it is full"
+
+        def issue() -> Work:
+            self.fill()
+            if prescale != 1.0:
+                self.buffer.mul_(prescale)
+            table = self._table()
+            marks = table.ne(0).any(dim=1).to(self.spec.dtype)   # NaN and inf rows count
+            try:
+                comm.all_reduce(marks).wait()
+            except Exception as exc:
+                raise RuntimeError(
+                    f"dear: the row-sparse exchange of bucket {self.spec.index} failed; another "
+                    f"rank probably died or stalled: {exc}") from exc
+            index = marks.nonzero().view(-1)
+            self.sent_rows = int(index.numel())
+            if self.sent_rows == self.rows:    # every row: the table and its flag, in place
+                self._index = None
+                self._compact = self.buffer[:self.spec.flags_offset + 1]
+            else:
+                flag = self.buffer[self.spec.flags_offset:self.spec.flags_offset + 1]
+                self._index = index
+                self._compact = torch.cat([table.index_select(0, index).view(-1), flag])
+            return comm.all_reduce(self._compact)
+
+        self._work = issue() if submit is None else submit(issue)
+        self._averaged = False
+        self.stage = Stage.REDUCING
+
+    def finish_reduce_scatter(self, postscale: float) -> None:
+        """Wait for the rows, average them and write the dense averaged gradient (zeros in the
+        rows nobody touched) into the buffer; the shard is this rank's slice of it."""
+        with self._finish_lock:
+            if self._averaged:
+                return
+            assert self.stage in (Stage.REDUCING, Stage.GATHERING)
+            self._wait("row-sparse all-reduce")
+            compact, index = self._compact, self._index
+            assert compact is not None
+            if postscale != 1.0:
+                compact.mul_(postscale)
+            if index is not None:              # else the all-reduce ran in the buffer itself
+                self.buffer.zero_()
+                self._table().index_copy_(0, index, compact[:-1].view(-1, self.cols))
+                self.buffer[self.spec.flags_offset] = compact[-1]
+            length = self.spec.shard_numel
+            self.shard.copy_(self.buffer[self.rank * length:(self.rank + 1) * length])
+            self._compact = None
+            self._averaged = True
+
+    def start_all_gather(self, comm: Communicator) -> None:
+        """Nothing to send: finish_reduce_scatter left the whole averaged gradient here."""
+        self.gathering(DoneWork())
+
+    def gather_columns(self, comm: Communicator, start: int, length: int) -> Work:
+        raise RuntimeError("a row-sparse bucket has no all-gather to cut into chunks")
+
+    def finish_all_gather(self) -> list[bool]:
+        assert self.stage is Stage.GATHERING
+        for work in self._gathers:
+            self._wait("all-gather", work)
+        self._gathers = []
+        self._work = None
+        return [bool(self.buffer[self.spec.flags_offset] != 0)]
+
+    def reset(self) -> None:
+        super().reset()
+        self._index = None
+        self._compact = None
+
+
+MIN_TABLE_BYTES = 1 << 20     # smaller tables: the marks' round trip costs more than it saves
+
+
+def resolve_row_sparse(setting: Union[bool, str, Sequence[str], None],
+                       named: Sequence[tuple[str, torch.nn.Parameter]],
+                       model: Optional[torch.nn.Module]) -> set[int]:
+    """Which parameters (indices into `named`) are sent as their used rows. `setting`: False /
+    "off"; True / "auto": the weights (>= 1 MB, 2-D) of the model's dense nn.Embedding and
+    nn.EmbeddingBag tables (needs model=); or parameter names, comma-separated or a list."""
+    if setting is None or setting is False or setting == "off" or setting == "":
+        return set()
+    index = {name: i for i, (name, _) in enumerate(named)}
+    if setting is True or setting == "auto":
+        if model is None:
+            raise ValueError("row_sparse='auto' finds the embedding tables through model=; "
+                             "pass model=, or the parameters' names")
+        tables = {id(m.weight) for m in model.modules()
+                  if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and not m.sparse}
+        return {i for i, (_, p) in enumerate(named) if id(p) in tables and p.dim() == 2
+                and p.numel() * p.element_size() >= MIN_TABLE_BYTES}
+    names = setting.split(",") if isinstance(setting, str) else list(setting)
+    chosen = set()
+    for name in (n.strip() for n in names):
+        if name not in index:
+            raise ValueError(f"row_sparse names {name!r}, which is not a parameter this "
+                             f"optimizer averages (e.g. {next(iter(index), '-')!r}); give the "
+                             "names from named_parameters(), or 'auto' / 'off'")
+        if named[index[name]][1].dim() != 2:
+            raise ValueError(f"row_sparse: {name!r} has shape "
+                             f"{tuple(named[index[name]][1].shape)}; only a 2-D table "
+                             "(rows x columns) can be sent by rows")
+        chosen.add(index[name])
+    return chosen

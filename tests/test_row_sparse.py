@@ -1,0 +1,126 @@
+"""Embedding tables sent as the rows some rank used (dear/fusion/rows.py).
+
+Judged against single-process training on the global batch (an independent reference), on 2
+and 3 ranks, in DeAR's order and under the planned schedule, with clipping, with a rank whose
+batch skips the table, and by what went on the wire: the union of the rows the ranks touched.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import dear
+from tests.distributed import run_distributed
+from tests.workloads import max_diff, state_of
+
+VOCAB, DIM, SEQ, PER_RANK, STEPS = 97, 8, 5, 3, 7
+TABLE = "emb.weight"
+
+
+class TokenNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, DIM)
+        self.mid = nn.Linear(DIM, DIM)
+        self.out = nn.Linear(DIM, 3)
+
+    def forward(self, ids: torch.Tensor, use_table: bool = True) -> torch.Tensor:
+        h = self.emb(ids).mean(1) if use_table else torch.zeros(ids.shape[0], DIM)
+        return self.out(torch.tanh(self.mid(h)))
+
+
+def make_model() -> TokenNet:
+    torch.manual_seed(0)
+    return TokenNet()
+
+
+def ids_of(step: int, rank: int) -> torch.Tensor:
+    """Each rank draws from its own third of the vocabulary plus a shared block: the rows the
+    ranks touch overlap in part, and most rows are untouched."""
+    g = torch.Generator().manual_seed(100 * step + rank)
+    own = torch.randint(0, 20, (PER_RANK, SEQ), generator=g) + 25 * rank
+    shared = torch.randint(80, 90, (PER_RANK, 1), generator=g)
+    return torch.cat([own, shared], 1)
+
+
+def target_of(step: int, rank: int) -> torch.Tensor:
+    return torch.randn(PER_RANK, 3, generator=torch.Generator().manual_seed(7 + step + rank))
+
+
+def uses_table(step: int, rank: int, skip: bool) -> bool:
+    return not (skip and rank == 1 and step % 2 == 1)
+
+
+def reference(world: int, skip: bool, clip: float) -> dict[str, torch.Tensor]:
+    """One process, the global batch: each rank's mean loss, averaged."""
+    model = make_model()
+    opt = torch.optim.Adam(model.parameters(), lr=0.05)
+    for step in range(STEPS):
+        opt.zero_grad()
+        loss = sum(F.mse_loss(model(ids_of(step, r), uses_table(step, r, skip)),
+                              target_of(step, r)) for r in range(world)) / world
+        loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+    return state_of(model)
+
+
+def _train(skip: bool, clip: float, row_sparse: object) -> dict:
+    dear.init()
+    rank, world = dear.rank(), dear.size()
+    model = make_model()
+    opt = dear.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.05), model=model,
+                                    named_parameters=model.named_parameters(),
+                                    fusion_threshold=256, row_sparse=row_sparse)
+    sent, touched = [], []
+    for step in range(STEPS):
+        opt.zero_grad()
+        use = uses_table(step, rank, skip)
+        F.mse_loss(model(ids_of(step, rank), use), target_of(step, rank)).backward()
+        if clip:
+            opt.clip_grad_norm_(clip)
+        opt.step()
+        table = [b for b in opt._buckets if getattr(b, "rows", None) is not None]
+        sent.append(table[0].sent_rows if table else None)
+        touched.append({int(i) for r in range(world) if uses_table(step, r, skip)
+                        for i in ids_of(step, r).unique()})
+    opt.flush_updates()
+    out = {"params": state_of(model), "sent": sent, "touched": [len(t) for t in touched]}
+    dear.shutdown()
+    return out
+
+
+@pytest.mark.parametrize("schedule", ["planned", "dear"])
+@pytest.mark.parametrize("world,skip,clip", [(2, False, 0.0), (3, True, 0.0), (2, True, 0.5)],
+                         ids=["2ranks", "3ranks-skip", "2ranks-skip-clip"])
+def test_row_sparse_table_trains_like_the_global_batch(world: int, skip: bool, clip: float,
+                                                       schedule: str) -> None:
+    ranks = run_distributed(_train, world, skip, clip, [TABLE], timeout=180,
+                            env={"DEAR_SCHEDULE": schedule, "DEAR_PLAN_AFTER": "2"})
+    ref = reference(world, skip, clip)
+    scale = max(v.abs().max().item() for v in ref.values())
+    for res in ranks:
+        assert res["sent"] == res["touched"], "the rows sent are not the union of rows used"
+        assert max(res["sent"]) < VOCAB // 2
+        assert max_diff(res["params"], ref) <= 2e-6 * scale
+    for res in ranks[1:]:
+        assert max_diff(res["params"], ranks[0]["params"]) == 0.0
+
+
+def test_auto_finds_the_model_tables_and_names_are_checked() -> None:
+    from dear.fusion.rows import resolve_row_sparse
+    big = nn.Sequential(nn.Embedding(5000, 64), nn.Embedding(10, 4), nn.Linear(4, 4))
+    named = list(big.named_parameters())
+    assert resolve_row_sparse("auto", named, big) == {0}     # 1.3 MB table; the small one not
+    assert resolve_row_sparse("off", named, big) == set()
+    assert resolve_row_sparse("1.weight,2.weight", named, None) == {1, 2}
+    with pytest.raises(ValueError, match="not a parameter"):
+        resolve_row_sparse(["embed.weight"], named, big)
+    with pytest.raises(ValueError, match="only a 2-D table"):
+        resolve_row_sparse(["2.bias"], named, big)
+    with pytest.raises(ValueError, match="model="):
+        resolve_row_sparse(True, named, None)
