@@ -283,7 +283,7 @@ def worker(args: argparse.Namespace,
         raise SystemExit("method 'horovod' needs Horovod's launcher (benchmarks.cluster "
                          "--horovod; the driver does it when Horovod is installed)")
     started = time.perf_counter()
-    model_spec = emulated.spec(args.model, args.scale)
+    model_spec = dataclasses.replace(emulated.spec(args.model, args.scale), tokens=args.tokens)
     spec_s = time.perf_counter() - started
     comm = measure_comm(model_spec.numel, args.comm_repeats)
     comm_s = time.perf_counter() - started - spec_s
@@ -379,7 +379,7 @@ def summarize(gathered: list[dict[str, Any]], methods: list[Method],
     # the bounds from the measured compute (what T_lb uses), not the requested sleeps
     fwd, bwd = base["forward"], base["backward"] + base["step"]
     report: dict[str, Any] = {
-        "model": args.model, "ranks": world, "scale": args.scale,
+        "model": args.model, "ranks": world, "scale": args.scale, "tokens": args.tokens,
         "numel": model_spec.numel, "gradient_mb": model_spec.numel * 4 / 2**20,
         "batch_per_rank": args.batch, "t_comm_s": t_comm, "comm_s": comm,
         "t_compute_s": t_compute, "compute_phases_s": base,
@@ -481,7 +481,7 @@ def run_setup(setup: str, args: argparse.Namespace, shaping: bool,
            "--rounds", str(args.rounds), "--warmup", str(args.warmup), "--iters", str(args.iters),
            "--batch", str(args.batch), "--comm-repeats", str(args.comm_repeats),
            "--balance", str(args.balance), "--compute-ms", str(args.compute_ms),
-           "--backward-factor", str(args.backward_factor)]
+           "--backward-factor", str(args.backward_factor), "--tokens", str(args.tokens)]
     if args.trace:
         cmd += ["--trace", args.trace]
     cmd += list(worker_args)
@@ -539,6 +539,8 @@ def table(reports: list[dict[str, Any]]) -> tuple[str, str]:
             + (f" (every parameter's first dimension / {rep['scale']}: fewer bytes for the "
                f"cores' network work, with a slower link to keep T_comm ~ 1 s)"
                if rep["scale"] > 1 else "")
+            + (f" (word embedding: only the rows of {rep['tokens']} tokens per rank are "
+               "non-zero, as in a fine-tune)" if rep.get("tokens") else "")
             + f"; T_compute {rep['t_compute_s'] * 1e3:.0f} ms (emulated forward "
             f"{rep['emulated_forward_s'] * 1e3:.0f} + backward {rep['emulated_backward_s'] * 1e3:.0f}"
             f"); T_comm {rep['t_comm_s'] * 1e3:.0f} ms (all_reduce "
@@ -625,6 +627,9 @@ def parse_args(argv: Optional[list[str]] = None,
     p.add_argument("--compute-ms", type=float, default=0.0)
     p.add_argument("--backward-factor", type=float, default=emulated.BACKWARD_FACTOR)
     p.add_argument("--trace", default="", help="per-layer times from this dear.diagnose trace")
+    p.add_argument("--tokens", type=int, default=0,
+                   help="token positions per batch and rank: the word embedding's gradient is "
+                        "non-zero only in the rows they look up (0: dense)")
     p.add_argument("--name", default="emulated", help="results/<name>.{json,md,png}")
     p.add_argument("--no-shaping", action="store_true", help="loopback, no root needed")
     p.add_argument("--timeout", type=float, default=1200.0, help="per setup, seconds")
