@@ -124,3 +124,4 @@ def test_auto_finds_the_model_tables_and_names_are_checked() -> None:
         resolve_row_sparse(["2.bias"], named, big)
     with pytest.raises(ValueError, match="model="):
         resolve_row_sparse(True, named, None)
+    assert resolve_row_sparse("auto", named, None, explicit=False) == set()   # DEAR_ROW_SPARSE

@@ -127,15 +127,18 @@ MIN_TABLE_BYTES = 1 << 20     # smaller tables: the marks' round trip costs more
 
 def resolve_row_sparse(setting: Union[bool, str, Sequence[str], None],
                        named: Sequence[tuple[str, torch.nn.Parameter]],
-                       model: Optional[torch.nn.Module]) -> set[int]:
+                       model: Optional[torch.nn.Module], explicit: bool = True) -> set[int]:
     """Which parameters (indices into `named`) are sent as their used rows. `setting`: False /
     "off"; True / "auto": the weights (>= 1 MB, 2-D) of the model's dense nn.Embedding and
-    nn.EmbeddingBag tables (needs model=); or parameter names, comma-separated or a list."""
+    nn.EmbeddingBag tables (needs model=; from DEAR_ROW_SPARSE, `explicit=False`, a missing
+    model= just means none); or parameter names, comma-separated or a list."""
     if setting is None or setting is False or setting == "off" or setting == "":
         return set()
     index = {name: i for i, (name, _) in enumerate(named)}
     if setting is True or setting == "auto":
         if model is None:
+            if not explicit:
+                return set()
             raise ValueError("row_sparse='auto' finds the embedding tables through model=; "
                              "pass model=, or the parameters' names")
         tables = {id(m.weight) for m in model.modules()
