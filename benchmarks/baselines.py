@@ -6,7 +6,8 @@
 - `ddp`: torch DistributedDataParallel with its default 25 MB buckets.
 - `fsdp2`: fully_shard(reshard_after_forward=False) per block: reduce-scatter in backward,
   all-gather of PARAMETERS with prefetch in forward; DeAR's overlap, the other thing gathered.
-- `dear`: dear.DistributedOptimizer on torch.distributed; `dear-hvd`: the same on Horovod.
+- `dear`: dear.DistributedOptimizer on torch.distributed (its default planned schedule);
+  `dear-order`: the same in DeAR's own order (schedule="dear"); `dear-hvd`: on Horovod.
 All use the same Communicator / process group, so only the schedule differs.
 """
 
@@ -22,7 +23,7 @@ from dear.comm.base import Work
 from dear.fusion.planner import plan_buckets
 from dear.runtime import communicator
 
-METHODS = ("ddp", "fsdp2", "horovod", "allreduce", "wfbp", "dear", "dear-hvd")
+METHODS = ("ddp", "fsdp2", "horovod", "allreduce", "wfbp", "dear", "dear-order", "dear-hvd")
 
 
 class AllReduceAfterBackward:
@@ -137,6 +138,9 @@ def prepare(method: str, model: torch.nn.Module,
         return model, WFBP(model, make_optimizer(model.parameters()))
     if method in ("dear", "dear-hvd"):             # the backend is chosen by dear.init()
         return model, dear.DistributedOptimizer(make_optimizer(model.parameters()), model=model)
+    if method == "dear-order":
+        return model, dear.DistributedOptimizer(make_optimizer(model.parameters()), model=model,
+                                                schedule="dear")
     if method == "horovod":
         try:
             import horovod.torch as hvd

@@ -33,7 +33,10 @@ CONFIGS: dict[str, dict[str, Any]] = {
                  "iters": 4},
     "bert_base": {"bandwidth": "2gbit", "args": ["--seq-len", "64", "--batch", "4"], "iters": 3},
 }
-METHODS = "ddp,fsdp2,allreduce,wfbp,horovod,dear,dear-hvd"
+METHODS = "ddp,fsdp2,allreduce,wfbp,horovod,dear-order,dear,dear-hvd"
+# Warm-up iterations per method and round: dear's planned schedule measures 4 iterations
+# (DEAR_PLAN_AFTER) in DeAR's order before it plans, so timing starts after that.
+WARMUP = 6
 # The emulated-accelerator table: under 10 minutes on the 2-core machine (2 rounds, 3 timed
 # iterations per method and round). The full study: benchmarks.emulated_bench --setups ... (README).
 EMULATED_SETUPS = "resnet50:2,vgg16:2:1gbit:4,bert_base:2:1gbit:4,resnet50:4:1gbit:2"
@@ -58,7 +61,7 @@ def run_model(model: str, args: argparse.Namespace, shaping: bool) -> dict[str, 
     name = f"bench_{model}{args.suffix}"
     # Two interleaved rounds: this shared machine's speed drifts by tens of percent within a run.
     iters = (["--rounds", "1", "--warmup", "1", "--iters", "3"] if args.quick else
-             ["--rounds", "2", "--warmup", "1", "--iters", str(cfg["iters"])])
+             ["--rounds", "2", "--warmup", str(WARMUP), "--iters", str(cfg["iters"])])
     cmd = [sys.executable, "-m", "benchmarks.train", "--model", model, "--methods", methods,
            "--name", name, *iters, *cfg["args"]]
     with EmulatedCluster(2, cfg["bandwidth"], shaping=shaping, horovod=use_hvd) as cluster:
