@@ -7,7 +7,8 @@
 - `fsdp2`: fully_shard(reshard_after_forward=False) per block: reduce-scatter in backward,
   all-gather of PARAMETERS with prefetch in forward; DeAR's overlap, the other thing gathered.
 - `dear`: dear.DistributedOptimizer on torch.distributed (its default planned schedule);
-  `dear-order`: the same in DeAR's own order (schedule="dear"); `dear-hvd`: on Horovod.
+  `dear-order`: the same in DeAR's own order (schedule="dear"); `dear-rows`: with
+  row_sparse=True (embedding tables sent as the rows the batch used); `dear-hvd`: on Horovod.
 All use the same Communicator / process group, so only the schedule differs.
 """
 
@@ -23,7 +24,8 @@ from dear.comm.base import Work
 from dear.fusion.planner import plan_buckets
 from dear.runtime import communicator
 
-METHODS = ("ddp", "fsdp2", "horovod", "allreduce", "wfbp", "dear", "dear-order", "dear-hvd")
+METHODS = ("ddp", "fsdp2", "horovod", "allreduce", "wfbp", "dear", "dear-order", "dear-rows",
+           "dear-hvd")
 
 
 class AllReduceAfterBackward:
@@ -138,6 +140,9 @@ def prepare(method: str, model: torch.nn.Module,
         return model, WFBP(model, make_optimizer(model.parameters()))
     if method in ("dear", "dear-hvd"):             # the backend is chosen by dear.init()
         return model, dear.DistributedOptimizer(make_optimizer(model.parameters()), model=model)
+    if method == "dear-rows":
+        return model, dear.DistributedOptimizer(make_optimizer(model.parameters()), model=model,
+                                                row_sparse=True)
     if method == "dear-order":
         return model, dear.DistributedOptimizer(make_optimizer(model.parameters()), model=model,
                                                 schedule="dear")

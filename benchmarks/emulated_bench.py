@@ -27,8 +27,9 @@ Methods: a name from METHODS, optionally with keyword options after colons,
 `NAME[:KEY=VALUE[:KEY=VALUE...]]`; values: 2MB / 512KB / 1GB (bytes), true/false, none,
 numbers, else strings. `dear:...` options go to dear.DistributedOptimizer (rs_threshold,
 ag_threshold and first_bucket make a FusionConfig: missing sizes default to fusion_threshold or
-DEAR_FUSION_THRESHOLD); `ddp:...` to DistributedDataParallel; `wfbp:threshold=8MB`. To add a
-method, add a function to METHODS.
+DEAR_FUSION_THRESHOLD; `row_sparse=tables`: the word embeddings --tokens made row-sparse);
+`ddp:...` to DistributedDataParallel; `wfbp:threshold=8MB`. To add a method, add a function to
+METHODS.
 """
 
 from __future__ import annotations
@@ -145,6 +146,9 @@ def _dear(model: emulated.EmulatedModel, make_opt: OptFactory, opts: dict[str, A
     import dear
     from dear.fusion.fusion_config import FusionConfig
     opts = dict(opts)
+    if opts.get("row_sparse") == "tables":         # the emulated word embeddings (--tokens)
+        opts["row_sparse"] = [f"{name}.weight" for name, m in model.named_modules()
+                              if getattr(m, "_tokens", 0)] or False
     sizes = {k: opts.pop(k) for k in ("rs_threshold", "ag_threshold", "first_bucket") if k in opts}
     if sizes:
         default = opts.pop("fusion_threshold", None) or dear.runtime.config().fusion_threshold
