@@ -554,7 +554,7 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
         self._buckets, self._where = layout.buckets, layout.where
         self._gather_groups = layout.gather_groups
         self._triggers = {}
-        self._schedule.reset(layout.buckets)
+        self._schedule.reset(layout.buckets, fusion.chunk_bytes)   # re-planned with its chunks
         if self._model is not None:
             self._map_triggers(self._model)
         self._bind_hooks()
@@ -588,7 +588,8 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
                                     confirm=cfg.autotune_confirm,
                                     log_path=cfg.autotune_log or None,
                                     out_path=cfg.autotune_out or None)
-        tuner = FusionTuner(model_bytes, budget=cfg.autotune_trials, initial=self._fusion)
+        tuner = FusionTuner(model_bytes, budget=cfg.autotune_trials, initial=self._fusion,
+                            chunk_bytes=self._schedule.searched_chunk_bytes)
         return OnlineAutotuner(tuner, self._comm, self._fusion,
                                fingerprint=fusion_file.model_fingerprint(named),
                                settle=settle, window=cfg.autotune_window,

@@ -4,6 +4,7 @@ rank, same parameters as a fixed layout, tracer hooks gone), the settings."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 
@@ -18,7 +19,7 @@ from dear.diagnose.graph import Model, Profile, Segment
 from dear.diagnose.simulate import Schedule, Simulator
 from dear.fusion import fusion_config
 from dear.fusion.fusion_config import FusionConfig
-from dear.fusion.offline import tune_offline
+from dear.fusion.offline import candidate_key, predict_config, tune_offline
 from tests.distributed import run_distributed
 from tests.workloads import batch, make_net, train_autotuned
 
@@ -67,6 +68,64 @@ def test_offline_search_finds_what_the_simulator_says_is_best() -> None:
     assert times[0] <= 1.04 * optimum, (times[0], optimum)
     with pytest.raises(ValueError, match="top_k"):
         tune_offline(sim, 8 * MB, budget=2, top_k=0)
+
+
+def _gappy_chain() -> Simulator:
+    """_chain with a 0.5 ms forward per layer (too short to hide DeAR's all-gathers) on a
+    2 Gbit/s link with 0.2 ms latency: backward leaves gaps the planned schedule fills, and
+    how much it fills depends on the chunk size."""
+    model = _chain().model
+    prof = dataclasses.replace(model.profiles[0], update=0.001, forward=[Segment(0.0)] + [
+        Segment(0.0005, (i,)) for i in range(len(model.param_bytes))])
+    return Simulator.from_model(dataclasses.replace(model, profiles=[prof, prof]),
+                                CostModel.ideal(2e9, 2e-4, world_size=2))
+
+
+def test_planned_replay_uses_the_candidates_chunk_size(monkeypatch) -> None:
+    """Simulator's PLANNED replay plans with the FusionConfig's chunk size (Config's when it
+    has none): 64 KB chunks are many small collectives, 64 MB ones a whole shard each, and
+    the predictions differ (measured: 49.8 ms and 53.3 ms; 1 MB 46.0 ms)."""
+    import dear.fusion.schedule as schedule_module
+    sim = _gappy_chain()
+    plans: list = []
+    plan_gaps = schedule_module.plan_gaps
+    monkeypatch.setattr(schedule_module, "plan_gaps",
+                        lambda *a, **k: plans.append(plan_gaps(*a, **k)) or plans[-1])
+    layout = FusionConfig(MB, MB, None)
+    predicted = {chunk: sim.predict(Schedule.PLANNED, fusion=dataclasses.replace(
+        layout, chunk_bytes=chunk)).iteration_time for chunk in (64 << 10, 64 << 20, None)}
+    assert len(plans) == 3                     # one replay, one plan each
+    tiny, huge, default = (p.num_chunks for p in plans)
+    assert tiny > huge, (tiny, huge)          # 64 MB: a whole shard per chunk, fits no gap
+    assert abs(predicted[64 << 10] - predicted[64 << 20]) > 1e-3, predicted
+    assert predicted[None] < min(predicted[64 << 10], predicted[64 << 20])
+    assert predicted[None] == sim.predict(Schedule.PLANNED, fusion=dataclasses.replace(
+        layout, chunk_bytes=Config().chunk_bytes)).iteration_time
+    assert plans[-1] == plans[2] and default > 0
+    # An all-gather group of three buckets, one gathered early in chunks: step() gathers the
+    # group bucket by bucket, as ScheduleDriver.gather_rest does (this replay once failed).
+    grouped = FusionConfig(3556745, 7820774, 1055446, chunk_bytes=1249722)
+    assert sim.layout(grouped).groups == [[0], [1, 2, 3]]
+    assert sim.predict(Schedule.PLANNED, fusion=grouped).iteration_time > 0
+    assert any(c[0] in (1, 2, 3) for cs in plans[-1].after.values() for c in cs)
+
+
+def test_offline_search_of_the_chunk_size_replays_the_planned_schedule() -> None:
+    """tune_offline(chunk_bytes=...): the PLANNED replay, each candidate with its own chunk
+    size; candidates that cut the same layout into the same chunks are one."""
+    sim = _gappy_chain()
+    trials: list[tuple[FusionConfig, float]] = []
+    found = tune_offline(sim, 8 * MB, budget=12, top_k=4, initial=FusionConfig(MB, MB),
+                         chunk_bytes=MB, on_trial=lambda c, t: trials.append((c, t)))
+    assert trials[0][0].chunk_bytes is None    # the current config: the default chunk size
+    assert all(c.chunk_bytes is not None for c, _ in trials[1:])
+    assert len({c.chunk_bytes for c, _ in trials}) > 3
+    keys = {candidate_key(sim, c, MB) for c, _ in found}
+    assert len(keys) == len(found)
+    for config, seconds in found:
+        fusion = dataclasses.replace(config, chunk_bytes=config.chunk_bytes or MB)
+        assert seconds == sim.predict(Schedule.PLANNED, fusion=fusion).iteration_time
+        assert seconds == predict_config(sim, config, MB)
 
 
 # --------------------------------------------------------------------- 2 ranks, for real

@@ -321,7 +321,8 @@ class Simulator:
         # Each traced iteration replayed on its own; the median one is the prediction (the
         # median of iterations, as measured, rather than an iteration of medians).
         plan = self._plan(schedule, fusion_threshold, fusion, cost.world_size, unclaimed_first)
-        runs = [self._replay(ps, schedule, plan, cost, compute_scale,
+        chunk = None if fusion is None else fusion.chunk_bytes     # PLANNED: the plan's chunks
+        runs = [self._replay(ps, schedule, plan, cost, compute_scale, chunk,
                              step_overhead_s=step_overhead_s)
                 for ps in (self.model.iterations or [self.model.profiles])]
         runs.sort(key=lambda p: p.iteration_time)
@@ -346,8 +347,8 @@ class Simulator:
 
     def _replay(self, profiles: list[Profile], schedule: Schedule,
                 plan: "tuple[list[tuple[list[int], int]], Optional[DearLayout]]",
-                cost: CostModel, compute_scale: float, step_overhead_s: float = 0.0
-                ) -> Prediction:
+                cost: CostModel, compute_scale: float,
+                chunk: Optional[int] = None, step_overhead_s: float = 0.0) -> Prediction:
         buckets, layout = plan
         profiles = [_scaled(p, compute_scale) for p in profiles]
         delay = 0.0                            # per collective: Horovod's negotiation cycle
@@ -356,8 +357,8 @@ class Simulator:
             kinds = {"rs": "reduce_scatter", "ag": "all_gather"}
             nbytes = {"rs": [b for _, b in buckets], "ag": layout.group_bytes()}
             if schedule is Schedule.PLANNED:
-                plan, chunk_bytes = self._planned(programs, layout, cost)
-                programs = [_dear_program(p, layout, self.model.param_numel, plan)
+                plan, as_run, chunk_bytes = self._planned(programs, layout, cost, chunk)
+                programs = [_dear_program(p, as_run, self.model.param_numel, plan)
                             for p in profiles]
                 result = replay_contended(programs, lambda key: cost.time(
                     kinds.get(key[0], "all_gather"), chunk_bytes(key)), self.contention)
@@ -377,10 +378,15 @@ class Simulator:
         return _measure(result, schedule, cost.world_size, len(buckets))
 
 
-    def _planned(self, programs: list[list[Action]], layout: DearLayout,
-                 cost: CostModel) -> tuple[Any, Callable[[tuple], int]]:
+    def _planned(self, programs: list[list[Action]], layout: DearLayout, cost: CostModel,
+                 chunk: Optional[int] = None
+                 ) -> tuple[Any, DearLayout, Callable[[tuple], int]]:
         """What dear does: replay DeAR's order, take when each bucket's reduce-scatter was
-        issued in the last iteration, and plan the gaps with dear's own planner."""
+        issued in the last iteration, and plan the gaps with dear's own planner, in chunks of
+        `chunk` bytes (the FusionConfig's: the offline tuner searches it; None: Config's).
+        Returns the plan, the layout as it then runs (step() gathers an all-gather group that
+        an early chunk touched bucket by bucket, ScheduleDriver.gather_rest: one group per
+        bucket there) and each collective's bytes."""
         from ..config import Config
         from ..fusion.schedule import LinkCost, plan_gaps
         buckets, group_bytes = layout.buckets, layout.group_bytes()
@@ -398,8 +404,12 @@ class Simulator:
         itemsize = [max(1, b // max(1, sum(self.model.param_numel[p] for p in ps) + len(ps)))
                     for ps, b in buckets]
         shard = [b // itemsize[k] // world for k, (_, b) in enumerate(buckets)]
-        chunk = Config().chunk_bytes
+        chunk = Config().chunk_bytes if chunk is None else chunk
         plan = plan_gaps(ready, [b for _, b in buckets], shard, itemsize, world, link, chunk)
+        early = {c[0] for cs in plan.after.values() for c in cs}
+        layout = DearLayout(buckets, [part for g in layout.groups
+                                      for part in ([[b] for b in g] if early & set(g) else [g])])
+        group_bytes = layout.group_bytes()
         length = {(c[0], c[1]): c[2] for cs in plan.after.values() for c in cs}
         done: dict[int, int] = {}
         for cs in plan.after.values():
@@ -415,7 +425,7 @@ class Simulator:
             if kind == "agr":
                 return world * (shard[b] - done.get(b, 0)) * itemsize[b]
             return group_bytes[b]                       # "ag": a whole group
-        return plan, nbytes
+        return plan, layout, nbytes
 
 
 def _alpha_rate(cost: CostModel, kind: str, small: int, large: int) -> tuple[float, float]:

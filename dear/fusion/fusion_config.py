@@ -1,4 +1,5 @@
-"""The three sizes that decide the bucket layout, and the JSON file that keeps a tuned choice.
+"""The sizes that decide the bucket layout and the planned schedule, and the JSON file that
+keeps a tuned choice.
 
 Why three, not one threshold:
 - `rs_threshold`: bytes of gradient per reduce-scatter bucket. Small buckets start reducing
@@ -11,6 +12,10 @@ Why three, not one threshold:
   It sits on the critical path twice: its reduce-scatter is what remains exposed after backward
   ends, its all-gather is what the next forward waits for before the first layer can run.
   None: no special first bucket.
+- `chunk_bytes`: bytes of an all-gather chunk the planned schedule sends in backward's idle link
+  time (dear/fusion/schedule.py). Small chunks fit shorter gaps but each pays a collective's
+  latency; large ones fit only long gaps. None: Config's (DEAR_CHUNK_BYTES). It changes no
+  bucket, only the plan, and does nothing in DeAR's order.
 
 A saved file names the model it was tuned for (a fingerprint of parameter names, shapes and
 dtypes); loading it for another model is refused, not silently applied.
@@ -36,6 +41,7 @@ class FusionConfig:
     rs_threshold: int
     ag_threshold: int
     first_bucket: Optional[int] = None
+    chunk_bytes: Optional[int] = None
 
     def __post_init__(self) -> None:
         for name in ("rs_threshold", "ag_threshold"):
@@ -46,6 +52,10 @@ class FusionConfig:
                                               or self.first_bucket < 0):
             raise ValueError(f"first_bucket must be None or a non-negative number of bytes, "
                              f"got {self.first_bucket!r}")
+        if self.chunk_bytes is not None and (not isinstance(self.chunk_bytes, int)
+                                             or self.chunk_bytes < 1):
+            raise ValueError(f"chunk_bytes must be None or a positive number of bytes, "
+                             f"got {self.chunk_bytes!r}")
 
     @classmethod
     def single(cls, threshold: int) -> "FusionConfig":
@@ -54,7 +64,9 @@ class FusionConfig:
 
     def describe(self) -> str:
         first = "-" if self.first_bucket is None else _mb(self.first_bucket)
-        return (f"rs {_mb(self.rs_threshold)} / ag {_mb(self.ag_threshold)} / first {first}")
+        chunk = "" if self.chunk_bytes is None else f" / chunk {_mb(self.chunk_bytes)}"
+        return (f"rs {_mb(self.rs_threshold)} / ag {_mb(self.ag_threshold)} / first {first}"
+                f"{chunk}")
 
 
 def _mb(nbytes: int) -> str:
@@ -106,12 +118,17 @@ def load(path: str, fingerprint: str) -> FusionConfig:
             f"{payload.get('model_fingerprint')!r}, this model's is {fingerprint!r}: parameter "
             f"names, shapes or dtypes differ); {hint}")
     raw = payload.get("config")
-    try:
+    try:                                       # files from before chunk_bytes: None, the default
         return FusionConfig(int(raw["rs_threshold"]), int(raw["ag_threshold"]),
-                            None if raw.get("first_bucket") is None else int(raw["first_bucket"]))
+                            _optional_int(raw.get("first_bucket")),
+                            _optional_int(raw.get("chunk_bytes")))
     except (TypeError, KeyError, ValueError) as exc:
         raise ValueError(f"fusion config {path} has a malformed 'config' entry ({exc!r}); "
                          f"{hint}") from None
+
+
+def _optional_int(value: Any) -> Optional[int]:
+    return None if value is None else int(value)
 
 
 def log2_bytes(nbytes: int) -> float:

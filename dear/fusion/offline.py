@@ -15,8 +15,8 @@ on the few layouts the simulator ranks best, which also guards against its error
    iterations 1..window are the profile; at the end of the window the tracer's hooks are
    removed, every rank's collectives are all-gathered to fit the network (a collective lasts
    from the last rank's issue), and rank 0 builds the simulator from its own trace, in memory
-   (the DEAR schedule replayed with the optimizer's parameter order), runs FusionTuner on
-   predicted times and broadcasts the plan: the current layout plus the `confirm` best
+   (the optimizer's parameter order; the PLANNED schedule with each candidate's chunk size
+   where the optimizer can run a plan, else DEAR), runs FusionTuner on predicted times and broadcasts the plan: the current layout plus the `confirm` best
    predicted distinct layouts;
 3. confirm: each planned layout is timed for `settle + window` iterations as the online tuner
    times a trial (rank 0 decides, broadcast, every rank switches at the same step()); the
@@ -52,30 +52,55 @@ CONFIRM = 3
 def tune_offline(sim: "Simulator", model_bytes: int, *, budget: int = SIMULATED_TRIALS,
                  top_k: int = CONFIRM, initial: Optional[FusionConfig] = None, seed: int = 0,
                  on_trial: Optional[Callable[[FusionConfig, float], None]] = None,
+                 chunk_bytes: Optional[int] = None,
                  **predict: Any) -> list[tuple[FusionConfig, float]]:
     """FusionTuner on the simulator's predicted iteration times, for `budget` trials (no early
     stop: a trial is cheap). Returns the `top_k` best (config, predicted seconds), fastest
-    first, one per distinct layout: configs that plan the same buckets and all-gather groups
-    are one candidate (confirming both would measure the same thing twice). `predict`:
-    what-if settings passed to Simulator.predict (bandwidth_bps, world_size, ...)."""
-    from ..diagnose.simulate import Schedule
+    first, one per distinct candidate: configs that plan the same buckets and all-gather groups
+    (and, planned, cut them into the same chunks) are one (confirming both would measure the
+    same thing twice). `chunk_bytes`: the planned schedule's chunk size for a config without
+    one (Config's); given, the PLANNED schedule is replayed, each candidate with its own chunk
+    size, which is searched too; None: DeAR's order. `predict`: what-if settings passed to
+    Simulator.predict (bandwidth_bps, world_size, ...)."""
     if top_k < 1:
         raise ValueError(f"top_k must be >= 1, got {top_k}")
     tuner = FusionTuner(model_bytes, budget=budget, patience=budget, initial=initial,
-                        seed=seed)
+                        seed=seed, chunk_bytes=chunk_bytes)
     world = predict.get("world_size")
-    best: dict[tuple, tuple[FusionConfig, float]] = {}      # layout -> first config, time
+    best: dict[tuple, tuple[FusionConfig, float]] = {}      # candidate -> first config, time
     while (config := tuner.suggest()) is not None:
-        layout = sim.layout(config, world).signature()
-        if layout in best:                     # same layout: same prediction, no replay
-            seconds = best[layout][1]
+        key = candidate_key(sim, config, chunk_bytes, world)
+        if key in best:                        # same layout and chunks: same prediction
+            seconds = best[key][1]
         else:
-            seconds = sim.predict(Schedule.DEAR, fusion=config, **predict).iteration_time
-            best[layout] = (config, seconds)
+            seconds = predict_config(sim, config, chunk_bytes, **predict)
+            best[key] = (config, seconds)
         tuner.observe(config, seconds)
         if on_trial is not None:
             on_trial(config, seconds)
     return sorted(best.values(), key=lambda t: t[1])[:top_k]
+
+
+def predict_config(sim: "Simulator", config: FusionConfig, chunk_bytes: Optional[int],
+                   **predict: Any) -> float:
+    """Predicted seconds per iteration of `config`: the PLANNED replay with its chunk size
+    (else `chunk_bytes`, the one it would run with) when `chunk_bytes` is given, else DEAR."""
+    from ..diagnose.simulate import Schedule
+    if chunk_bytes is None:
+        return sim.predict(Schedule.DEAR, fusion=config, **predict).iteration_time
+    fusion = dataclasses.replace(config, chunk_bytes=config.chunk_bytes or chunk_bytes)
+    return sim.predict(Schedule.PLANNED, fusion=fusion, **predict).iteration_time
+
+
+def candidate_key(sim: "Simulator", config: FusionConfig, chunk_bytes: Optional[int],
+                  world: Optional[int] = None) -> tuple:
+    """What a config runs as: its layout and, planned, how many chunks each bucket's
+    all-gather is cut into (chunk sizes that cut every bucket alike plan alike)."""
+    layout = sim.layout(config, world)
+    if chunk_bytes is None:
+        return layout.signature()
+    chunk = config.chunk_bytes or chunk_bytes
+    return layout.signature(), tuple(-(-nbytes // chunk) for _, nbytes in layout.buckets)
 
 
 class _Phase(enum.Enum):
@@ -198,7 +223,7 @@ class OfflineAutotuner(TrialDriver):
         from ..diagnose.chrome import Trace, parse_rank
         from ..diagnose.costmodel import CostModel
         from ..diagnose.graph import collective_samples
-        from ..diagnose.simulate import Schedule, Simulator
+        from ..diagnose.simulate import Simulator
         from ..diagnose.targets import collect_params
         opt = self._optimizer()
         assert opt is not None
@@ -216,12 +241,15 @@ class OfflineAutotuner(TrialDriver):
         order += [i for i in range(len(index)) if i not in set(order)]
         sim = Simulator.from_model(dataclasses.replace(sim.model, forward_order=order,
                                                        unclaimed=[]), sim.fitted)
-        current = sim.layout(self.current).signature()
-        predicted_now = sim.predict(Schedule.DEAR, fusion=self.current).iteration_time
+        # The planned schedule's chunk size is searched where a plan can run (its default
+        # otherwise: DeAR's order is replayed, where the chunk size does nothing).
+        chunk = opt._schedule.searched_chunk_bytes
+        current = candidate_key(sim, self.current, chunk)
+        predicted_now = predict_config(sim, self.current, chunk)
         found = tune_offline(sim, self._model_bytes, budget=self._budget,
                              top_k=self._confirm + 1, initial=self.current, seed=self._seed,
-                             on_trial=self._log_simulated)
-        others = [(c, t) for c, t in found if sim.layout(c).signature() != current]
+                             on_trial=self._log_simulated, chunk_bytes=chunk)
+        others = [(c, t) for c, t in found if candidate_key(sim, c, chunk) != current]
         log.info("dear autotune (offline): %d simulated trials; current %s predicted %.4f s, "
                  "best %s", self.simulated_trials, self.current.describe(), predicted_now,
                  ", ".join(f"{c.describe()} {t:.4f} s" for c, t in others[:self._confirm]))

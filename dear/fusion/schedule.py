@@ -330,6 +330,7 @@ class ScheduleDriver:
         threaded = threaded and comm_of().size > 1
         self.enabled = enabled and threaded
         self._plan_after = plan_after
+        self.default_chunk_bytes = chunk_bytes  # Config's; a FusionConfig may carry its own
         self._chunk_bytes = chunk_bytes
         self.executor: Optional[CommExecutor] = shared_executor() if threaded else None
         self.plan: Optional[Plan] = None
@@ -345,8 +346,17 @@ class ScheduleDriver:
     def _comm(self) -> Communicator:
         return self._comm_of()
 
-    def reset(self, buckets: Sequence[Any]) -> None:
-        """A new layout: forget the plan and measure again (every rank at the same step)."""
+    @property
+    def searched_chunk_bytes(self) -> Optional[int]:
+        """What an autotuner starts the chunk size from, or None when no plan can run here
+        (DeAR's order, one rank, GPU tensors): then the chunk size changes nothing."""
+        return self.default_chunk_bytes if self.enabled else None
+
+    def reset(self, buckets: Sequence[Any], chunk_bytes: Optional[int] = None) -> None:
+        """A new layout or chunk size (the autotuner's FusionConfig; None: Config's): forget
+        the plan and measure again (every rank at the same step, so the probe and the plan's
+        broadcast keep their place in every rank's order)."""
+        self._chunk_bytes = self.default_chunk_bytes if chunk_bytes is None else chunk_bytes
         self._buckets = list(buckets)
         self.plan, self._steps, self._planned = None, 0, False
         self._clock = BackwardClock(len(buckets)) if self.enabled else None
