@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+from typing import Optional
 
 import pytest
 import torch
@@ -140,15 +141,17 @@ def _hooks(model: torch.nn.Module, opt: torch.optim.Optimizer) -> int:
         opt._optimizer_step_post_hooks)
 
 
-def _train(autotune: object, out_dir: str, world: int) -> dict:
+def _train(autotune: object, out_dir: str, world: int, steps: int = STEPS,
+           extra: Optional[dict] = None) -> dict:
     def observe(model: torch.nn.Module, opt: object) -> tuple:
         return (opt._layout.signature(), _hooks(model, opt),  # type: ignore[attr-defined]
                 type(opt._comm).__name__ == "TracingCommunicator"  # type: ignore[attr-defined]
                 or "_apply" in opt.__dict__)
     model, opt, seen = train_autotuned(
-        autotune, out_dir, world, STEPS,
+        autotune, out_dir, world, steps,
         dict(DEAR_AUTOTUNE_WINDOW="2", DEAR_AUTOTUNE_SETTLE="1",
-             DEAR_AUTOTUNE_SIMULATED_TRIALS="8", DEAR_AUTOTUNE_CONFIRM="2"), observe)
+             DEAR_AUTOTUNE_SIMULATED_TRIALS="8", DEAR_AUTOTUNE_CONFIRM="2", **(extra or {})),
+        observe)
     layouts, hooks, traced = (list(column) for column in zip(*seen))
     tuner = opt._autotuner
     out = {"params": {k: v.clone() for k, v in model.state_dict().items()},
@@ -203,6 +206,28 @@ def test_offline_run_confirms_switches_everywhere_and_keeps_parameters(tmp_path)
         info = json.load(f)
     assert info["simulated_trials"] == 8 and info["trials"] == 3
     assert info["iteration_time_s"] == pytest.approx(best["iteration_time_s"], abs=1e-6)
+
+
+def test_offline_run_with_the_planned_schedule_searches_chunk_sizes(tmp_path) -> None:
+    """With the planned schedule the simulated candidates carry their own chunk size (the
+    planned replay), every rank confirms the same ones, and training stays exact."""
+    from tests.workloads import max_diff, reference
+    steps = 30                                 # settle is plan_after + 1 = 3 per trial here
+    ranks = run_distributed(_train, 2, "offline", str(tmp_path), 2, steps,
+                            {"DEAR_SCHEDULE": "planned", "DEAR_PLAN_AFTER": "2"}, timeout=180)
+    first = ranks[0]
+    assert ranks[1]["layouts"] == first["layouts"] and ranks[1]["plan"] == first["plan"]
+    assert first["finished"] and first["current"] == ranks[1]["current"]
+    plan = first["plan"]
+    assert plan[0][0].chunk_bytes is None and len(plan) == 3
+    assert all(c.chunk_bytes is not None for c, _ in plan[1:])
+    lines = [json.loads(x) for x in open(tmp_path / "trials.jsonl")]
+    simulated = [x for x in lines if x["phase"] == "simulated"]
+    assert len({x["chunk_mb"] for x in simulated}) > 2
+    ref = reference("adam", 2, steps)
+    scale = max(v.abs().max().item() for v in ref.values())
+    for res in ranks:
+        assert max_diff(res["params"], ref) <= 1e-6 * scale
 
 
 def test_shutdown_inside_the_traced_window_detaches_the_tracer(tmp_path, monkeypatch) -> None:
