@@ -211,6 +211,8 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
             # (and last step's "full"): it waits for step(), which applies it first.
             if bucket.stage is not Stage.IDLE or not bucket.full:
                 return
+            if isinstance(bucket, RowSparseBucket):   # a Tracer's replay models dense buckets
+                bucket.send_dense = self._schedule.paused
             if self._transform is not None:     # it rotates the packed gradients
                 bucket.fill()
                 self._transform.before_reduce(bucket)

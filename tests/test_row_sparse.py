@@ -125,3 +125,21 @@ def test_auto_finds_the_model_tables_and_names_are_checked() -> None:
     with pytest.raises(ValueError, match="model="):
         resolve_row_sparse(True, named, None)
     assert resolve_row_sparse("auto", named, None, explicit=False) == set()   # DEAR_ROW_SPARSE
+
+
+def test_a_traced_window_sends_the_table_densely(tmp_path) -> None:
+    """dear.diagnose's replay models dense reduce-scatters and all-gathers: while a Tracer is
+    attached the table travels as any bucket (so traces stay simulable), and training is the
+    same."""
+    ranks = run_distributed(_train, 2, False, 0.0, [TABLE], timeout=180,
+                            env={"DEAR_TRACE": str(tmp_path), "DEAR_TRACE_ITERATIONS": "2:4",
+                                 "DEAR_SCHEDULE": "dear"})
+    ref = reference(2, False, 0.0)
+    scale = max(v.abs().max().item() for v in ref.values())
+    for res in ranks:
+        dense = [s for s, (sent, touched) in enumerate(zip(res["sent"], res["touched"]))
+                 if sent == VOCAB and touched < VOCAB]
+        assert {2, 3} <= set(dense), f"sparse while traced: {res['sent']}"
+        assert res["sent"][-1] == res["touched"][-1], "still dense after the trace"
+        assert max_diff(res["params"], ref) <= 2e-6 * scale
+    assert (tmp_path / "rank0.json").exists()

@@ -17,6 +17,9 @@ any other (its shard is the dense slice, for clipping norms and GradScaler's inf
 scale factors those apply to shards reach it as to chunks gathered early
 (`DistributedOptimizer._apply_deferred`). Every rank issues the same two collectives in the same
 order; the issuing thread waits for the first (a few hundred KB) before it issues the second.
+
+`send_dense` (set by the optimizer while a dear.diagnose Tracer is attached, whose replay models
+dense reduce-scatters and all-gathers) makes an iteration's table travel like any bucket.
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ class RowSparseBucket(Bucket):
         self.rank = rank
         self.rows, self.cols = params[0].shape
         self.sent_rows = 0                    # rows in this iteration's all-reduce (all ranks)
+        self.send_dense = False               # from the next reduce-scatter on: as any bucket
+        self._dense = False                   # this iteration's choice
         self._index: Optional[torch.Tensor] = None
         self._compact: Optional[torch.Tensor] = None
 
@@ -51,6 +56,11 @@ class RowSparseBucket(Bucket):
 
     def start_reduce_scatter(self, comm: Communicator, prescale: float,
                              submit: Optional[Callable[..., Work]] = None) -> None:
+        self._dense = self.send_dense
+        if self._dense:
+            self.sent_rows = self.rows
+            super().start_reduce_scatter(comm, prescale, submit)
+            return
         assert self.stage is Stage.IDLE and self.full, "bucket reduced twice or before it is full"
 
         def issue() -> Work:
@@ -83,6 +93,9 @@ class RowSparseBucket(Bucket):
     def finish_reduce_scatter(self, postscale: float) -> None:
         """Wait for the rows, average them and write the dense averaged gradient (zeros in the
         rows nobody touched) into the buffer; the shard is this rank's slice of it."""
+        if self._dense:
+            super().finish_reduce_scatter(postscale)
+            return
         with self._finish_lock:
             if self._averaged:
                 return
@@ -103,12 +116,17 @@ class RowSparseBucket(Bucket):
 
     def start_all_gather(self, comm: Communicator) -> None:
         """Nothing to send: finish_reduce_scatter left the whole averaged gradient here."""
+        if self._dense:
+            super().start_all_gather(comm)
+            return
         self.gathering(DoneWork())
 
     def gather_columns(self, comm: Communicator, start: int, length: int) -> Work:
         raise RuntimeError("a row-sparse bucket has no all-gather to cut into chunks")
 
     def finish_all_gather(self) -> list[bool]:
+        if self._dense:
+            return super().finish_all_gather()
         assert self.stage is Stage.GATHERING
         for work in self._gathers:
             self._wait("all-gather", work)
