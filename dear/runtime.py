@@ -91,7 +91,7 @@ def shutdown() -> None:
         return
     for opt in list(_state.optimizers):
         opt._shutdown()
-    from .fusion.schedule import close_shared
+    from .fusion.executor import close_shared
     close_shared()
     _state.comm.shutdown()
     if _state.owns_group and dist.is_initialized():

@@ -17,7 +17,7 @@ backward (when each bucket became ready, when backward ended) with a greedy simu
 and broadcasts the plan. The plan only says WHICH chunks follow WHICH reduce-scatter; WHEN is up
 to readiness: a chunk cannot be sent before its bucket's reduce-scatter is complete, and the
 training thread must not wait for that. So every collective of a backward pass is issued by one
-thread (`CommExecutor`) in the order the training thread submits them; a chunk whose shard is not
+thread (`CommExecutor`, executor.py) in the order the training thread submits them; a chunk whose shard is not
 averaged yet waits in that thread, never in backward. The executor is drained (everything
 submitted is issued) before anything else uses the communicator (step(), clipping, dear.allreduce),
 so main-thread collectives keep their place in the order too.
@@ -25,113 +25,19 @@ so main-thread collectives keep their place in the order too.
 
 from __future__ import annotations
 
-import atexit
-import collections
 import dataclasses
 import logging
 import statistics
-import threading
 import time
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 
 from ..comm.base import Communicator, Work
+from .executor import (CommExecutor, FutureWork, close_shared, mark_planned, planned_somewhere,
+                       shared_executor)
 
 log = logging.getLogger("dear")
-
-
-class FutureWork(Work):
-    """A collective submitted to the executor: issued by its thread, waited for by anyone."""
-
-    def __init__(self) -> None:
-        self._issued = threading.Event()
-        self._work: Optional[Work] = None
-        self._error: Optional[BaseException] = None
-
-    def _set(self, work: Optional[Work], error: Optional[BaseException]) -> None:
-        self._work, self._error = work, error
-        self._issued.set()
-
-    def wait(self) -> None:
-        self._issued.wait()
-        if self._error is not None:
-            raise RuntimeError(f"dear: a collective could not be issued: {self._error}") \
-                from self._error
-        assert self._work is not None
-        self._work.wait()
-
-
-class CommExecutor:
-    """Issues collectives from one thread, strictly in submission order. A task may first wait
-    for its input (`before`, e.g. the reduce-scatter a chunk's shard comes from)."""
-
-    def __init__(self) -> None:
-        self._tasks: collections.deque[tuple[Callable[[], Work], Optional[Callable[[], None]],
-                                             FutureWork]] = collections.deque()
-        self._cond = threading.Condition()
-        self._busy = False
-        self._error: Optional[BaseException] = None
-        self._thread: Optional[threading.Thread] = None
-        self._closed = False
-
-    def submit(self, issue: Callable[[], Work],
-               before: Optional[Callable[[], None]] = None) -> FutureWork:
-        future = FutureWork()
-        with self._cond:
-            if self._closed:
-                raise RuntimeError("dear: the collective executor was closed (dear.shutdown())")
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="dear-collectives",
-                                                daemon=True)
-                self._thread.start()
-            self._tasks.append((issue, before, future))
-            self._cond.notify_all()
-        return future
-
-    def drain(self) -> None:
-        """Return once every submitted collective is issued (not necessarily complete)."""
-        with self._cond:
-            while self._tasks or self._busy:
-                self._cond.wait()
-            error, self._error = self._error, None
-        if error is not None:
-            raise RuntimeError(f"dear: a collective failed in the executor: {error}") from error
-
-    @property
-    def idle(self) -> bool:
-        with self._cond:
-            return not self._tasks and not self._busy
-
-    def close(self, timeout: float = 60.0) -> None:
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
-        if self._thread is not None:
-            self._thread.join(timeout=timeout)
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                while not self._tasks and not self._closed:
-                    self._cond.wait()
-                if not self._tasks:
-                    return
-                issue, before, future = self._tasks.popleft()
-                self._busy = True
-            try:
-                if self._error is not None:
-                    raise self._error
-                if before is not None:
-                    before()
-                work: Optional[Work] = issue()
-                future._set(work, None)
-            except BaseException as exc:    # a dead rank: every later task fails the same way
-                self._error = self._error or exc
-                future._set(None, exc)
-            with self._cond:
-                self._busy = False
-                self._cond.notify_all()
 
 
 # --------------------------------------------------------------------------- measurement
@@ -288,35 +194,6 @@ __all__ = ["BackwardClock", "CommExecutor", "FutureWork", "LinkCost", "Plan", "c
 
 
 # ------------------------------------------------------------------------------- driving
-_shared: Optional[CommExecutor] = None
-_shared_lock = threading.Lock()
-_planned_somewhere = False      # some optimizer of this process runs a plan: all go threaded
-
-
-def shared_executor() -> CommExecutor:
-    """One executor per process: every optimizer's backward collectives go through the same
-    FIFO, so two optimizers on one model keep one order (each rank submits in the same order;
-    two threads issuing at once would not)."""
-    global _shared
-    with _shared_lock:
-        if _shared is None:
-            _shared = CommExecutor()
-            # Never leave its thread inside a collective while the interpreter (and Gloo's or
-            # MPI's teardown) finalizes, e.g. in a script that does not call dear.shutdown().
-            atexit.register(_shared.close, 5.0)
-        return _shared
-
-
-def close_shared() -> None:
-    """dear.shutdown(): stop the executor's thread (a later dear.init() starts a new one)."""
-    global _shared, _planned_somewhere
-    with _shared_lock:
-        executor, _shared, _planned_somewhere = _shared, None, False
-    if executor is not None:
-        executor.drain()
-        executor.close()
-
-
 class ScheduleDriver:
     """The planned schedule inside one dear.DistributedOptimizer: measures its first
     iterations, plans at the same step on every rank, and submits the collectives in the
@@ -369,7 +246,7 @@ class ScheduleDriver:
     def submitter(self) -> Optional[Callable[..., Work]]:
         """How this iteration's reduce-scatters are issued: through the executor (directly while
         a dear.diagnose Tracer records this optimizer: it records on the training thread)."""
-        if self.executor is None or self.paused or not (self.active or _planned_somewhere):
+        if self.executor is None or self.paused or not (self.active or planned_somewhere()):
             return None                         # DeAR's order alone: the training thread issues
         return self.executor.submit
 
@@ -438,8 +315,7 @@ class ScheduleDriver:
                      8e-9 * cost.rate_ag)
         self.plan = self._comm.broadcast_object(plan, 0)
         if self.plan is not None:               # from now on every optimizer's backward
-            global _planned_somewhere            # collectives share the executor's order
-            _planned_somewhere = True
+            mark_planned()                       # collectives share the executor's order
         self.cost = cost
         self._planned = True                   # plan once per layout
 
