@@ -55,8 +55,9 @@ def _extend(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allreduce-cost", choices=("probe", "trace"), default="probe",
                    help="DDP/WFBP's all-reduce: the probe of torch's all_reduce, or the trace's "
                    "reduce-scatter + all-gather (ring identity)")
-    p.add_argument("--reuse", default="", help="recompute the predictions from this earlier "
-                   "results JSON (its traces must still exist), measuring nothing")
+    p.add_argument("--reuse", default="", help="recompute the predictions from these earlier "
+                   "results JSONs (comma-separated; their traces must still exist), measuring "
+                   "nothing")
 
 
 def trace_and_probe(args: argparse.Namespace, model_spec: emulated.ModelSpec) -> dict[str, Any]:
@@ -90,7 +91,7 @@ def trace_and_probe(args: argparse.Namespace, model_spec: emulated.ModelSpec) ->
     # do now and then; there Horovod is costed as torch's all-reduce.
     if ("horovod" in [m.base for m in emulated_bench.parse_methods(args.methods)]
             and dist.get_world_size() < 8):
-        out["horovod_allreduce_s"] = _horovod_probe()
+        out["horovod_allreduce_s"], out["horovod_forward_s"] = _horovod_probe(args, model_spec)
     return out
 
 
@@ -127,12 +128,28 @@ def _unpack_probe(model_spec: emulated.ModelSpec) -> Any:
     return unpack
 
 
-def _horovod_probe() -> dict[int, float]:
+def _forward_s(args: argparse.Namespace, model_spec: emulated.ModelSpec) -> float:
+    """The emulated model's forward alone (no communication): median of 3 after 1, slowest
+    rank."""
+    dist.barrier()
+    run = emulated_bench.compute_only(model_spec, 1, 3, args.batch)
+    t = torch.tensor([statistics.median(run["times"]["forward"])])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def _horovod_probe(args: argparse.Namespace, model_spec: emulated.ModelSpec
+                   ) -> tuple[dict[int, float], dict[str, float]]:
     """Horovod's own all-reduce (fusion buffer copies, its Gloo ring, averaging) of 8 tensors
-    submitted at once, as its optimizer's hooks do: fused into one response."""
+    submitted at once, as its optimizer's hooks do: fused into one response. And the forward
+    pass timed without Horovod, then with it initialised and idle: its background thread runs
+    a negotiation cycle every 1 ms even with nothing to send, taking CPU from the training
+    thread while the link is idle (forward; in backward it blocks in its all-reduces)."""
     import horovod.torch as hvd
+    forward = {"plain": _forward_s(args, model_spec)}
     dist.barrier()
     hvd.init()
+    forward["horovod"] = _forward_s(args, model_spec)
     out = {}
     for mb in PROBE_MB:
         tensors = [torch.ones(mb * 2**15) for _ in range(8)]
@@ -144,7 +161,7 @@ def _horovod_probe() -> dict[int, float]:
                 hvd.synchronize(h)
         out[mb * 2**20] = _timed(run)
     hvd.shutdown()
-    return out
+    return out, forward
 
 
 def worker(argv: list[str]) -> int:
@@ -183,7 +200,18 @@ def _predict(sims: dict[str, Any], rep: dict[str, Any], label: str, **kw: Any) -
     schedule = SCHEDULES[label]
     sim = sims.get(schedule, sims["trace"])
     extra = rep["extra"].get("wfbp_unpack_s", 0.0) if schedule == "wfbp" else 0.0
+    if schedule == "horovod":
+        extra = horovod_idle_s(rep)
     return sim.predict(schedule, step_overhead_s=extra, **kw).iteration_time
+
+
+def horovod_idle_s(rep: dict[str, Any]) -> float:
+    """Seconds Horovod's idle negotiation cycles add to the forward pass (measured: forward
+    with Horovod initialised minus without, same run, slowest rank). The forward is on the
+    critical path with the link idle (step() waited for every all-reduce), so it is replayed
+    as that much more serial compute (step_overhead_s: serial too, same iteration time)."""
+    f = rep["extra"].get("horovod_forward_s")
+    return max(f["horovod"] - f["plain"], 0.0) if f else 0.0
 
 
 ALLREDUCE_COST = {"source": "probe"}
@@ -210,6 +238,26 @@ def predict_setup(rep: dict[str, Any]) -> list[dict[str, Any]]:
                      "q1_s": res["q1_s"], "q3_s": res["q3_s"], "predicted_s": pred,
                      "error": pred / res["median_s"] - 1})
     return rows
+
+
+def drift(rep: dict[str, Any]) -> dict[str, float]:
+    """How the machine moved between the trace and the timed rounds: the traced iterations'
+    own wall time (dear in DeAR's order, slowest rank, median of those replayed) against the
+    timed rounds' DeAR order, and the traced compute against the compute-only rounds."""
+    from dear.diagnose import load_trace
+    trace = load_trace(rep["extra"]["trace_dir"])
+    its = trace.common_iterations()[1:]
+    traced = statistics.median(max(r.iterations[i].end - r.iterations[i].start
+                                   for r in trace.ranks) for i in its)
+    sim = simulator(rep, None)
+    compute = statistics.median(max(p.compute for p in ps) for ps in sim.model.iterations)
+    out = {"traced_iteration_s": traced, "traced_compute_s": compute,
+           "compute_only_s": rep["t_compute_s"]}
+    timed = rep["methods"].get("dear:schedule=dear")
+    if timed:
+        out["timed_dear_order_s"] = timed["median_s"]
+        out["drift"] = timed["median_s"] / traced - 1
+    return out
 
 
 def scaling(reps: list[dict[str, Any]]) -> dict[str, Any]:
@@ -279,13 +327,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     if shaping and (why := check_can_shape()):
         print(f"emulated_validate: {why}; running on loopback (unshaped)", file=sys.stderr)
         shaping = False
-    if args.reuse:
-        with open(args.reuse) as fh:
-            old = json.load(fh)
-        reps = old["reports"]
+    if args.reuse:                            # one or more results JSONs, comma-separated
+        olds = []
+        for path in args.reuse.split(","):
+            with open(path) as fh:
+                olds.append(json.load(fh))
+        reps = [rep for old in olds for rep in old["reports"]]
         rows = [r for rep in reps for r in predict_setup(rep)]
-        write(args, reps, rows, scaling(reps), old["shaping"],
-              os.path.dirname(reps[0]["extra"]["trace_dir"]))
+        measured = [f"`{old['command']}` ({old['date']})" for old in olds if "command" in old]
+        write(args, reps, rows, scaling(reps), olds[0]["shaping"],
+              ", ".join(sorted({os.path.dirname(rep["extra"]["trace_dir"]) for rep in reps})),
+              measured)
         return 0
     workdir = tempfile.mkdtemp(prefix="dear-emulated-validate-")
     reps, rows = [], []
@@ -310,7 +362,8 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 def write(args: argparse.Namespace, reps: list[dict[str, Any]], rows: list[dict[str, Any]],
-          scale: dict[str, Any], shaping: bool, workdir: str) -> None:
+          scale: dict[str, Any], shaping: bool, workdir: str,
+          measured: Optional[list[str]] = None) -> None:
     table = results.markdown_table(
         ["setup", "method", "schedule", "measured (ms)", "IQR (ms)", "predicted (ms)", "error",
          "within 5%"],
@@ -318,6 +371,22 @@ def write(args: argparse.Namespace, reps: list[dict[str, Any]], rows: list[dict[
           f"{r['q1_s'] * 1e3:.0f}-{r['q3_s'] * 1e3:.0f}", round(r["predicted_s"] * 1e3),
           f"{r['error']:+.1%}", "yes" if abs(r["error"]) <= TOLERANCE else "NO"] for r in rows])
     notes = [emulated_bench.table(reps)[1]]
+    if measured:
+        notes.insert(0, "Predictions recomputed (--reuse) from the runs measured by: "
+                     + "; ".join(measured))
+    drifts = [(rep["setup"], drift(rep)) for rep in reps]
+    notes.append("Trace vs timed rounds (the same method, dear in DeAR's order: a difference is "
+                 "the machine, not the replay; compute: the trace's per-iteration compute, "
+                 "slowest rank, vs the compute-only rounds, which lack dear's own CPU work):")
+    notes.append(results.markdown_table(
+        ["setup", "traced iteration (ms)", "timed DeAR order (ms)", "timed / traced",
+         "traced compute (ms)", "compute-only (ms)", "Horovod idle-cycle forward (ms)"],
+        [[setup, round(d["traced_iteration_s"] * 1e3),
+          round(d["timed_dear_order_s"] * 1e3) if "drift" in d else "-",
+          f"{d['drift']:+.1%}" if "drift" in d else "-", round(d["traced_compute_s"] * 1e3),
+          round(d["compute_only_s"] * 1e3),
+          round(horovod_idle_s(rep) * 1e3) if "horovod_forward_s" in rep["extra"] else "-"]
+         for (setup, d), rep in zip(drifts, reps)]))
     if scale:
         png = os.path.join(results.RESULTS_DIR, f"{args.name}_scaling.png")
         plot_scaling(scale, png)
@@ -335,7 +404,9 @@ def write(args: argparse.Namespace, reps: list[dict[str, Any]], rows: list[dict[
     notes.append(f"DDP/WFBP all-reduce cost: {ALLREDUCE_COST['source']} (probe: torch's Gloo "
                  "all_reduce timed at " + "/".join(map(str, PROBE_MB)) + " MB in the run; trace: "
                  "the traced reduce-scatter + all-gather, ring identity). Horovod: its own "
-                 "all-reduce probed the same way. WFBP: + its measured step() unpacking. The "
+                 "all-reduce probed the same way, + the forward's slowdown while Horovod is "
+                 "initialised and idle (measured in the probe: its 1 ms negotiation cycle takes "
+                 "CPU; not probed at 8 ranks). WFBP: + its measured step() unpacking. The "
                  "first traced iteration is left out (its forward waits for untraced "
                  f"all-gathers). Load average (1 min) now {os.getloadavg()[0]:.2f}; traces "
                  f"kept in {workdir}.")
