@@ -273,6 +273,8 @@ def scaling(reps: list[dict[str, Any]]) -> dict[str, Any]:
               for label in SCHEDULES if label in base["methods"]}
     points = []
     for rep in reps:
+        if rep["model"] != base["model"]:      # the curve is the 2-rank trace's model's
+            continue
         link = rep.get("bandwidth_measured_bps")
         kw = ({"bandwidth_bps": link * rep["scale"] / base["scale"],
                "traced_bandwidth_bps": link0} if link and link0 else {})

@@ -430,3 +430,37 @@ def test_cost_fit_takes_the_median_iteration_rate():
     assert CostModel.fit(samples, 2).rate["reduce_scatter"] == pytest.approx(rate)
     pooled = [{k: v for k, v in s.items() if k != "iteration"} for s in samples]
     assert CostModel.fit(pooled, 2).rate["reduce_scatter"] == pytest.approx(rate * 4 / 5)
+
+
+def test_each_traced_iteration_replayed_on_its_own_link():
+    """Per-iteration link rates (iteration_rates) scale the fitted cost for that iteration's
+    replay only: an iteration whose transport ran at half rate replays as one (ALLREDUCE:
+    compute + one all-reduce, closed form), the others at the fitted rate."""
+    from dear.diagnose.costmodel import iteration_rates
+    cost = CostModel.ideal(2e9, 0.0, world_size=2)
+    bw = 2e9 / 8
+    # samples: iteration 7's all-reduce of 4 MB took twice the ideal time
+    ideal = cost.time("all_reduce", 4 * MB)
+    rates = iteration_rates([{"kind": "all_reduce", "bytes": 4 * MB, "seconds": ideal,
+                              "iteration": 6},
+                             {"kind": "all_reduce", "bytes": 4 * MB, "seconds": 2 * ideal,
+                              "iteration": 7},
+                             {"kind": "all_reduce", "bytes": 4 * MB, "seconds": 1.0}], cost)
+    assert rates == {6: {"all_reduce": pytest.approx(bw)},
+                     7: {"all_reduce": pytest.approx(bw / 2)}}
+    model = _model("ddp", buckets=[])
+    model.iterations = [model.profiles] * 3
+    model.iteration_ids = [5, 6, 7]            # 5: nothing traced, the fitted rate
+    sim = Simulator.from_model(model, cost)
+    sim.iteration_rates = rates
+    compute = F0 + F1 + G1 + G0 + UPDATE
+    slow = sim._iteration_cost(sim.cost_model(), 2)
+    assert slow.time("all_reduce", 4 * MB) == pytest.approx(2 * ideal)
+    assert sim._iteration_cost(sim.cost_model(), 0).rate == cost.rate
+    # the median of the three replays: compute + the fitted all-reduce
+    assert sim.predict(Schedule.ALLREDUCE).iteration_time == pytest.approx(compute + ideal)
+    model.iteration_ids = [7, 7, 6]            # two slow iterations: the median is slow
+    assert sim.predict(Schedule.ALLREDUCE).iteration_time == pytest.approx(compute + 2 * ideal)
+    # what-if: a 4x faster link keeps the iteration's ratio
+    fast = sim._iteration_cost(sim.cost_model(bandwidth_bps=8e9), 0)
+    assert fast.time("all_reduce", 4 * MB) == pytest.approx(ideal / 2)

@@ -108,6 +108,26 @@ class CostModel:
                          f"/step" for k in ("reduce_scatter", "all_gather", "all_reduce"))
 
 
+def iteration_rates(samples: list[dict], cost: "CostModel") -> dict[int, dict[str, float]]:
+    """Per traced iteration, each kind's rate in it (bytes sent / its busy time, `cost`'s
+    latency taken off): how the link ran in that iteration. Kinds an iteration lacks are left
+    out."""
+    n = cost.world_size
+    acc: dict[tuple[int, str], list[float]] = {}
+    for s in samples:
+        kind = s["kind"]
+        if s.get("iteration") is None or kind not in cost.rate:
+            continue
+        a = acc.setdefault((int(s["iteration"]), kind), [0.0, 0.0])
+        a[0] += volume(kind, s["bytes"], n)
+        a[1] += s["seconds"] - latency_steps(kind, n) * cost.alpha[kind]
+    out: dict[int, dict[str, float]] = {}
+    for (it, kind), (sent, busy) in acc.items():
+        if sent > 0 and busy > 0:
+            out.setdefault(it, {})[kind] = sent / busy
+    return out
+
+
 def _rates_per_iteration(samples: list[dict], kind: str, n: int, latency: float
                          ) -> list[float]:
     """The kind's rate in each traced iteration (bytes sent / its busy time). Their median,

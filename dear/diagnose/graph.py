@@ -73,6 +73,8 @@ class Model:
     #: FusionConfig as a dict (rs_threshold, ag_threshold, first_bucket)
     gather_groups: list[list[int]] = dataclasses.field(default_factory=list)
     fusion: Optional[dict[str, Any]] = None
+    #: the traced iteration number of each entry of `iterations`
+    iteration_ids: list[int] = dataclasses.field(default_factory=list)
 
 
 def _rank_profile(rank: RankTrace, iteration: int, comm: list[Interval],
@@ -183,8 +185,9 @@ def build_model(trace: Trace, iterations: Optional[Sequence[int]] = None,
             times = sorted((rank.iterations[it].duration, k) for k, it in enumerate(chosen))
             profiles.append(per_it[times[len(times) // 2][1]])
     shape = profiles[0].structure()
-    iterations = [[per_it[k] for per_it in per_rank] for k in range(len(chosen))]
-    iterations = [ps for ps in iterations if all(p.structure() == shape for p in ps)]
+    kept = [k for k in range(len(chosen))
+            if all(per_it[k].structure() == shape for per_it in per_rank)]
+    iterations = [[per_it[k] for per_it in per_rank] for k in kept]
     meta = trace.meta
     params = meta.get("params", [])
     if not params:
@@ -202,7 +205,7 @@ def build_model(trace: Trace, iterations: Optional[Sequence[int]] = None,
                  fusion_threshold=meta.get("fusion_threshold"),
                  world_size=trace.world_size, profiles=profiles, iterations=iterations,
                  gather_groups=[list(g) for g in meta.get("gather_groups", [])],
-                 fusion=meta.get("fusion"))
+                 fusion=meta.get("fusion"), iteration_ids=[chosen[k] for k in kept])
 
 
 def collective_samples(trace: Trace, queued: bool = False) -> list[dict[str, Any]]:

@@ -34,7 +34,7 @@ import torch
 
 from ..fusion.fusion_config import FusionConfig
 from .chrome import Trace, load_trace
-from .costmodel import CostModel
+from .costmodel import CostModel, iteration_rates
 from .dynamic import HOROVOD_CYCLE_S, horovod_buckets
 from .engine import Action, Replay, replay_contended
 from .graph import Model, Profile, build_model, collective_samples
@@ -262,15 +262,33 @@ class Simulator:
         self.contention = contention
         self.model = build_model(trace, iterations, contention)
         self.fitted: Optional[CostModel] = cost
+        #: per traced iteration, each kind's link rate in it (fitted from the trace only)
+        self.iteration_rates: dict[int, dict[str, float]] = {}
         if cost is None and samples:
             self.fitted = CostModel.fit(samples, self.model.world_size)
+            self.iteration_rates = iteration_rates(samples, self.fitted)
 
     @classmethod
     def from_model(cls, model: Model, cost: Optional[CostModel] = None) -> "Simulator":
         """A simulator of hand-made profiles (tests, or a model built elsewhere)."""
         sim = cls.__new__(cls)
         sim.model, sim.fitted, sim.contention = model, cost, 0.0
+        sim.iteration_rates = {}
         return sim
+
+    def _iteration_cost(self, cost: CostModel, k: int) -> CostModel:
+        """`cost` with the link as it ran in the k-th replayed traced iteration: each traced
+        kind's rate times that iteration's rate over the fitted (median) one. So a traced
+        iteration whose transport was slowed is replayed slowed, and the median of the
+        replays is taken as of the measured iterations (median of iterations)."""
+        ids = self.model.iteration_ids
+        mine = self.iteration_rates.get(ids[k]) if k < len(ids) else None
+        if not mine or self.fitted is None:
+            return cost
+        rate = {kind: r * (mine[kind] / self.fitted.rate[kind]
+                           if kind in mine and self.fitted.rate.get(kind) else 1.0)
+                for kind, r in cost.rate.items()}
+        return CostModel(cost.alpha, rate, cost.world_size)
 
     def cost_model(self, bandwidth_bps: Optional[float] = None, latency_s: Optional[float] = None,
                    world_size: Optional[int] = None,
@@ -318,13 +336,15 @@ class Simulator:
         if step_overhead_s < 0:
             raise ValueError(f"step_overhead_s must be >= 0, got {step_overhead_s}")
         cost = self.cost_model(bandwidth_bps, latency_s, world_size, traced_bandwidth_bps)
-        # Each traced iteration replayed on its own; the median one is the prediction (the
-        # median of iterations, as measured, rather than an iteration of medians).
+        # Each traced iteration replayed on its own, on the link as it ran in that iteration
+        # (_iteration_cost); the median one is the prediction (the median of iterations, as
+        # measured, rather than an iteration of medians).
         plan = self._plan(schedule, fusion_threshold, fusion, cost.world_size, unclaimed_first)
         chunk = None if fusion is None else fusion.chunk_bytes     # PLANNED: the plan's chunks
-        runs = [self._replay(ps, schedule, plan, cost, compute_scale, chunk,
+        runs = [self._replay(ps, schedule, plan, self._iteration_cost(cost, k) if
+                             self.model.iterations else cost, compute_scale, chunk,
                              step_overhead_s=step_overhead_s)
-                for ps in (self.model.iterations or [self.model.profiles])]
+                for k, ps in enumerate(self.model.iterations or [self.model.profiles])]
         runs.sort(key=lambda p: p.iteration_time)
         return runs[len(runs) // 2]
 
