@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import weakref
@@ -15,6 +16,16 @@ from .comm.local import LocalCommunicator
 from .config import Config
 
 log = logging.getLogger("dear")
+
+# torch.distributed.nn.functional binds `group=group.WORLD` as default arguments when it is first
+# imported, and torch.compile's dynamo imports it (through FSDP) the first time anything uses
+# torch.compiler.disable, which dear's forward pre-hooks do. Imported after the process group
+# exists, it keeps ten references to it for the life of the interpreter: the group is then
+# destroyed during the interpreter's teardown, which aborts the process now and then
+# ("terminate called without an active exception", tests/test_shutdown.py). Imported first, the
+# defaults are None.
+if dist.is_available() and not dist.is_initialized():
+    import torch.distributed.nn.functional  # noqa: F401
 
 _BACKENDS = ("auto", "torch", "horovod", "local", "nccl", "mpi")
 
@@ -97,6 +108,9 @@ def shutdown() -> None:
     if _state.owns_group and dist.is_initialized():
         dist.destroy_process_group()
     _state.comm, _state.owns_group = None, False
+    # Free what reference cycles still hold (optimizers and their model hooks, pending Work
+    # with tensors) while the interpreter is whole, not in its teardown (see TorchCommunicator).
+    gc.collect()
 
 
 def is_initialized() -> bool:

@@ -122,8 +122,12 @@ class TorchCommunicator(Communicator):
         dist.barrier(group=self._group)
 
     def shutdown(self) -> None:
-        """Release the twin group (the caller owns `group` and the default group)."""
-        reverse, self._reverse = self._reverse, None
+        """Release the twin group (the caller owns `group` and the default group) and every
+        reference to a group: a ProcessGroupGloo still referenced when the interpreter tears
+        down is destroyed during finalization, which aborts the process now and then
+        ("terminate called without an active exception", seen at exit after dear.shutdown()
+        while an optimizer, kept alive by a reference cycle, still held this communicator)."""
+        reverse, self._reverse, self._exchange = self._reverse, None, None
         if reverse is not None and dist.is_initialized():
             dist.destroy_process_group(reverse)
 
