@@ -77,7 +77,7 @@ def test_trace_of_dear_run(tmp_path):
         assert meta["world_size"] == 2 and meta["schedule"] == "dear"
         # The layout replay needs: the FusionConfig and the all-gather groups, in bucket order.
         assert meta["fusion"] == {"rs_threshold": 40_000, "ag_threshold": 40_000,
-                                  "first_bucket": 40_000}
+                                  "first_bucket": 40_000, "chunk_bytes": None}
         assert [b for g in meta["gather_groups"] for b in g] == list(range(len(meta["buckets"])))
         # Clocks: rank 1's runs 7 s ahead; the measured offset must undo it to within 1 ms
         # (on one host the true offset is exactly the injected skew).
