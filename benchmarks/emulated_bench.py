@@ -383,7 +383,9 @@ def summarize(gathered: list[dict[str, Any]], methods: list[Method],
     # the bounds from the measured compute (what T_lb uses), not the requested sleeps
     fwd, bwd = base["forward"], base["backward"] + base["step"]
     report: dict[str, Any] = {
-        "model": args.model, "ranks": world, "scale": args.scale, "tokens": args.tokens,
+        "model": args.model, "ranks": world, "scale": args.scale,
+        "tokens": (args.tokens if any(layer.name in emulated.WORD_EMBEDDINGS
+                                      for layer in model_spec.layers) else 0),
         "numel": model_spec.numel, "gradient_mb": model_spec.numel * 4 / 2**20,
         "batch_per_rank": args.batch, "t_comm_s": t_comm, "comm_s": comm,
         "t_compute_s": t_compute, "compute_phases_s": base,
