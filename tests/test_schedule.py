@@ -46,6 +46,18 @@ def test_plan_fills_idle_gaps_and_leaves_a_busy_link_alone() -> None:
 def test_chunk_columns_cover_the_shard_once() -> None:
     assert chunk_columns(10, 4) == [(0, 4), (4, 3), (7, 3)]
     assert sum(n for _, n in chunk_columns(1001, 7)) == 1001
+    assert chunk_columns(0, 4) == []
+
+
+def test_plan_leaves_a_bucket_without_all_gather_alone() -> None:
+    """A row-sparse table (dear/fusion/rows.py) has no all-gather: the optimizer gives it a
+    shard of 0 columns, and no chunk of it may be planned (the CPU benchmark's BERT-Base, whose
+    table is bucket 1, failed with one)."""
+    cost = LinkCost(alpha_rs=0.0, rate_rs=1e6, alpha_ag=0.0, rate_ag=1e6)
+    plan = plan_gaps([0.030, 0.020, 0.010, 0.0], [1000] * 4, [125, 0, 125, 125], [4] * 4, 2,
+                     cost, 504)
+    planned = [c for chunks in plan.after.values() for c in chunks]
+    assert planned and all(b != 1 for b, _, _ in planned)
 
 
 def test_executor_issues_in_submission_order_after_dependencies() -> None:

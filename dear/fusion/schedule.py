@@ -139,6 +139,8 @@ class Plan:
 def chunk_columns(shard_numel: int, chunk: int) -> list[tuple[int, int]]:
     """The shard cut into the fewest pieces of at most `chunk` columns, of near-equal length
     (no tiny tail piece paying a whole collective's latency)."""
+    if shard_numel <= 0:
+        return []                            # nothing to gather (e.g. a row-sparse table)
     pieces = max(1, -(-shard_numel // max(1, chunk)))
     base, extra = divmod(shard_numel, pieces)
     out, start = [], 0
