@@ -98,9 +98,9 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
                                         cfg.chunk_bytes,
                                         threaded=on_cpu and comm.issue_from_any_thread)
         # Embedding tables sent as the rows some rank used (dear/fusion/rows.py).
-        self._row_sparse = (resolve_row_sparse(cfg.row_sparse, named, model, explicit=False)
-                            if row_sparse is None else
-                            resolve_row_sparse(row_sparse, named, model))
+        self._row_sparse = resolve_row_sparse(
+            cfg.row_sparse if row_sparse is None else row_sparse, named, model,
+            explicit=row_sparse is not None)
         self._autotuner = self._make_autotuner(named, autotune) if autotune else None
         # clip / unscale factors that must reach chunks gathered before step(): applied to the
         # gathered gradients instead of the shards (the same multiplications, the same bits)

@@ -143,18 +143,21 @@ class Bucket:
         """`submit` (the schedule's executor) fills the buffer and issues the collective in its
         thread, in order; without it, this thread does both now."""
         assert self.stage is Stage.IDLE and self.full, "bucket reduced twice or before it is full"
-        wire, wire_shard = self.wire, self.wire_shard
 
         def issue() -> Work:
             self.fill()
             if prescale != 1.0:
                 self.buffer.mul_(prescale)
-            if wire is not self.buffer:
-                wire.copy_(self.buffer)
-            return comm.reduce_scatter(wire, wire_shard)
+            if self.wire is not self.buffer:
+                self.wire.copy_(self.buffer)
+            return self._reduce(comm)
         self._work = issue() if submit is None else submit(issue)
         self._averaged = False
         self.stage = Stage.REDUCING
+
+    def _reduce(self, comm: Communicator) -> Work:
+        """The collective of the filled, prescaled buffer (a row-sparse table sends its rows)."""
+        return comm.reduce_scatter(self.wire, self.wire_shard)
 
     def _wait(self, what: str, work: Optional[Work] = None) -> None:
         work = self._work if work is None else work

@@ -56,39 +56,32 @@ class RowSparseBucket(Bucket):
 
     def start_reduce_scatter(self, comm: Communicator, prescale: float,
                              submit: Optional[Callable[..., Work]] = None) -> None:
-        self._dense = self.send_dense
+        self._dense = self.send_dense          # latched for the iteration
+        super().start_reduce_scatter(comm, prescale, submit)
+
+    def _reduce(self, comm: Communicator) -> Work:
+        """The marks' all-reduce (waited for here), then the all-reduce of the used rows."""
         if self._dense:
             self.sent_rows = self.rows
-            super().start_reduce_scatter(comm, prescale, submit)
-            return
-        assert self.stage is Stage.IDLE and self.full, "bucket reduced twice or before it is full"
-
-        def issue() -> Work:
-            self.fill()
-            if prescale != 1.0:
-                self.buffer.mul_(prescale)
-            table = self._table()
-            marks = table.ne(0).any(dim=1).to(self.spec.dtype)   # NaN and inf rows count
-            try:
-                comm.all_reduce(marks).wait()
-            except Exception as exc:
-                raise RuntimeError(
-                    f"dear: the row-sparse exchange of bucket {self.spec.index} failed; another "
-                    f"rank probably died or stalled: {exc}") from exc
-            index = marks.nonzero().view(-1)
-            self.sent_rows = int(index.numel())
-            if self.sent_rows == self.rows:    # every row: the table and its flag, in place
-                self._index = None
-                self._compact = self.buffer[:self.spec.flags_offset + 1]
-            else:
-                flag = self.buffer[self.spec.flags_offset:self.spec.flags_offset + 1]
-                self._index = index
-                self._compact = torch.cat([table.index_select(0, index).view(-1), flag])
-            return comm.all_reduce(self._compact)
-
-        self._work = issue() if submit is None else submit(issue)
-        self._averaged = False
-        self.stage = Stage.REDUCING
+            return super()._reduce(comm)
+        table = self._table()
+        marks = table.ne(0).any(dim=1).to(self.spec.dtype)   # NaN and inf rows count
+        try:
+            comm.all_reduce(marks).wait()
+        except Exception as exc:
+            raise RuntimeError(
+                f"dear: the row-sparse exchange of bucket {self.spec.index} failed; another "
+                f"rank probably died or stalled: {exc}") from exc
+        index = marks.nonzero().view(-1)
+        self.sent_rows = int(index.numel())
+        if self.sent_rows == self.rows:        # every row: the table and its flag, in place
+            self._index = None
+            self._compact = self.buffer[:self.spec.flags_offset + 1]
+        else:
+            flag = self.buffer[self.spec.flags_offset:self.spec.flags_offset + 1]
+            self._index = index
+            self._compact = torch.cat([table.index_select(0, index).view(-1), flag])
+        return comm.all_reduce(self._compact)
 
     def finish_reduce_scatter(self, postscale: float) -> None:
         """Wait for the rows, average them and write the dense averaged gradient (zeros in the
@@ -123,16 +116,6 @@ class RowSparseBucket(Bucket):
 
     def gather_columns(self, comm: Communicator, start: int, length: int) -> Work:
         raise RuntimeError("a row-sparse bucket has no all-gather to cut into chunks")
-
-    def finish_all_gather(self) -> list[bool]:
-        if self._dense:
-            return super().finish_all_gather()
-        assert self.stage is Stage.GATHERING
-        for work in self._gathers:
-            self._wait("all-gather", work)
-        self._gathers = []
-        self._work = None
-        return [bool(self.buffer[self.spec.flags_offset] != 0)]
 
     def reset(self) -> None:
         super().reset()
