@@ -44,8 +44,9 @@ def _run(schedule: str) -> dict:
 
 
 def test_no_process_group_survives_shutdown() -> None:
-    for schedule in ("planned", "dear"):
-        for res in run_distributed(_run, 2, schedule, timeout=120,
+    # 3 ranks: the exchange's ring thread has run, and must not keep a group either.
+    for schedule, world in (("planned", 2), ("dear", 2), ("planned", 3)):
+        for res in run_distributed(_run, world, schedule, timeout=120,
                                    env={"DEAR_PLAN_AFTER": "2"}):
             assert res["others"] == [0, 0], \
                 f"references to (default group, dear's twin) left after shutdown: {res['others']}"

@@ -216,7 +216,9 @@ class HorovodCommunicator(Communicator):
         self._hvd.barrier()
 
     def shutdown(self) -> None:
-        gloo, self._gloo, self._exchange = self._gloo, None, None
+        gloo, self._gloo, exchange, self._exchange = self._gloo, None, self._exchange, None
+        if exchange is not None:               # its step thread finishes what was submitted
+            exchange.close()
         if gloo is not None:
             gloo.close()
         if self._owns:                         # a user's hvd.init() is the user's to undo

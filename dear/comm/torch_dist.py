@@ -1,8 +1,9 @@
-"""torch.distributed backend: NCCL's own collectives on GPU, a pairwise exchange on Gloo.
+"""torch.distributed backend: NCCL's own collectives on GPU, dear's exchange on Gloo.
 
-On Gloo, reduce-scatter and all-gather run dear's bandwidth-optimal pairwise exchange
-(gloo_exchange.py, which says why and what it measured) on the communicator's group and, for
-the default group, a twin Gloo group that carries the messages from higher to lower ranks.
+On Gloo, reduce-scatter and all-gather run dear's bandwidth-optimal exchange (a ring of
+point-to-point messages: gloo_exchange.py says why and what it measured) on the communicator's
+group and, for the default group, a twin Gloo group that carries the messages from higher to
+lower ranks.
 """
 
 from __future__ import annotations
@@ -127,7 +128,10 @@ class TorchCommunicator(Communicator):
         down is destroyed during finalization, which aborts the process now and then
         ("terminate called without an active exception", seen at exit after dear.shutdown()
         while an optimizer, kept alive by a reference cycle, still held this communicator)."""
-        reverse, self._reverse, self._exchange = self._reverse, None, None
+        reverse, self._reverse, self._exchange = self._reverse, None, self._exchange
+        if self._exchange is not None:     # its step thread finishes what was submitted
+            self._exchange.close()
+            self._exchange = None
         if reverse is not None and dist.is_initialized():
             dist.destroy_process_group(reverse)
 
