@@ -63,18 +63,20 @@ def _dear_run(out: str) -> dict:
     return {"same": same, "bucket_bytes": buckets, "path": tracer.path, "restored": restored}
 
 
-def test_trace_of_dear_run(tmp_path):
+@pytest.mark.parametrize("world", [2, 3])
+def test_trace_of_dear_run(tmp_path, world):
+    """3 ranks: dear's exchange is a ring run by its own thread, which stamps completions."""
     out = str(tmp_path / "trace")
-    results = run_distributed(_dear_run, 2, out, timeout=120)
+    results = run_distributed(_dear_run, world, out, timeout=120)
     assert all(r["same"] for r in results), "tracing changed the training result"
     assert all(r["restored"] for r in results), "the communicator was not restored"
-    assert sorted(os.listdir(out)) == ["rank0.json", "rank1.json"]
+    assert sorted(os.listdir(out)) == [f"rank{r}.json" for r in range(world)]
     trace = load_trace(out)
     nbuckets = len(results[0]["bucket_bytes"])
     assert nbuckets >= 3
     for rank in trace.ranks:
         meta = rank.meta
-        assert meta["world_size"] == 2 and meta["schedule"] == "dear"
+        assert meta["world_size"] == world and meta["schedule"] == "dear"
         # The layout replay needs: the FusionConfig and the all-gather groups, in bucket order.
         assert meta["fusion"] == {"rs_threshold": 40_000, "ag_threshold": 40_000,
                                   "first_bucket": 40_000, "chunk_bytes": None}
@@ -88,7 +90,9 @@ def test_trace_of_dear_run(tmp_path):
         comm = rank.of("comm")
         kinds = [s.args["kind"] for s in comm]
         assert kinds.count("reduce_scatter") == kinds.count("all_gather") == 3 * nbuckets
-        assert all(s.args["end_source"] == "watcher" for s in comm)
+        stamped_by = "watcher" if world == 2 else "callback"    # never the training thread
+        assert all(s.args["end_source"] == stamped_by for s in comm), \
+            {s.args["end_source"] for s in comm}
         for s in comm:
             assert s.args["bytes"] == results[rank.rank]["bucket_bytes"][s.args["bucket"]]
         # Reduce-scatters go last bucket first, all-gathers first bucket first.

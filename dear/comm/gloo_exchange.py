@@ -36,6 +36,7 @@ import atexit
 import datetime
 import queue
 import threading
+import warnings
 import weakref
 from typing import Any, Callable, Optional
 
@@ -52,10 +53,28 @@ class _StepWork(Work):
     def __init__(self) -> None:
         self._done = threading.Event()
         self._error: Optional[BaseException] = None
+        self._callbacks: list[Callable[[], None]] = []
+        self._lock = threading.Lock()
 
     def _finish(self, error: Optional[BaseException]) -> None:
-        self._error = error
-        self._done.set()
+        with self._lock:
+            self._error = error
+            self._done.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            try:
+                callback()
+            except Exception as exc:  # an observer's bug must not stop the collectives
+                warnings.warn(f"dear: a collective's done-callback failed: {exc!r}")
+
+    def add_done_callback(self, callback: Callable[[], None]) -> None:
+        """Run `callback` (on the step thread) when the collective ends, or now if it has:
+        dear.diagnose stamps completion times this way without blocking anyone."""
+        with self._lock:
+            if not self._done.is_set():
+                self._callbacks.append(callback)
+                return
+        callback()
 
     def wait(self) -> None:
         # The thread's own waits are bounded (DEAR_TIMEOUT or the group's timeout) and a
@@ -109,15 +128,15 @@ def _run_steps(jobs: queue.SimpleQueue) -> None:
             return
         run, work = item
         del item
+        error: Optional[BaseException] = None
         if failed is not None:        # the ring's peers are out of step: fail fast, every rank
-            work._finish(RuntimeError(f"an earlier collective failed ({failed})"))
+            error = RuntimeError(f"an earlier collective failed ({failed})")
         else:
             try:
                 run()
-                work._finish(None)
             except BaseException as exc:
-                failed = exc
-                work._finish(exc)
+                failed = error = exc
+        work._finish(error)
         del run, work                 # drop the groups the job referenced
 
 

@@ -18,6 +18,8 @@ never obtained by blocking the training loop:
   when the earlier one finishes (Gloo carries them over one connection in order anyway).
 - torch collectives with a future (all_reduce; NCCL): a done-callback stamps the time (runs on
   the backend's thread; same GIL bound; on CUDA it fires when the watchdog sees the kernel end).
+- dear's ring exchange (3 or more Gloo ranks): its step thread calls back when a collective's
+  last step ends.
 - Horovod handles: the watcher polls `hvd.poll(handle)` every 0.5 ms.
 - Anything else: the time the training thread's `wait()` returned (an upper bound).
 """
@@ -187,6 +189,9 @@ class TracingCommunicator(Communicator):
                 relays = [_Relay() for _ in inner]
                 work._inner = relays                     # type: ignore[attr-defined]
                 self._watcher.wait_for(rec, inner, relays)
+        elif callable(getattr(work, "add_done_callback", None)):   # dear's ring exchange
+            clock = self._recorder.clock
+            work.add_done_callback(lambda: rec.complete(clock(), "callback"))  # type: ignore
         elif handle is not None:
             poll = _horovod_poll(handle)
             if poll is not None:
