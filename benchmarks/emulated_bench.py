@@ -151,7 +151,9 @@ def _dear(model: emulated.EmulatedModel, make_opt: OptFactory, opts: dict[str, A
                               if getattr(m, "_tokens", 0)] or False
     sizes = {k: opts.pop(k) for k in ("rs_threshold", "ag_threshold", "first_bucket") if k in opts}
     if sizes:
-        default = opts.pop("fusion_threshold", None) or dear.runtime.config().fusion_threshold
+        default = (opts.pop("fusion_threshold", None) or dear.runtime.config().fusion_threshold
+                   or dear.config.auto_threshold(sum(p.numel() * p.element_size()
+                                                     for p in model.parameters())))
         opts["fusion_config"] = FusionConfig(sizes.get("rs_threshold", default),
                                              sizes.get("ag_threshold", default),
                                              sizes.get("first_bucket"))

@@ -5,9 +5,18 @@ from __future__ import annotations
 import dataclasses
 import enum
 import os
-from typing import Any, Mapping, Union
+from typing import Any, Mapping, Optional, Union
 
 _MB = 1024 * 1024
+
+
+def auto_threshold(gradient_bytes: int) -> int:
+    """The default fusion threshold: 25 MB (DDP's, DeAR's), or an eighth of the gradient when
+    that is smaller (at least 1 MB). With only two or three buckets the link has nothing to
+    send until a quarter of backward is over and the last reduce-scatter is large: ResNet-50
+    at 1/2 size (49 MB, 8 ranks) planned 1.91 s with 25 MB buckets, 1.70 s with 6 MB, in
+    dear.diagnose's replay of its trace; at full size the threshold changed < 2%."""
+    return max(min(25 * _MB, gradient_bytes // 8), _MB)
 
 
 def _parse_bytes(text: str) -> int:
@@ -65,8 +74,9 @@ def parse_autotune(value: Union[bool, str, None, "Autotune"]) -> Autotune:
 class Config:
     """Runtime configuration. Each field has an environment variable, listed in README.md."""
 
-    #: bytes of gradient per fusion bucket (DEAR_FUSION_THRESHOLD, e.g. "25MB").
-    fusion_threshold: int = 25 * _MB
+    #: bytes of gradient per fusion bucket (DEAR_FUSION_THRESHOLD, e.g. "25MB"); None: 25 MB,
+    #: or an eighth of the model's gradient bytes where that is smaller (`auto_threshold`).
+    fusion_threshold: Optional[int] = None
     #: seconds a collective may wait before the process group reports a failure (DEAR_TIMEOUT).
     timeout: float = 300.0
     #: directory where dear.diagnose writes a trace of each DistributedOptimizer's run
@@ -163,7 +173,7 @@ class Config:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "autotune", parse_autotune(self.autotune))
-        if self.fusion_threshold < 0:
+        if self.fusion_threshold is not None and self.fusion_threshold < 0:
             raise ValueError(f"fusion_threshold must be >= 0 bytes, got {self.fusion_threshold}")
         if self.timeout <= 0:
             raise ValueError(f"timeout must be > 0 seconds, got {self.timeout}")

@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union
 import torch
 
 from . import amp, native, runtime
-from .config import Autotune, parse_autotune
+from .config import Autotune, auto_threshold, parse_autotune
 from .comm.base import ReduceOp, resolve_op
 from .compression import Compression, Compressor
 from .compression import resolve as resolve_compression
@@ -719,6 +719,8 @@ def _fusion_settings(named: list[tuple[str, torch.nn.Parameter]],
                         path, loaded.describe())
         return loaded, Autotune.OFF
     threshold = cfg.fusion_threshold if fusion_threshold is None else fusion_threshold
+    if threshold is None:
+        threshold = auto_threshold(sum(p.numel() * p.element_size() for _, p in named))
     if tune and groups is not None:
         raise ValueError(f"autotune={tune.value!r} tunes the bucket layout, but groups= fixes "
                          "it; pass one or the other")

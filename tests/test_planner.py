@@ -69,3 +69,29 @@ def test_explicit_group_mixing_dtypes_is_refused():
     ps = params((4, torch.float32), (4, torch.float16))
     with pytest.raises(ValueError, match="mixes dtypes"):
         plan_buckets(ps, [0, 1], 10, 1, explicit=[[0, 1]])
+
+
+def test_default_threshold_keeps_about_eight_buckets_on_a_small_model(monkeypatch):
+    """No threshold given: 25 MB, or an eighth of the gradient (at least 1 MB); an argument or
+    DEAR_FUSION_THRESHOLD wins."""
+    import dear
+    from dear.config import auto_threshold
+    MB = 1 << 20
+    assert auto_threshold(400 * MB) == 25 * MB
+    assert auto_threshold(48 * MB) == 6 * MB
+    assert auto_threshold(2 * MB) == MB
+    model = torch.nn.Sequential(*[torch.nn.Linear(512, 512, bias=False) for _ in range(16)])
+    monkeypatch.delenv("DEAR_FUSION_THRESHOLD", raising=False)
+    dear.init()
+    try:
+        sgd = lambda: torch.optim.SGD(model.parameters(), lr=0.1)  # noqa: E731
+        opt = dear.DistributedOptimizer(sgd(), model=model)
+        assert opt._fusion.rs_threshold == 2 * MB            # 16 MB of gradient / 8
+        assert dear.DistributedOptimizer(sgd(), model=model, fusion_threshold=5 * MB
+                                         )._fusion.rs_threshold == 5 * MB
+        dear.shutdown()
+        monkeypatch.setenv("DEAR_FUSION_THRESHOLD", "3MB")
+        dear.init()
+        assert dear.DistributedOptimizer(sgd(), model=model)._fusion.rs_threshold == 3 * MB
+    finally:
+        dear.shutdown()
