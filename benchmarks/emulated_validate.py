@@ -196,13 +196,12 @@ def simulator(rep: dict[str, Any], probe: Optional[str] = "allreduce_probe_s") -
 
 def _predict(sims: dict[str, Any], rep: dict[str, Any], label: str, **kw: Any) -> float:
     """One method's predicted seconds: Horovod on its own all-reduce cost, WFBP with its
-    measured unpacking in step()."""
+    measured unpacking in step(), bucket by bucket."""
     schedule = SCHEDULES[label]
     sim = sims.get(schedule, sims["trace"])
-    extra = rep["extra"].get("wfbp_unpack_s", 0.0) if schedule == "wfbp" else 0.0
-    if schedule == "horovod":
-        extra = horovod_idle_s(rep)
-    return sim.predict(schedule, step_overhead_s=extra, **kw).iteration_time
+    unpack = rep["extra"].get("wfbp_unpack_s", 0.0) if schedule == "wfbp" else 0.0
+    extra = horovod_idle_s(rep) if schedule == "horovod" else 0.0
+    return sim.predict(schedule, step_overhead_s=extra, unpack_s=unpack, **kw).iteration_time
 
 
 def horovod_idle_s(rep: dict[str, Any]) -> float:
@@ -334,7 +333,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         for path in args.reuse.split(","):
             with open(path) as fh:
                 olds.append(json.load(fh))
-        reps = [rep for old in olds for rep in old["reports"]]
+        # A setup measured again in a later file replaces the earlier one.
+        latest = {rep["setup"]: rep for old in olds for rep in old["reports"]}
+        reps = list(latest.values())
         rows = [r for rep in reps for r in predict_setup(rep)]
         measured = [f"`{old['command']}` ({old['date']})" for old in olds if "command" in old]
         write(args, reps, rows, scaling(reps), olds[0]["shaping"],
@@ -408,7 +409,8 @@ def write(args: argparse.Namespace, reps: list[dict[str, Any]], rows: list[dict[
                  "the traced reduce-scatter + all-gather, ring identity). Horovod: its own "
                  "all-reduce probed the same way, + the forward's slowdown while Horovod is "
                  "initialised and idle (measured in the probe: its 1 ms negotiation cycle takes "
-                 "CPU; not probed at 8 ranks). WFBP: + its measured step() unpacking. The "
+                 "CPU; not probed at 8 ranks). WFBP: + its measured step() unpacking, each "
+                 "bucket's share right after its wait (while later all-reduces travel). The "
                  "first traced iteration is left out (its forward waits for untraced "
                  f"all-gathers). Load average (1 min) now {os.getloadavg()[0]:.2f}; traces "
                  f"kept in {workdir}.")

@@ -464,3 +464,19 @@ def test_each_traced_iteration_replayed_on_its_own_link():
     # what-if: a 4x faster link keeps the iteration's ratio
     fast = sim._iteration_cost(sim.cost_model(bandwidth_bps=8e9), 0)
     assert fast.time("all_reduce", 4 * MB) == pytest.approx(ideal / 2)
+
+
+def test_unpack_runs_bucket_by_bucket_while_later_buckets_travel_closed_form():
+    """WFBP copies bucket b out right after its wait: with two 2 MB buckets the first one's half
+    of the unpacking runs while the second bucket's all-reduce (exposed after backward) is
+    still on the link, so only the second half adds to the iteration."""
+    cost = CostModel.ideal(2e9, 0.0, world_size=2)
+    sim = Simulator.from_model(_model("ddp", buckets=[]), cost)
+    ar = cost.time("all_reduce", 2 * MB)
+    unpack = 0.004
+    assert unpack / 2 < ar
+    wfbp = sim.predict(Schedule.WFBP, fusion_threshold=1).iteration_time
+    assert sim.predict(Schedule.WFBP, fusion_threshold=1, unpack_s=unpack).iteration_time == \
+        pytest.approx(wfbp + unpack / 2, rel=1e-9)
+    with pytest.raises(ValueError, match="unpack_s"):
+        sim.predict(Schedule.WFBP, unpack_s=-1.0)

@@ -25,21 +25,22 @@ def test_link_bound_case() -> None:
 
 def test_validator_costs_horovod_idle_cycles_as_serial_compute() -> None:
     """emulated_validate: Horovod's prediction carries the measured forward slowdown while
-    Horovod is initialised and idle (never negative); WFBP its unpacking; others nothing."""
+    Horovod is initialised and idle (never negative); WFBP its unpacking (bucket by bucket:
+    unpack_s); others nothing."""
     from benchmarks import emulated_validate as ev
 
     class Sim:
-        def predict(self, schedule, step_overhead_s=0.0, **kw):
+        def predict(self, schedule, step_overhead_s=0.0, unpack_s=0.0, **kw):
             class P:
-                iteration_time = 1.0 + step_overhead_s
-            self.seen = (schedule, step_overhead_s)
+                iteration_time = 1.0 + step_overhead_s + 10 * unpack_s
+            self.seen = (schedule, step_overhead_s, unpack_s)
             return P()
 
     rep = {"extra": {"wfbp_unpack_s": 0.07,
                      "horovod_forward_s": {"plain": 0.29, "horovod": 0.37}}}
     sims = {"trace": Sim()}
     assert abs(ev._predict(sims, rep, "horovod") - 1.08) < 1e-9
-    assert abs(ev._predict(sims, rep, "wfbp") - 1.07) < 1e-9
+    assert abs(ev._predict(sims, rep, "wfbp") - 1.7) < 1e-9     # as unpack_s (per bucket)
     assert ev._predict(sims, rep, "ddp") == 1.0
     rep["extra"]["horovod_forward_s"] = {"plain": 0.30, "horovod": 0.29}
     assert ev.horovod_idle_s(rep) == 0.0

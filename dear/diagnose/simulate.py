@@ -222,9 +222,11 @@ def _dear_program(prof: Profile, layout: DearLayout, numel: list[int],
 
 
 def _allreduce_program(prof: Profile, buckets: list[tuple[list[int], int]],
-                       after_backward: bool, step_overhead_s: float = 0.0) -> list[Action]:
+                       after_backward: bool, step_overhead_s: float = 0.0,
+                       unpack_s: float = 0.0) -> list[Action]:
     owner = {p: b for b, (ps, _) in enumerate(buckets) for p in ps}
     sizes = [len(ps) for ps, _ in buckets]
+    total = sum(nbytes for _, nbytes in buckets) or 1
     prog: list[Action] = []
     for it in range(ITERATIONS):
         prog += [("mark", "iteration"), ("compute", prof.lead, "idle")]
@@ -240,7 +242,10 @@ def _allreduce_program(prof: Profile, buckets: list[tuple[list[int], int]],
                 nxt += 1
         prog.append(("compute", prof.backward_tail, "backward"))
         prog += [("issue", ("ar", it, b)) for b in range(nxt, len(buckets))]
-        prog += [("wait", ("ar", it, b)) for b in range(len(buckets))]
+        for b, (_, nbytes) in enumerate(buckets):
+            prog.append(("wait", ("ar", it, b)))
+            if unpack_s:                     # bucket b's copy-out while later ones travel
+                prog.append(("compute", unpack_s * nbytes / total, "step"))
         prog += [("compute", prof.update + step_overhead_s, "step"),
                  ("compute", prof.tail, "idle")]
     prog.append(("mark", "iteration"))
@@ -312,14 +317,16 @@ class Simulator:
                 latency_s: Optional[float] = None, world_size: Optional[int] = None,
                 traced_bandwidth_bps: Optional[float] = None,
                 compute_scale: float = 1.0, unclaimed_first: bool = False,
-                fusion: Optional[FusionConfig] = None, step_overhead_s: float = 0.0
-                ) -> Prediction:
+                fusion: Optional[FusionConfig] = None, step_overhead_s: float = 0.0,
+                unpack_s: float = 0.0) -> Prediction:
         """`fusion_threshold` is one threshold for every schedule (for DeAR:
         FusionConfig.single, as dear's own fusion_threshold=); `fusion` is DeAR's full layout
         (reduce-scatter threshold, all-gather threshold, first bucket). `step_overhead_s`: CPU
         seconds an all-reduce implementation spends in step() after its waits that the traced
         one did not (e.g. benchmarks.baselines.WFBP copies every averaged gradient out of its
-        buckets); measured apart, never in the trace."""
+        buckets); measured apart, never in the trace. `unpack_s`: the same kind of seconds
+        spent bucket by bucket, each bucket's share (by bytes) right after its wait, while
+        later buckets are still on the link (WFBP's copy-out, as benchmarks.baselines does)."""
         schedule = Schedule(schedule)
         if fusion_threshold is not None and fusion_threshold < 0:
             raise ValueError(f"fusion_threshold must be >= 0 bytes, got {fusion_threshold}")
@@ -333,8 +340,9 @@ class Simulator:
             fusion = FusionConfig.single(fusion_threshold)
         if not compute_scale > 0:
             raise ValueError(f"compute_scale must be > 0, got {compute_scale}")
-        if step_overhead_s < 0:
-            raise ValueError(f"step_overhead_s must be >= 0, got {step_overhead_s}")
+        if step_overhead_s < 0 or unpack_s < 0:
+            raise ValueError(f"step_overhead_s and unpack_s must be >= 0, got "
+                             f"{step_overhead_s}, {unpack_s}")
         cost = self.cost_model(bandwidth_bps, latency_s, world_size, traced_bandwidth_bps)
         # Each traced iteration replayed on its own, on the link as it ran in that iteration
         # (_iteration_cost); the median one is the prediction (the median of iterations, as
@@ -343,7 +351,7 @@ class Simulator:
         chunk = None if fusion is None else fusion.chunk_bytes     # PLANNED: the plan's chunks
         runs = [self._replay(ps, schedule, plan, self._iteration_cost(cost, k) if
                              self.model.iterations else cost, compute_scale, chunk,
-                             step_overhead_s=step_overhead_s)
+                             step_overhead_s=step_overhead_s, unpack_s=unpack_s)
                 for k, ps in enumerate(self.model.iterations or [self.model.profiles])]
         runs.sort(key=lambda p: p.iteration_time)
         return runs[len(runs) // 2]
@@ -368,7 +376,8 @@ class Simulator:
     def _replay(self, profiles: list[Profile], schedule: Schedule,
                 plan: "tuple[list[tuple[list[int], int]], Optional[DearLayout]]",
                 cost: CostModel, compute_scale: float,
-                chunk: Optional[int] = None, step_overhead_s: float = 0.0) -> Prediction:
+                chunk: Optional[int] = None, step_overhead_s: float = 0.0,
+                unpack_s: float = 0.0) -> Prediction:
         buckets, layout = plan
         profiles = [_scaled(p, compute_scale) for p in profiles]
         delay = 0.0                            # per collective: Horovod's negotiation cycle
@@ -389,7 +398,7 @@ class Simulator:
                 buckets = horovod_buckets(profiles, self.model.param_bytes, lambda b: cost.time(
                     "all_reduce", b) + delay)
             programs = [_allreduce_program(p, buckets, schedule is Schedule.ALLREDUCE,
-                                           step_overhead_s) for p in profiles]
+                                           step_overhead_s, unpack_s) for p in profiles]
             kinds = {"ar": "all_reduce"}
             nbytes = {"ar": [b for _, b in buckets]}
         result = replay_contended(
