@@ -140,6 +140,11 @@ def _run_steps(jobs: queue.SimpleQueue) -> None:
         del run, work                 # drop the groups the job referenced
 
 
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+
+
 class PairwiseExchange:
     """Reduce-scatter and all-gather of flat buffers between the `size` ranks of `group`."""
 
@@ -191,7 +196,13 @@ class PairwiseExchange:
         if n == 1:
             output.copy_(input)
             return CallbackWork([])
-        chunks, tag = input.split(shard), self._next_tag()
+        chunks = list(input.split(shard))
+        if _overlap(input, output):
+            if output.data_ptr() != chunks[me].data_ptr():
+                raise ValueError("reduce_scatter: the output overlaps the input other than as "
+                                 "this rank's own shard of it; pass a separate output buffer")
+            chunks[me] = chunks[me].clone()   # in place: received data lands on our shard
+        tag = self._next_tag()
         if n == 2:
             peer = 1 - me
             return CallbackWork(self._post(tag, peer, output, peer, chunks[peer]),
