@@ -166,11 +166,28 @@ def _median_profile(profiles: Sequence[Profile]) -> Profile:
     return Profile(rank=first.rank, forward=forward, backward=backward, **scalars)
 
 
+def _fully_traced(trace: Trace) -> list[int]:
+    """The complete iterations, less those whose forward waited for collectives issued before
+    the trace began (DeAR's first traced iteration: its per-bucket updates hold no traced
+    wait, so the time they waited would count as update compute), unless nothing else is
+    left."""
+    common = trace.common_iterations()
+
+    def untraced_waits(rank: Any, it: int) -> bool:
+        updates = rank.of("update", it)
+        waits = rank.of("wait", it)
+        return bool(updates) and not any(u.start <= w.start and w.end <= u.end
+                                         for u in updates for w in waits)
+
+    clean = [it for it in common if not any(untraced_waits(r, it) for r in trace.ranks)]
+    return clean or common
+
+
 def build_model(trace: Trace, iterations: Optional[Sequence[int]] = None,
                 contention: float = 0.0) -> Model:
     """Profiles of every traced rank (median over `iterations`, default all complete ones);
     `contention`: see `_rank_profile` and engine.py."""
-    chosen = list(iterations) if iterations is not None else trace.common_iterations()
+    chosen = list(iterations) if iterations is not None else _fully_traced(trace)
     if not chosen:
         raise ValueError(f"{trace.path}: no iteration was traced on every rank")
     profiles, per_rank = [], []
