@@ -567,7 +567,7 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
         """OnlineAutotuner or OfflineAutotuner (dear/fusion/offline.py): both are driven by
         step() through on_step() and switch every rank at the same step."""
         cfg = runtime.config()
-        model_bytes = sum(p.numel() * p.element_size() for _, p in named)
+        model_bytes = _gradient_bytes(named)
         # A trial must time the layout as it will run: planned, once its plan is made (a new
         # layout measures plan_after iterations first), so those are part of the settling.
         settle = (max(cfg.autotune_settle, cfg.plan_after + 1) if self._schedule.enabled
@@ -701,6 +701,10 @@ def _hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
             for k, v in group.items() if k != "params"}
 
 
+def _gradient_bytes(named: list[tuple[str, torch.nn.Parameter]]) -> int:
+    return sum(p.numel() * p.element_size() for _, p in named)
+
+
 def _fusion_settings(named: list[tuple[str, torch.nn.Parameter]],
                      fusion_threshold: Optional[int], autotune: Optional[Autotune],
                      fusion_config: Any, groups: Any) -> tuple[FusionConfig, Autotune]:
@@ -720,7 +724,7 @@ def _fusion_settings(named: list[tuple[str, torch.nn.Parameter]],
         return loaded, Autotune.OFF
     threshold = cfg.fusion_threshold if fusion_threshold is None else fusion_threshold
     if threshold is None:
-        threshold = auto_threshold(sum(p.numel() * p.element_size() for _, p in named))
+        threshold = auto_threshold(_gradient_bytes(named))
     if tune and groups is not None:
         raise ValueError(f"autotune={tune.value!r} tunes the bucket layout, but groups= fixes "
                          "it; pass one or the other")

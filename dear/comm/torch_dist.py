@@ -128,10 +128,10 @@ class TorchCommunicator(Communicator):
         down is destroyed during finalization, which aborts the process now and then
         ("terminate called without an active exception", seen at exit after dear.shutdown()
         while an optimizer, kept alive by a reference cycle, still held this communicator)."""
-        reverse, self._reverse, self._exchange = self._reverse, None, self._exchange
-        if self._exchange is not None:     # its step thread finishes what was submitted
-            self._exchange.close()
-            self._exchange = None
+        reverse, exchange = self._reverse, self._exchange
+        self._reverse = self._exchange = None
+        if exchange is not None:           # its step thread finishes what was submitted
+            exchange.close()
         if reverse is not None and dist.is_initialized():
             dist.destroy_process_group(reverse)
 
