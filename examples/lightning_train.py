@@ -76,6 +76,11 @@ def main() -> None:
         print(f"strategy={args.strategy}: {trainer.global_step} steps, "
               + (f"val_acc {float(acc):.3f}, " if acc is not None else "")
               + f"parameter checksum {checksum:.6f}")
+    # Leave no Gloo process group to the interpreter's exit: torch's Gloo threads destroyed
+    # there aborted the process now and then ("terminate called without an active exception",
+    # 3 of 50 runs of plain strategy="ddp" under mpirun on a busy machine).
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
