@@ -54,6 +54,28 @@ def test_padding_gives_equal_shards(world):
     assert spec.shard_numel * world == spec.padded_numel
 
 
+def test_first_bucket_follows_an_oversize_leading_parameter():
+    """BERT's word embedding (89 MB) leads forward order and gets a bucket of its own; the
+    parameters after it (position embeddings, the first layer) are also ready last in backward
+    and needed first in forward, so they, not the embedding, get the small first bucket, and
+    that bucket is all-gathered alone."""
+    from dear.fusion.fusion_config import FusionConfig
+    from dear.fusion.layout import plan_layout
+    from dear.fusion.planner import first_bucket_index
+    ps = params((1000, torch.float32), (10, torch.float32), (10, torch.float32),
+                (30, torch.float32), (30, torch.float32), (30, torch.float32))
+    specs = plan_buckets(ps, range(6), 400, 1, first_bucket_bytes=80)
+    assert [s.params for s in specs] == [(0,), (1, 2), (3, 4, 5)]
+    assert first_bucket_index(specs, 80) == 1
+    specs, groups = plan_layout(ps, range(6), FusionConfig(400, 10_000, 80), 1)
+    assert groups == [[0], [1], [2]]
+    assert plan_layout(ps, range(6), FusionConfig(400, 10_000, None), 1)[1] == [[0, 1, 2]]
+    # no oversize lead: the first bucket is bucket 0, as before
+    specs = plan_buckets(ps, [1, 2, 0, 3, 4, 5], 400, 1, first_bucket_bytes=80)
+    assert [s.params for s in specs] == [(1, 2), (0,), (3, 4, 5)]
+    assert first_bucket_index(specs, 80) == 0
+
+
 def test_order_must_be_a_permutation():
     with pytest.raises(ValueError, match="permutation"):
         plan_buckets(params((1, torch.float32)) * 2, [0, 0], 10, 1)
@@ -72,13 +94,15 @@ def test_explicit_group_mixing_dtypes_is_refused():
 
 
 def test_default_threshold_keeps_about_eight_buckets_on_a_small_model(monkeypatch):
-    """No threshold given: 25 MB, or an eighth of the gradient (at least 1 MB); an argument or
-    DEAR_FUSION_THRESHOLD wins."""
+    """No threshold given: a 64th of the gradient between 4 MB and 25 MB, at most an eighth of
+    it (at least 1 MB); an argument or DEAR_FUSION_THRESHOLD wins."""
     import dear
     from dear.config import auto_threshold
     MB = 1 << 20
-    assert auto_threshold(400 * MB) == 25 * MB
-    assert auto_threshold(48 * MB) == 6 * MB
+    assert auto_threshold(4000 * MB) == 25 * MB
+    assert auto_threshold(640 * MB) == 10 * MB
+    assert auto_threshold(100 * MB) == 4 * MB
+    assert auto_threshold(16 * MB) == 2 * MB
     assert auto_threshold(2 * MB) == MB
     model = torch.nn.Sequential(*[torch.nn.Linear(512, 512, bias=False) for _ in range(16)])
     monkeypatch.delenv("DEAR_FUSION_THRESHOLD", raising=False)

@@ -11,7 +11,7 @@ from ..compression import Compressor
 from .bucket import Bucket
 from .fusion_config import FusionConfig
 from .gather import GatherGroup, make_groups
-from .planner import BucketSpec, plan_buckets, plan_gather_groups
+from .planner import BucketSpec, first_bucket_index, plan_buckets, plan_gather_groups
 from .rows import RowSparseBucket
 
 
@@ -44,8 +44,9 @@ def plan_layout(params: Sequence[torch.Tensor], order: Sequence[int], fusion: Fu
     specs = plan_buckets(params, order, fusion.rs_threshold, world_size, explicit,
                          first_bucket_bytes=fusion.first_bucket, tied=tied, alone=row_sparse)
     alone = [s.index for s in specs if len(s.params) == 1 and s.params[0] in row_sparse]
-    groups = plan_gather_groups(specs, fusion.ag_threshold,
-                                first_alone=fusion.first_bucket is not None, alone=alone)
+    if fusion.first_bucket is not None:
+        alone.append(first_bucket_index(specs, fusion.first_bucket))
+    groups = plan_gather_groups(specs, fusion.ag_threshold, alone=alone)
     return specs, groups
 
 

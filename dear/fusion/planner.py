@@ -47,7 +47,10 @@ def plan_buckets(params: Sequence[torch.Tensor], order: Sequence[int], threshold
     A bucket never mixes dtypes or devices; a parameter larger than the threshold gets a bucket
     of its own; a threshold of 0 gives one bucket per parameter. `explicit` groups (Horovod's
     `groups=`) become one bucket each, placed where their first member comes in `order`.
-    `first_bucket_bytes`, if given, is the threshold of the first bucket instead.
+    `first_bucket_bytes`, if given, is the threshold of the first bucket instead. A parameter
+    larger than that at the very front (BERT's word embedding) takes a bucket of its own and does
+    not count as the first bucket: what follows it is also ready last in backward and needed
+    first in forward, so it is the small first bucket (`first_bucket_index`).
     `tied` parameters (dear.KFAC's weight and bias of one layer) are never split between
     buckets: they join the bucket of the first of them in `order`, as one unit.
     `alone` parameters (row-sparse embedding tables, dear/fusion/rows.py) get a bucket each.
@@ -89,8 +92,8 @@ def plan_buckets(params: Sequence[torch.Tensor], order: Sequence[int], threshold
         nbytes = sum(params[m].numel() * params[m].element_size() for m in unit)
         same_kind = bool(current) and (params[current[0]].dtype == p.dtype
                                        and params[current[0]].device == p.device)
-        limit = (first_bucket_bytes if first_bucket_bytes is not None and not groups
-                 else threshold_bytes)
+        limit = (first_bucket_bytes if first_bucket_bytes is not None
+                 and _leading_only(groups, params, first_bucket_bytes) else threshold_bytes)
         if current and (not same_kind or current_bytes + nbytes > limit):
             groups.append(current)
             current, current_bytes = [], 0
@@ -114,12 +117,31 @@ def plan_buckets(params: Sequence[torch.Tensor], order: Sequence[int], threshold
     return specs
 
 
+def _nbytes(params: Sequence[torch.Tensor], members: Sequence[int]) -> int:
+    return sum(params[m].numel() * params[m].element_size() for m in members)
+
+
+def _leading_only(groups: Sequence[Sequence[int]], params: Sequence[torch.Tensor],
+                  first_bucket_bytes: int) -> bool:
+    """Every bucket so far is one parameter larger than the first bucket's threshold."""
+    return all(len(g) == 1 and _nbytes(params, g) > first_bucket_bytes for g in groups)
+
+
+def first_bucket_index(specs: Sequence[BucketSpec], first_bucket_bytes: int) -> int:
+    """The bucket plan_buckets sized with `first_bucket_bytes`: the first one that is not a
+    lone parameter larger than that."""
+    for spec in specs:
+        if not (len(spec.params) == 1
+                and spec.numels[0] * spec.dtype.itemsize > first_bucket_bytes):
+            return spec.index
+    return len(specs)
+
+
 def plan_gather_groups(specs: Sequence[BucketSpec], threshold_bytes: int,
-                       first_alone: bool = False, alone: Collection[int] = ()
-                       ) -> list[list[int]]:
+                       alone: Collection[int] = ()) -> list[list[int]]:
     """Consecutive buckets (forward order) all-gathered together, up to `threshold_bytes` of
-    buffer per group; one dtype and device per group. `first_alone`: bucket 0 is gathered on
-    its own (its size was chosen for the critical path); so is every bucket in `alone`."""
+    buffer per group; one dtype and device per group. Every bucket in `alone` is gathered on
+    its own (the first bucket: its size was chosen for the critical path; row-sparse tables)."""
     groups: list[list[int]] = []
     current: list[int] = []
     size = 0
@@ -128,7 +150,6 @@ def plan_gather_groups(specs: Sequence[BucketSpec], threshold_bytes: int,
         same_kind = bool(current) and (specs[current[0]].dtype == spec.dtype
                                        and specs[current[0]].device == spec.device)
         close = current and (not same_kind or size + nbytes > threshold_bytes
-                             or (first_alone and current == [0])
                              or spec.index in alone or current[-1] in alone)
         if close:
             groups.append(current)
