@@ -11,15 +11,15 @@ _MB = 1024 * 1024
 
 
 def auto_threshold(gradient_bytes: int) -> int:
-    """The default fusion threshold: a 64th of the gradient, between 4 MB and 25 MB (DDP's),
-    and at most an eighth of it (at least 1 MB) so a small model still has about eight buckets.
-    Why: few large buckets leave the link idle early in backward and put a large last
-    reduce-scatter on the critical path. BERT-Base (418 MB, 2 ranks, emulated accelerator):
-    2421 ms with 25 MB buckets, 2404 with 12 MB, 2350 with 6 MB, in one run; ResNet-50 at 1/2
-    size (49 MB, 8 ranks) replayed 1.91 s with 25 MB, 1.68 s with 4 MB; dear.diagnose's
-    replays of ResNet-50 and VGG-16 traces at 2-8 ranks were no slower at 4 MB than at 25 MB."""
-    return min(max(4 * _MB, min(25 * _MB, gradient_bytes // 64)),
-               max(_MB, gradient_bytes // 8))
+    """The default fusion threshold: 25 MB (DDP's, DeAR's), or an eighth of the gradient when
+    that is smaller (at least 1 MB). With only two or three buckets the link has nothing to
+    send until a quarter of backward is over and the last reduce-scatter is large: ResNet-50
+    at 1/2 size (49 MB, 8 ranks) planned 1.91 s with 25 MB buckets, 1.70 s with 6 MB, in
+    dear.diagnose's replay of its trace; at full size the threshold changed < 2%.
+    Smaller is not better everywhere (benchmarks/results/emulated_planned.md, one run, 2 ranks):
+    4 MB took VGG-16 from 1237 to 1351 ms and ResNet-50 from 890 to 913, while BERT-Base ran
+    2419 ms at 6.5 MB against 2533 at 25 MB; the replay did not predict the penalty."""
+    return max(min(25 * _MB, gradient_bytes // 8), _MB)
 
 
 def _parse_bytes(text: str) -> int:

@@ -400,6 +400,15 @@ def test_horovod_fuses_what_is_ready_when_the_link_frees():
     late = dataclasses.replace(prof, lead=0.050)
     assert [b for b, _ in horovod_buckets([prof, late], [MB] * 3, cost, cycle_s=1e-3)] == [
         [0], [1, 2]]
+    # A fused response (several tensors: Horovod's fusion buffer copies) may cost more than a
+    # tensor alone: gradients ready at 10, 20, 30, 70, 80 ms; [1, 2] ends at 62 ms at 25 ms, so
+    # 3 and 4 go one by one; at 50 ms it ends at 87 and they are fused.
+    five = dataclasses.replace(prof, backward=[Segment(0.010, produces=0)] + [
+        Segment(d, produces=i) for i, d in ((1, 0.010), (2, 0.010), (3, 0.040), (4, 0.010))])
+    assert [b for b, _ in horovod_buckets([five], [MB] * 5, cost, cycle_s=1e-3)] == [
+        [0], [1, 2], [3], [4]]
+    assert [b for b, _ in horovod_buckets([five], [MB] * 5, cost, cycle_s=1e-3,
+                                          fused_s=lambda b: 0.050)] == [[0], [1, 2], [3, 4]]
 
 
 def test_horovod_schedule_and_step_overhead_closed_form():
@@ -414,6 +423,10 @@ def test_horovod_schedule_and_step_overhead_closed_form():
     hvd = sim.predict(Schedule.HOROVOD)
     assert hvd.buckets == 2
     assert hvd.iteration_time == pytest.approx(compute + HOROVOD_CYCLE_S + ar, rel=1e-9)
+    # every response holds one tensor: a fused response's cost does not apply
+    slow = CostModel.ideal(2e8, 0.0, world_size=2)
+    assert sim.predict(Schedule.HOROVOD, fused_cost=slow).iteration_time == pytest.approx(
+        hvd.iteration_time, rel=1e-12)
     wfbp = sim.predict(Schedule.WFBP).iteration_time
     assert sim.predict(Schedule.WFBP, step_overhead_s=0.005).iteration_time == pytest.approx(
         wfbp + 0.005, rel=1e-9)

@@ -66,14 +66,18 @@ def test_first_bucket_follows_an_oversize_leading_parameter():
                 (30, torch.float32), (30, torch.float32), (30, torch.float32))
     specs = plan_buckets(ps, range(6), 400, 1, first_bucket_bytes=80)
     assert [s.params for s in specs] == [(0,), (1, 2), (3, 4, 5)]
-    assert first_bucket_index(specs, 80) == 1
+    assert first_bucket_index(specs, 400, 80) == 1
     specs, groups = plan_layout(ps, range(6), FusionConfig(400, 10_000, 80), 1)
     assert groups == [[0], [1], [2]]
     assert plan_layout(ps, range(6), FusionConfig(400, 10_000, None), 1)[1] == [[0, 1, 2]]
     # no oversize lead: the first bucket is bucket 0, as before
     specs = plan_buckets(ps, [1, 2, 0, 3, 4, 5], 400, 1, first_bucket_bytes=80)
     assert [s.params for s in specs] == [(1, 2), (0,), (3, 4, 5)]
-    assert first_bucket_index(specs, 80) == 0
+    assert first_bucket_index(specs, 400, 80) == 0
+    # first bucket 0 bytes (one parameter): an oversize lead is still skipped, and the rest
+    # keeps the threshold
+    specs = plan_buckets(ps, range(6), 400, 1, first_bucket_bytes=0)
+    assert [s.params for s in specs] == [(0,), (1,), (2, 3, 4, 5)]
 
 
 def test_order_must_be_a_permutation():
@@ -94,15 +98,13 @@ def test_explicit_group_mixing_dtypes_is_refused():
 
 
 def test_default_threshold_keeps_about_eight_buckets_on_a_small_model(monkeypatch):
-    """No threshold given: a 64th of the gradient between 4 MB and 25 MB, at most an eighth of
-    it (at least 1 MB); an argument or DEAR_FUSION_THRESHOLD wins."""
+    """No threshold given: 25 MB, or an eighth of the gradient (at least 1 MB); an argument or
+    DEAR_FUSION_THRESHOLD wins."""
     import dear
     from dear.config import auto_threshold
     MB = 1 << 20
-    assert auto_threshold(4000 * MB) == 25 * MB
-    assert auto_threshold(640 * MB) == 10 * MB
-    assert auto_threshold(100 * MB) == 4 * MB
-    assert auto_threshold(16 * MB) == 2 * MB
+    assert auto_threshold(400 * MB) == 25 * MB
+    assert auto_threshold(48 * MB) == 6 * MB
     assert auto_threshold(2 * MB) == MB
     model = torch.nn.Sequential(*[torch.nn.Linear(512, 512, bias=False) for _ in range(16)])
     monkeypatch.delenv("DEAR_FUSION_THRESHOLD", raising=False)

@@ -16,7 +16,7 @@ when the previous one ends: the greedy's own rule).
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 from .graph import Profile
 
@@ -39,11 +39,15 @@ def ready_times(profiles: Sequence[Profile]) -> dict[int, float]:
 
 def horovod_buckets(profiles: Sequence[Profile], param_bytes: Sequence[int],
                     allreduce_s: Callable[[int], float], threshold: int = HOROVOD_THRESHOLD,
-                    cycle_s: float = HOROVOD_CYCLE_S) -> list[tuple[list[int], int]]:
+                    cycle_s: float = HOROVOD_CYCLE_S,
+                    fused_s: Optional[Callable[[int], float]] = None
+                    ) -> list[tuple[list[int], int]]:
     """The fused all-reduces Horovod makes in one backward: at each point the link frees (or
     the next gradient arrives on an idle link) plus one cycle for the negotiation, everything
     ready by then, in ready order, up to `threshold` bytes (a larger gradient goes alone).
-    Gradients never produced in backward go last, in one message (step() submits them)."""
+    Gradients never produced in backward go last, in one message (step() submits them).
+    `fused_s`: the cost of a response of several tensors, if not `allreduce_s` (Horovod copies
+    them into its fusion buffer and back; one tensor alone is reduced in place)."""
     ready = ready_times(profiles)
     pending = sorted(ready, key=lambda p: (ready[p], p))
     missing = [p for p in range(len(param_bytes)) if p not in ready]
@@ -61,7 +65,8 @@ def horovod_buckets(profiles: Sequence[Profile], param_bytes: Sequence[int],
             size += b
             i += 1
         out.append((group, size))
-        link_free = pick + allreduce_s(size)
+        link_free = pick + (fused_s if fused_s is not None and len(group) > 1
+                            else allreduce_s)(size)
     if missing:
         out.append((missing, sum(param_bytes[p] for p in missing)))
     return out

@@ -318,7 +318,7 @@ class Simulator:
                 traced_bandwidth_bps: Optional[float] = None,
                 compute_scale: float = 1.0, unclaimed_first: bool = False,
                 fusion: Optional[FusionConfig] = None, step_overhead_s: float = 0.0,
-                unpack_s: float = 0.0) -> Prediction:
+                unpack_s: float = 0.0, fused_cost: Optional[CostModel] = None) -> Prediction:
         """`fusion_threshold` is one threshold for every schedule (for DeAR:
         FusionConfig.single, as dear's own fusion_threshold=); `fusion` is DeAR's full layout
         (reduce-scatter threshold, all-gather threshold, first bucket). `step_overhead_s`: CPU
@@ -326,7 +326,10 @@ class Simulator:
         one did not (e.g. benchmarks.baselines.WFBP copies every averaged gradient out of its
         buckets); measured apart, never in the trace. `unpack_s`: the same kind of seconds
         spent bucket by bucket, each bucket's share (by bytes) right after its wait, while
-        later buckets are still on the link (WFBP's copy-out, as benchmarks.baselines does)."""
+        later buckets are still on the link (WFBP's copy-out, as benchmarks.baselines does).
+        `fused_cost` (Horovod): the all-reduce cost of a response that fuses several tensors,
+        as given (Horovod copies them through its fusion buffer; a tensor alone is reduced in
+        place at the usual cost); None: the same cost for both."""
         schedule = Schedule(schedule)
         if fusion_threshold is not None and fusion_threshold < 0:
             raise ValueError(f"fusion_threshold must be >= 0 bytes, got {fusion_threshold}")
@@ -351,7 +354,8 @@ class Simulator:
         chunk = None if fusion is None else fusion.chunk_bytes     # PLANNED: the plan's chunks
         runs = [self._replay(ps, schedule, plan, self._iteration_cost(cost, k) if
                              self.model.iterations else cost, compute_scale, chunk,
-                             step_overhead_s=step_overhead_s, unpack_s=unpack_s)
+                             step_overhead_s=step_overhead_s, unpack_s=unpack_s,
+                             fused_cost=fused_cost)
                 for k, ps in enumerate(self.model.iterations or [self.model.profiles])]
         runs.sort(key=lambda p: p.iteration_time)
         return runs[len(runs) // 2]
@@ -377,10 +381,11 @@ class Simulator:
                 plan: "tuple[list[tuple[list[int], int]], Optional[DearLayout]]",
                 cost: CostModel, compute_scale: float,
                 chunk: Optional[int] = None, step_overhead_s: float = 0.0,
-                unpack_s: float = 0.0) -> Prediction:
+                unpack_s: float = 0.0, fused_cost: Optional[CostModel] = None) -> Prediction:
         buckets, layout = plan
         profiles = [_scaled(p, compute_scale) for p in profiles]
         delay = 0.0                            # per collective: Horovod's negotiation cycle
+        per_bucket: list[CostModel] = []       # per all-reduce bucket: its cost model
         if layout is not None:
             programs = [_dear_program(p, layout, self.model.param_numel) for p in profiles]
             kinds = {"rs": "reduce_scatter", "ag": "all_gather"}
@@ -393,17 +398,22 @@ class Simulator:
                     kinds.get(key[0], "all_gather"), chunk_bytes(key)), self.contention)
                 return _measure(result, schedule, cost.world_size, len(buckets))
         else:
+            fused = cost
             if schedule is Schedule.HOROVOD:   # dynamic fusion: from this iteration's timing
-                delay = HOROVOD_CYCLE_S
-                buckets = horovod_buckets(profiles, self.model.param_bytes, lambda b: cost.time(
-                    "all_reduce", b) + delay)
+                delay, fused = HOROVOD_CYCLE_S, fused_cost or cost
+                buckets = horovod_buckets(
+                    profiles, self.model.param_bytes,
+                    lambda b: cost.time("all_reduce", b) + delay, fused_s=lambda b: fused.time(
+                        "all_reduce", b) + delay)
             programs = [_allreduce_program(p, buckets, schedule is Schedule.ALLREDUCE,
                                            step_overhead_s, unpack_s) for p in profiles]
             kinds = {"ar": "all_reduce"}
             nbytes = {"ar": [b for _, b in buckets]}
+            per_bucket = [fused if len(ps) > 1 else cost for ps, _ in buckets]
         result = replay_contended(
-            programs, lambda key: cost.time(kinds[key[0]], nbytes[key[0]][key[2]])
-            + (delay if key[0] == "ar" else 0.0), self.contention)
+            programs, lambda key: (per_bucket[key[2]] if key[0] == "ar" else cost).time(
+                kinds[key[0]], nbytes[key[0]][key[2]]) + (delay if key[0] == "ar" else 0.0),
+            self.contention)
         return _measure(result, schedule, cost.world_size, len(buckets))
 
 

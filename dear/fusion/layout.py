@@ -45,7 +45,7 @@ def plan_layout(params: Sequence[torch.Tensor], order: Sequence[int], fusion: Fu
                          first_bucket_bytes=fusion.first_bucket, tied=tied, alone=row_sparse)
     alone = [s.index for s in specs if len(s.params) == 1 and s.params[0] in row_sparse]
     if fusion.first_bucket is not None:
-        alone.append(first_bucket_index(specs, fusion.first_bucket))
+        alone.append(first_bucket_index(specs, fusion.rs_threshold, fusion.first_bucket))
     groups = plan_gather_groups(specs, fusion.ag_threshold, alone=alone)
     return specs, groups
 

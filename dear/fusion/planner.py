@@ -48,9 +48,9 @@ def plan_buckets(params: Sequence[torch.Tensor], order: Sequence[int], threshold
     of its own; a threshold of 0 gives one bucket per parameter. `explicit` groups (Horovod's
     `groups=`) become one bucket each, placed where their first member comes in `order`.
     `first_bucket_bytes`, if given, is the threshold of the first bucket instead. A parameter
-    larger than that at the very front (BERT's word embedding) takes a bucket of its own and does
-    not count as the first bucket: what follows it is also ready last in backward and needed
-    first in forward, so it is the small first bucket (`first_bucket_index`).
+    larger than both thresholds at the very front (BERT's word embedding) takes a bucket of its
+    own and does not count as the first bucket: what follows it is also ready last in backward
+    and needed first in forward, so it is the small first bucket (`first_bucket_index`).
     `tied` parameters (dear.KFAC's weight and bias of one layer) are never split between
     buckets: they join the bucket of the first of them in `order`, as one unit.
     `alone` parameters (row-sparse embedding tables, dear/fusion/rows.py) get a bucket each.
@@ -66,6 +66,7 @@ def plan_buckets(params: Sequence[torch.Tensor], order: Sequence[int], threshold
     groups: list[list[int]] = []
     current: list[int] = []
     current_bytes = 0
+    leading, checked = True, 0                 # every bucket so far a lone oversize parameter
     for idx in order:
         if idx in group_of:
             members = sorted((explicit or ())[group_of[idx]], key=position.__getitem__)
@@ -89,11 +90,15 @@ def plan_buckets(params: Sequence[torch.Tensor], order: Sequence[int], threshold
         if unit[0] != idx:
             continue                            # placed with the first of its tie
         p = params[idx]
-        nbytes = sum(params[m].numel() * params[m].element_size() for m in unit)
+        nbytes = _nbytes(params, unit)
         same_kind = bool(current) and (params[current[0]].dtype == p.dtype
                                        and params[current[0]].device == p.device)
-        limit = (first_bucket_bytes if first_bucket_bytes is not None
-                 and _leading_only(groups, params, first_bucket_bytes) else threshold_bytes)
+        if leading and first_bucket_bytes is not None and len(groups) > checked:
+            leading = all(len(g) == 1 and _oversize(_nbytes(params, g), threshold_bytes,
+                                                    first_bucket_bytes) for g in groups[checked:])
+            checked = len(groups)
+        limit = (first_bucket_bytes if first_bucket_bytes is not None and leading
+                 else threshold_bytes)
         if current and (not same_kind or current_bytes + nbytes > limit):
             groups.append(current)
             current, current_bytes = [], 0
@@ -121,18 +126,18 @@ def _nbytes(params: Sequence[torch.Tensor], members: Sequence[int]) -> int:
     return sum(params[m].numel() * params[m].element_size() for m in members)
 
 
-def _leading_only(groups: Sequence[Sequence[int]], params: Sequence[torch.Tensor],
-                  first_bucket_bytes: int) -> bool:
-    """Every bucket so far is one parameter larger than the first bucket's threshold."""
-    return all(len(g) == 1 and _nbytes(params, g) > first_bucket_bytes for g in groups)
+def _oversize(nbytes: int, threshold_bytes: int, first_bucket_bytes: int) -> bool:
+    """A lone parameter that no threshold could have shared a bucket with."""
+    return nbytes > max(threshold_bytes, first_bucket_bytes)
 
 
-def first_bucket_index(specs: Sequence[BucketSpec], first_bucket_bytes: int) -> int:
+def first_bucket_index(specs: Sequence[BucketSpec], threshold_bytes: int,
+                       first_bucket_bytes: int) -> int:
     """The bucket plan_buckets sized with `first_bucket_bytes`: the first one that is not a
-    lone parameter larger than that."""
+    lone oversize parameter."""
     for spec in specs:
-        if not (len(spec.params) == 1
-                and spec.numels[0] * spec.dtype.itemsize > first_bucket_bytes):
+        if not (len(spec.params) == 1 and _oversize(spec.numels[0] * spec.dtype.itemsize,
+                                                    threshold_bytes, first_bucket_bytes)):
             return spec.index
     return len(specs)
 
