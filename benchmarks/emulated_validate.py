@@ -11,8 +11,9 @@ every rank (a) traces dear in DeAR's order with dear.diagnose (the tracer pauses
 schedule; the simulator replays the planned schedule from this trace) and (b) probes torch's
 Gloo all-reduce at a few sizes (the trace holds only dear's reduce-scatters and all-gathers;
 DDP, WFBP and Horovod all-reduce). The driver then predicts each method from the trace:
-DDP, WFBP (25 MB buckets), Horovod (dynamic fusion, dear/diagnose/dynamic.py), DeAR's order and
-the planned schedule, and writes predicted vs measured. FSDP2 is not modelled by the simulator.
+DDP, WFBP (25 MB buckets), Horovod (dynamic fusion, dear/diagnose/dynamic.py; a fused response
+at Horovod's own probed cost, a lone tensor at torch's), DeAR's order and the planned schedule,
+and writes predicted vs measured. FSDP2 is not modelled by the simulator.
 
 Scaling: from the first 2-rank setup's trace, samples/s for 1..64 workers (alpha-beta ring
 costs), against the measured points of the other setups at the same compute (--compute-ms is
@@ -411,8 +412,10 @@ def write(args: argparse.Namespace, reps: list[dict[str, Any]], rows: list[dict[
         notes.append(f"![scaling]({os.path.basename(png)})")
     notes.append(f"DDP/WFBP all-reduce cost: {ALLREDUCE_COST['source']} (probe: torch's Gloo "
                  "all_reduce timed at " + "/".join(map(str, PROBE_MB)) + " MB in the run; trace: "
-                 "the traced reduce-scatter + all-gather, ring identity). Horovod: its own "
-                 "all-reduce probed the same way, + the forward's slowdown while Horovod is "
+                 "the traced reduce-scatter + all-gather, ring identity). Horovod: a response of "
+                 "several tensors at its own all-reduce probed the same way (8 tensors fused: "
+                 "its fusion buffer copies), a tensor alone at torch's (reduced in place), + "
+                 "the forward's slowdown while Horovod is "
                  "initialised and idle (measured in the probe: its 1 ms negotiation cycle takes "
                  "CPU; not probed at 8 ranks). WFBP: + its measured step() unpacking, each "
                  "bucket's share right after its wait (while later all-reduces travel). The "
