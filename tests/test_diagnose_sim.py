@@ -427,6 +427,8 @@ def test_horovod_schedule_and_step_overhead_closed_form():
     slow = CostModel.ideal(2e8, 0.0, world_size=2)
     assert sim.predict(Schedule.HOROVOD, fused_cost=slow).iteration_time == pytest.approx(
         hvd.iteration_time, rel=1e-12)
+    with pytest.raises(ValueError, match="fused_cost"):
+        sim.predict(Schedule.DDP, fused_cost=slow)
     wfbp = sim.predict(Schedule.WFBP).iteration_time
     assert sim.predict(Schedule.WFBP, step_overhead_s=0.005).iteration_time == pytest.approx(
         wfbp + 0.005, rel=1e-9)

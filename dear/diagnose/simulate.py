@@ -343,6 +343,10 @@ class Simulator:
             fusion = FusionConfig.single(fusion_threshold)
         if not compute_scale > 0:
             raise ValueError(f"compute_scale must be > 0, got {compute_scale}")
+        if fused_cost is not None and (schedule is not Schedule.HOROVOD
+                                       or not isinstance(fused_cost, CostModel)):
+            raise ValueError("fused_cost= is the cost of Horovod's fused responses: give a "
+                             "dear.diagnose CostModel with Schedule.HOROVOD")
         if step_overhead_s < 0 or unpack_s < 0:
             raise ValueError(f"step_overhead_s and unpack_s must be >= 0, got "
                              f"{step_overhead_s}, {unpack_s}")
