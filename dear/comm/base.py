@@ -191,6 +191,12 @@ def check_flat(tensor: torch.Tensor, what: str) -> None:
         raise ValueError(f"{what} must be a contiguous 1-D tensor, got shape {tuple(tensor.shape)}")
 
 
+def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the memory of two (contiguous) tensors overlaps."""
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+
+
 def check_shard_sizes(full: torch.Tensor, shard: torch.Tensor, size: int) -> None:
     check_flat(full, "the full buffer")
     check_flat(shard, "the shard buffer")

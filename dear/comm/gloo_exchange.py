@@ -42,7 +42,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .base import CallbackWork, Work, check_shard_sizes
+from .base import CallbackWork, Work, check_shard_sizes, overlaps
 
 _TAG_SPACE = 1 << 20
 
@@ -140,11 +140,6 @@ def _run_steps(jobs: queue.SimpleQueue) -> None:
         del run, work                 # drop the groups the job referenced
 
 
-def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    a0, b0 = a.data_ptr(), b.data_ptr()
-    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
-
-
 class PairwiseExchange:
     """Reduce-scatter and all-gather of flat buffers between the `size` ranks of `group`."""
 
@@ -197,7 +192,7 @@ class PairwiseExchange:
             output.copy_(input)
             return CallbackWork([])
         chunks = list(input.split(shard))
-        if _overlap(input, output):
+        if overlaps(input, output):
             if output.data_ptr() != chunks[me].data_ptr():
                 raise ValueError("reduce_scatter: the output overlaps the input other than as "
                                  "this rank's own shard of it; pass a separate output buffer")

@@ -39,7 +39,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
-from .base import CallbackWork, Communicator, Work, check_flat, check_shard_sizes
+from .base import CallbackWork, Communicator, Work, check_flat, check_shard_sizes, overlaps
 
 log = logging.getLogger("dear")
 
@@ -71,11 +71,6 @@ def _numpy(tensor: torch.Tensor, raw: bool = False) -> np.ndarray:
     elif tensor.dtype in _RAW:
         raise TypeError(f"MPI cannot sum {tensor.dtype} directly")  # callers up-cast first
     return tensor.detach().numpy()
-
-
-def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    a0, b0 = a.data_ptr(), b.data_ptr()
-    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
 
 
 class MPIRequest:
@@ -245,7 +240,7 @@ class MPICommunicator(Communicator):
             return self._issue("reduce-scatter", lambda: self._comm.Ireduce_scatter_block(
                 _numpy(send), _numpy(recv), op=MPI.SUM), (send, recv),
                 lambda: output.copy_(recv))
-        if _overlaps(input, output):
+        if overlaps(input, output):
             recv = torch.empty_like(output)
             return self._issue("reduce-scatter", lambda: self._comm.Ireduce_scatter_block(
                 _numpy(input), _numpy(recv), op=MPI.SUM), (input, recv),
