@@ -66,7 +66,6 @@ def plan_buckets(params: Sequence[torch.Tensor], order: Sequence[int], threshold
     groups: list[list[int]] = []
     current: list[int] = []
     current_bytes = 0
-    leading, checked = True, 0                 # every bucket so far a lone oversize parameter
     for idx in order:
         if idx in group_of:
             members = sorted((explicit or ())[group_of[idx]], key=position.__getitem__)
@@ -93,12 +92,13 @@ def plan_buckets(params: Sequence[torch.Tensor], order: Sequence[int], threshold
         nbytes = _nbytes(params, unit)
         same_kind = bool(current) and (params[current[0]].dtype == p.dtype
                                        and params[current[0]].device == p.device)
-        if leading and first_bucket_bytes is not None and len(groups) > checked:
-            leading = all(len(g) == 1 and _oversize(_nbytes(params, g), threshold_bytes,
-                                                    first_bucket_bytes) for g in groups[checked:])
-            checked = len(groups)
-        limit = (first_bucket_bytes if first_bucket_bytes is not None and leading
-                 else threshold_bytes)
+        # The first bucket's threshold holds until a bucket that is not a lone oversize
+        # parameter is closed (all() stops at that bucket).
+        limit = threshold_bytes
+        if first_bucket_bytes is not None and all(
+                len(g) == 1 and _oversize(_nbytes(params, g), threshold_bytes, first_bucket_bytes)
+                for g in groups):
+            limit = first_bucket_bytes
         if current and (not same_kind or current_bytes + nbytes > limit):
             groups.append(current)
             current, current_bytes = [], 0
