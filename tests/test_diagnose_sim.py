@@ -436,6 +436,28 @@ def test_horovod_schedule_and_step_overhead_closed_form():
         sim.predict(Schedule.WFBP, step_overhead_s=-1.0)
 
 
+def test_horovod_fused_cost_closed_form_and_what_if():
+    """Both gradients ready at once: Horovod fuses them into one response, which costs
+    `fused_cost`. A fused cost equal to the usual one changes nothing at any world size or
+    bandwidth asked (it is moved there as the trace's cost is)."""
+    from dear.diagnose.dynamic import HOROVOD_CYCLE_S
+    base = _model("ddp", buckets=[])
+    prof = dataclasses.replace(base.profiles[0], backward=[Segment(G1, produces=1),
+                                                           Segment(0.0, produces=0)])
+    model = dataclasses.replace(base, profiles=[prof, prof])
+    cost = CostModel.ideal(2e9, 0.0, world_size=2)
+    slow = CostModel.ideal(1e9, 0.0, world_size=2)
+    sim = Simulator.from_model(model, cost)
+    compute = F0 + F1 + G1 + UPDATE
+    fused = sim.predict(Schedule.HOROVOD, fused_cost=slow)
+    assert fused.buckets == 1
+    assert fused.iteration_time == pytest.approx(
+        compute + HOROVOD_CYCLE_S + slow.time("all_reduce", 4 * MB), rel=1e-9)
+    for kw in ({}, {"world_size": 8}, {"bandwidth_bps": 5e8}, {"latency_s": 1e-3}):
+        assert sim.predict(Schedule.HOROVOD, fused_cost=cost, **kw).iteration_time == (
+            pytest.approx(sim.predict(Schedule.HOROVOD, **kw).iteration_time, rel=1e-12)), kw
+
+
 def test_cost_fit_takes_the_median_iteration_rate():
     """One traced iteration whose collectives ran at half the rate (a shared machine) does not
     slow the fitted link: per-iteration rates, their median."""

@@ -328,7 +328,8 @@ class Simulator:
         spent bucket by bucket, each bucket's share (by bytes) right after its wait, while
         later buckets are still on the link (WFBP's copy-out, as benchmarks.baselines does).
         `fused_cost` (Horovod): the all-reduce cost of a response that fuses several tensors,
-        as given (Horovod copies them through its fusion buffer; a tensor alone is reduced in
+        at the traced world size and link, moved to the asked ones as the trace's cost is
+        (Horovod copies fused tensors through its fusion buffer; a tensor alone is reduced in
         place at the usual cost); None: the same cost for both."""
         schedule = Schedule(schedule)
         if fusion_threshold is not None and fusion_threshold < 0:
@@ -351,6 +352,9 @@ class Simulator:
             raise ValueError(f"step_overhead_s and unpack_s must be >= 0, got "
                              f"{step_overhead_s}, {unpack_s}")
         cost = self.cost_model(bandwidth_bps, latency_s, world_size, traced_bandwidth_bps)
+        if fused_cost is not None:
+            fused_cost = fused_cost.what_if(bandwidth_bps, latency_s, cost.world_size,
+                                            traced_bandwidth_bps)
         # Each traced iteration replayed on its own, on the link as it ran in that iteration
         # (_iteration_cost); the median one is the prediction (the median of iterations, as
         # measured, rather than an iteration of medians).
@@ -402,9 +406,9 @@ class Simulator:
                     kinds.get(key[0], "all_gather"), chunk_bytes(key)), self.contention)
                 return _measure(result, schedule, cost.world_size, len(buckets))
         else:
-            fused = cost
+            fused = fused_cost or cost         # given for Schedule.HOROVOD only
             if schedule is Schedule.HOROVOD:   # dynamic fusion: from this iteration's timing
-                delay, fused = HOROVOD_CYCLE_S, fused_cost or cost
+                delay = HOROVOD_CYCLE_S
                 buckets = horovod_buckets(
                     profiles, self.model.param_bytes,
                     lambda b: cost.time("all_reduce", b) + delay, fused_s=lambda b: fused.time(
