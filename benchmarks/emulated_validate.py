@@ -177,37 +177,39 @@ def simulator(rep: dict[str, Any], probe: Optional[str] = "allreduce_probe_s") -
     """The trace's simulator, without the first traced iteration (its forward waits for
     all-gathers issued before the trace: untraced waits, counted as compute), its all-reduce
     cost from `probe` (alpha-beta, least squares over the probed sizes)."""
-    from dear.diagnose import CostModel, Simulator, load_trace
-    from dear.diagnose.costmodel import latency_steps, volume
+    from dear.diagnose import Simulator, load_trace
 
     trace = load_trace(rep["extra"]["trace_dir"])
     sim = Simulator(trace, iterations=trace.common_iterations()[1:])
-    if probe is None:
-        return sim
-    n = sim.model.world_size
+    if probe is not None:
+        sim.fitted = probed_cost(sim.fitted, rep, probe)
+    return sim
+
+
+def probed_cost(fitted: Any, rep: dict[str, Any], probe: str) -> Any:
+    """`fitted` (a CostModel) with its all-reduce from the probe `probe` of the run."""
+    from dear.diagnose import CostModel
+    from dear.diagnose.costmodel import latency_steps, volume
+
+    n = fitted.world_size
     pts = [(volume("all_reduce", int(b), n), s) for b, s in rep["extra"][probe].items()]
     mx, my = statistics.mean(x for x, _ in pts), statistics.mean(y for _, y in pts)
     slope = sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x, _ in pts)
     alpha = max(my - slope * mx, 0.0) / latency_steps("all_reduce", n)
-    fitted = sim.fitted
-    sim.fitted = CostModel({**fitted.alpha, "all_reduce": alpha},
-                           {**fitted.rate, "all_reduce": 1 / slope}, fitted.world_size)
-    return sim
+    return CostModel({**fitted.alpha, "all_reduce": alpha},
+                     {**fitted.rate, "all_reduce": 1 / slope}, n)
 
 
 def _predict(sims: dict[str, Any], rep: dict[str, Any], label: str, **kw: Any) -> float:
     """One method's predicted seconds: Horovod on its own all-reduce cost, WFBP with its
     measured unpacking in step(), bucket by bucket."""
     schedule = SCHEDULES[label]
-    sim = sims.get(schedule, sims["trace"])
     unpack = rep["extra"].get("wfbp_unpack_s", 0.0) if schedule == "wfbp" else 0.0
     extra = horovod_idle_s(rep) if schedule == "horovod" else 0.0
-    if schedule == "horovod" and "horovod" in sims:
-        # A response of several tensors at Horovod's own probe (8 tensors fused: its fusion
-        # buffer copies); a tensor alone is reduced in place, at torch's all-reduce cost.
-        kw = {"fused_cost": sims["horovod"].fitted, **kw}
-        sim = sims["trace"]
-    return sim.predict(schedule, step_overhead_s=extra, unpack_s=unpack, **kw).iteration_time
+    if schedule == "horovod" and "horovod_fused" in sims:
+        kw = {"fused_cost": sims["horovod_fused"], **kw}
+    return sims["trace"].predict(schedule, step_overhead_s=extra, unpack_s=unpack,
+                                 **kw).iteration_time
 
 
 def horovod_idle_s(rep: dict[str, Any]) -> float:
@@ -226,7 +228,9 @@ def simulators(rep: dict[str, Any]) -> dict[str, Any]:
     sims = {"trace": simulator(rep, "allreduce_probe_s"
                                if ALLREDUCE_COST["source"] == "probe" else None)}
     if "horovod_allreduce_s" in rep["extra"]:
-        sims["horovod"] = simulator(rep, "horovod_allreduce_s")
+        # A response of several tensors at Horovod's own probe (8 tensors fused: its fusion
+        # buffer copies); a tensor alone is reduced in place, at torch's all-reduce cost.
+        sims["horovod_fused"] = probed_cost(sims["trace"].fitted, rep, "horovod_allreduce_s")
     return sims
 
 
