@@ -6,9 +6,10 @@
 - `ddp`: torch DistributedDataParallel with its default 25 MB buckets.
 - `fsdp2`: fully_shard(reshard_after_forward=False) per block: reduce-scatter in backward,
   all-gather of PARAMETERS with prefetch in forward; DeAR's overlap, the other thing gathered.
-- `dear`: dear.DistributedOptimizer on torch.distributed (its default planned schedule);
-  `dear-order`: the same in DeAR's own order (schedule="dear"); `dear-rows`: with
-  row_sparse=True (embedding tables sent as the rows the batch used); `dear-hvd`: on Horovod.
+- `dear`: dear.DistributedOptimizer on torch.distributed with its defaults (the planned
+  schedule; untied embedding tables of 1 MB or more sent as the rows the batch used);
+  `dear-order`: the same in DeAR's own order (schedule="dear"); `dear-dense`: row_sparse=False
+  (every table whole); `dear-rows`: row_sparse=True; `dear-hvd`: on Horovod.
 All use the same Communicator / process group, so only the schedule differs.
 """
 
@@ -25,7 +26,7 @@ from dear.fusion.planner import plan_buckets
 from dear.runtime import communicator
 
 METHODS = ("ddp", "fsdp2", "horovod", "allreduce", "wfbp", "dear", "dear-order", "dear-rows",
-           "dear-hvd")
+           "dear-dense", "dear-hvd")
 
 
 class AllReduceAfterBackward:
@@ -140,9 +141,9 @@ def prepare(method: str, model: torch.nn.Module,
         return model, WFBP(model, make_optimizer(model.parameters()))
     if method in ("dear", "dear-hvd"):             # the backend is chosen by dear.init()
         return model, dear.DistributedOptimizer(make_optimizer(model.parameters()), model=model)
-    if method == "dear-rows":
+    if method in ("dear-rows", "dear-dense"):
         return model, dear.DistributedOptimizer(make_optimizer(model.parameters()), model=model,
-                                                row_sparse=True)
+                                                row_sparse=method == "dear-rows")
     if method == "dear-order":
         return model, dear.DistributedOptimizer(make_optimizer(model.parameters()), model=model,
                                                 schedule="dear")

@@ -27,7 +27,8 @@ Methods: a name from METHODS, optionally with keyword options after colons,
 `NAME[:KEY=VALUE[:KEY=VALUE...]]`; values: 2MB / 512KB / 1GB (bytes), true/false, none,
 numbers, else strings. `dear:...` options go to dear.DistributedOptimizer (rs_threshold,
 ag_threshold and first_bucket make a FusionConfig: missing sizes default to fusion_threshold or
-DEAR_FUSION_THRESHOLD; `row_sparse=tables`: the word embeddings --tokens made row-sparse);
+DEAR_FUSION_THRESHOLD; row_sparse: dear's default "auto" is the word embeddings --tokens made
+row-sparse (what auto finds in the real model), `row_sparse=off` sends them whole);
 `ddp:...` to DistributedDataParallel; `wfbp:threshold=8MB`. To add a method, add a function to
 METHODS.
 """
@@ -146,9 +147,18 @@ def _dear(model: emulated.EmulatedModel, make_opt: OptFactory, opts: dict[str, A
     import dear
     from dear.fusion.fusion_config import FusionConfig
     opts = dict(opts)
-    if opts.get("row_sparse") == "tables":         # the emulated word embeddings (--tokens)
+    # dear's default (row_sparse="auto") finds the real model's untied nn.Embedding tables; the
+    # emulated layers are not nn.Embedding, so the word embeddings --tokens made row-sparse are
+    # named for it. (The real BERT's 1.5 MB position table, which auto would also send by rows,
+    # travels whole here: its emulated gradient is dense.)
+    setting = opts.pop("row_sparse", "tables")
+    if setting in ("tables", "auto", True):
         opts["row_sparse"] = [f"{name}.weight" for name, m in model.named_modules()
                               if getattr(m, "_tokens", 0)] or False
+    elif setting not in ("off", False, None):
+        opts["row_sparse"] = setting
+    else:
+        opts["row_sparse"] = False
     sizes = {k: opts.pop(k) for k in ("rs_threshold", "ag_threshold", "first_bucket") if k in opts}
     if sizes:
         default = (opts.pop("fusion_threshold", None) or dear.runtime.config().fusion_threshold

@@ -141,10 +141,10 @@ class Config:
     plan_after: int = 4
     #: bytes of an all-gather chunk in backward's idle time (DEAR_CHUNK_BYTES).
     chunk_bytes: int = 1 * _MB
-    #: embedding tables sent as the rows some rank used (dear/fusion/rows.py): "off", "auto"
-    #: (the model's dense nn.Embedding tables of 1 MB or more) or comma-separated parameter
-    #: names (DEAR_ROW_SPARSE).
-    row_sparse: str = "off"
+    #: embedding tables sent as the rows some rank used (dear/fusion/rows.py): "auto" (the
+    #: model's dense, untied nn.Embedding tables of 1 MB or more; nothing without model=),
+    #: "off", or comma-separated parameter names (DEAR_ROW_SPARSE).
+    row_sparse: str = "auto"
 
     _ENV = {
         "fusion_threshold": ("DEAR_FUSION_THRESHOLD", _parse_bytes),

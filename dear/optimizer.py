@@ -772,7 +772,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     (dear/fusion/schedule.py).
     `row_sparse`: embedding tables sent as the rows some rank's batch used, not whole (exact;
     dear/fusion/rows.py): True / "auto" (the model's dense nn.Embedding tables of 1 MB or
-    more), parameter names, or False (None: DEAR_ROW_SPARSE, default off).
+    more that no other module shares), parameter names, or False (None: DEAR_ROW_SPARSE,
+    default "auto": on for such tables when model= is given).
     """
     if schedule is not None and schedule not in ("planned", "dear"):
         raise ValueError(f"schedule must be 'planned' or 'dear', got {schedule!r}")

@@ -147,3 +147,84 @@ def test_a_traced_window_sends_the_table_densely(tmp_path) -> None:
         assert res["sent"][-1] == res["touched"][-1], "still dense after the trace"
         assert max_diff(res["params"], ref) <= 2e-6 * scale
     assert (tmp_path / "rank0.json").exists()
+
+
+def test_auto_leaves_out_a_table_tied_to_an_output_layer() -> None:
+    """A tied table's gradient has the output layer's in every row: sending it by rows would
+    only add the marks' round trip. auto leaves it out; untied tables stay in."""
+    from dear.fusion.rows import resolve_row_sparse
+
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.wte = nn.Embedding(5000, 64)
+            self.pos = nn.Embedding(5000, 64)
+            self.head = nn.Linear(64, 5000, bias=False)
+            self.head.weight = self.wte.weight
+
+    model = Tied()
+    named = list(model.named_parameters())
+    assert [n for n, _ in named] == ["wte.weight", "pos.weight"]
+    assert resolve_row_sparse("auto", named, model) == {1}
+    assert resolve_row_sparse(["wte.weight"], named, model) == {0}   # named: the user's call
+
+
+BIG_VOCAB, BIG_DIM = 4096, 64      # 1 MB: the smallest table auto sends by rows
+
+
+class BigTokenNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(BIG_VOCAB, BIG_DIM)
+        self.out = nn.Linear(BIG_DIM, 3)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.emb(ids).mean(1)))
+
+
+def _big_ids(step: int, rank: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randint(0, BIG_VOCAB, (PER_RANK, SEQ), generator=g)
+
+
+def _train_default(steps: int) -> dict:
+    """No row_sparse= argument: what DEAR_ROW_SPARSE (default auto) decides."""
+    dear.init()
+    rank = dear.rank()
+    model = BigTokenNet()
+    opt = dear.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.05), model=model,
+                                    fusion_threshold=4096)
+    sent = []
+    for step in range(steps):
+        opt.zero_grad()
+        F.mse_loss(model(_big_ids(step, rank)), target_of(step, rank)).backward()
+        opt.step()
+        sent.append([b.sent_rows for b in opt._buckets if getattr(b, "rows", None)])
+    opt.flush_updates()
+    out = {"params": state_of(model), "sent": sent}
+    dear.shutdown()
+    return out
+
+
+@pytest.mark.parametrize("setting", [None, "off"], ids=["default", "off"])
+def test_default_sends_an_untied_table_by_rows(setting: object) -> None:
+    steps, world = 3, 2
+    env = {"DEAR_ROW_SPARSE": setting} if setting else {}
+    ranks = run_distributed(_train_default, world, steps, timeout=180, env=env)
+    model = BigTokenNet()
+    opt = torch.optim.Adam(model.parameters(), lr=0.05)
+    for step in range(steps):
+        opt.zero_grad()
+        loss = sum(F.mse_loss(model(_big_ids(step, r)), target_of(step, r))
+                   for r in range(world)) / world
+        loss.backward()
+        opt.step()
+    ref = state_of(model)
+    scale = max(v.abs().max().item() for v in ref.values())
+    for res in ranks:
+        touched = [len({int(i) for r in range(world) for i in _big_ids(s, r).unique()})
+                   for s in range(steps)]
+        assert res["sent"] == ([[t] for t in touched] if setting is None else [[]] * steps)
+        assert max_diff(res["params"], ref) <= 2e-6 * scale
+    assert max_diff(ranks[1]["params"], ranks[0]["params"]) == 0.0

@@ -24,6 +24,7 @@ dense reduce-scatters and all-gathers) makes an iteration's table travel like an
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Callable, Optional, Sequence, Union
 
 import torch
@@ -131,8 +132,11 @@ def resolve_row_sparse(setting: Union[bool, str, Sequence[str], None],
                        model: Optional[torch.nn.Module], explicit: bool = True) -> set[int]:
     """Which parameters (indices into `named`) are sent as their used rows. `setting`: False /
     "off"; True / "auto": the weights (>= 1 MB, 2-D) of the model's dense nn.Embedding and
-    nn.EmbeddingBag tables (needs model=; from DEAR_ROW_SPARSE, `explicit=False`, a missing
-    model= just means none); or parameter names, comma-separated or a list."""
+    nn.EmbeddingBag tables that no other module holds (needs model=; from DEAR_ROW_SPARSE,
+    `explicit=False`, a missing model= just means none); or parameter names, comma-separated
+    or a list. A table tied to an output layer (GPT-2's wte and lm_head) is left out: the
+    output layer's gradient fills every row, so its rows would only cost the marks' round trip
+    and the all-gather's place in the next forward."""
     if setting is None or setting is False or setting == "off" or setting == "":
         return set()
     index = {name: i for i, (name, _) in enumerate(named)}
@@ -142,8 +146,10 @@ def resolve_row_sparse(setting: Union[bool, str, Sequence[str], None],
                 return set()
             raise ValueError("row_sparse='auto' finds the embedding tables through model=; "
                              "pass model=, or the parameters' names")
+        holders = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
         tables = {id(m.weight) for m in model.modules()
-                  if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and not m.sparse}
+                  if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and not m.sparse
+                  and holders[id(m.weight)] == 1}
         return {i for i, (_, p) in enumerate(named) if id(p) in tables and p.dim() == 2
                 and p.numel() * p.element_size() >= MIN_TABLE_BYTES}
     names = setting.split(",") if isinstance(setting, str) else list(setting)
