@@ -422,7 +422,9 @@ def write(args: argparse.Namespace, reps: list[dict[str, Any]], rows: list[dict[
                  "the forward's slowdown while Horovod is "
                  "initialised and idle (measured in the probe: its 1 ms negotiation cycle takes "
                  "CPU; not probed at 8 ranks). WFBP: + its measured step() unpacking, each "
-                 "bucket's share right after its wait (while later all-reduces travel). The "
+                 "bucket's share right after its wait (while later all-reduces travel). DDP "
+                 "and WFBP: two all-reduces at a time share the link (torch's Gloo process "
+                 "group runs two at once: benchmarks/results/gloo_concurrency.md). The "
                  "first traced iteration is left out (its forward waits for untraced "
                  f"all-gathers). Load average (1 min) now {os.getloadavg()[0]:.2f}; traces "
                  f"kept in {workdir}.")

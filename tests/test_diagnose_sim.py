@@ -517,3 +517,63 @@ def test_unpack_runs_bucket_by_bucket_while_later_buckets_travel_closed_form():
         pytest.approx(wfbp + unpack / 2, rel=1e-9)
     with pytest.raises(ValueError, match="unpack_s"):
         sim.predict(Schedule.WFBP, unpack_s=-1.0)
+
+
+def _flat(comm: dict) -> list[float]:
+    return [t for key in sorted(comm) for t in comm[key]]
+
+
+def test_shared_link_closed_form():
+    """slots=2 (torch's Gloo process group): two collectives share the link equally, the next
+    starts when one ends. A (1 s alone) and B (4 s) from 0: A ends at 2; C (1 s) joins B and
+    ends at 4; B, 1 s of its own left, at 6. One at a time: 1, 5, 6."""
+    prog = [("issue", "A"), ("issue", "B"), ("issue", "C"),
+            ("wait", "A"), ("wait", "B"), ("wait", "C")]
+    cost = {"A": 1.0, "B": 4.0, "C": 1.0}
+    shared = replay([prog, prog], cost.__getitem__, slots=2)
+    assert _flat(shared.comm) == pytest.approx(_flat({"A": (0, 2), "B": (0, 6), "C": (2, 4)}))
+    assert [t for a, b, _ in shared.waits[0] for t in (a, b)] == pytest.approx([0, 2, 2, 6])
+    fifo = replay([prog, prog], cost.__getitem__, slots=1)
+    assert {k: v[1] for k, v in fifo.comm.items()} == {"A": 1, "B": 5, "C": 6}
+    with pytest.raises(ValueError, match="slots"):
+        replay([prog], cost.__getitem__, slots=0)
+
+
+def test_shared_link_end_is_final_only_when_nothing_can_join():
+    """Y (1 s alone) and A (4 s) share the link from 0: Y ends at 2. Rank 1 issues C (4 s) only
+    after Y, so C joins A at 2: A ends at 8, not 5, and C at 9. Rank 2 reaches its wait for A
+    before rank 1 has issued C: A's end must not be taken from the link as it is then (5),
+    since C can still start before it."""
+    progs = [[("issue", "Y"), ("issue", "A"), ("issue", "C"), ("wait", "A")],
+             [("issue", "Y"), ("issue", "A"), ("wait", "Y"), ("issue", "C"), ("wait", "A")],
+             [("issue", "Y"), ("issue", "A"), ("compute", 0.5, "f"), ("issue", "C"),
+              ("wait", "A"), ("mark", "end")]]
+    out = replay(progs, {"Y": 1.0, "A": 4.0, "C": 4.0}.__getitem__, slots=2)
+    assert _flat(out.comm) == pytest.approx(_flat({"A": (0, 8), "C": (2, 9), "Y": (0, 2)}))
+    assert out.mark_times("end")[2] == pytest.approx([8])
+
+
+def test_wfbp_unpack_waits_for_a_shared_link_closed_form():
+    """Two 2 MB buckets, the second issued G0 after the first, each ar = 4 x G0 alone. One at a
+    time, the first ends at t + ar and half the unpacking (1.5 x G0) hides behind the second.
+    Sharing the link (Gloo's two at a time), the first ends at t + 2 ar - G0 and the second at
+    t + 2 ar as before, so only G0 of that half hides: 0.5 x G0 more. The default follows the
+    traced backend."""
+    bandwidth = 2 * MB * 8 / (4 * G0)
+    cost = CostModel.ideal(bandwidth, 0.0, world_size=2)
+    assert cost.time("all_reduce", 2 * MB) == pytest.approx(4 * G0)
+    model = _model("ddp", buckets=[])
+    sim = Simulator.from_model(model, cost)
+    unpack = 3 * G0
+    one, two = (sim.predict(Schedule.WFBP, fusion_threshold=1, unpack_s=unpack,
+                            allreduce_slots=k).iteration_time for k in (1, 2))
+    assert two == pytest.approx(one + 0.5 * G0, rel=1e-9)
+    assert sim.predict(Schedule.WFBP, fusion_threshold=1, unpack_s=unpack).iteration_time == \
+        pytest.approx(one)                                  # backend unknown: one at a time
+    gloo = Simulator.from_model(dataclasses.replace(model, backend="gloo-pairwise"), cost)
+    assert gloo.predict(Schedule.WFBP, fusion_threshold=1, unpack_s=unpack).iteration_time == \
+        pytest.approx(two)
+    with pytest.raises(ValueError, match="allreduce_slots"):
+        sim.predict(Schedule.DEAR, allreduce_slots=2)
+    with pytest.raises(ValueError, match="allreduce_slots"):
+        sim.predict(Schedule.DDP, allreduce_slots=0)

@@ -75,6 +75,8 @@ class Model:
     fusion: Optional[dict[str, Any]] = None
     #: the traced iteration number of each entry of `iterations`
     iteration_ids: list[int] = dataclasses.field(default_factory=list)
+    #: the traced communicator's name (e.g. "gloo-pairwise", "nccl", "horovod"), if recorded
+    backend: Optional[str] = None
 
 
 def _rank_profile(rank: RankTrace, iteration: int, comm: list[Interval],
@@ -222,7 +224,8 @@ def build_model(trace: Trace, iterations: Optional[Sequence[int]] = None,
                  fusion_threshold=meta.get("fusion_threshold"),
                  world_size=trace.world_size, profiles=profiles, iterations=iterations,
                  gather_groups=[list(g) for g in meta.get("gather_groups", [])],
-                 fusion=meta.get("fusion"), iteration_ids=[chosen[k] for k in kept])
+                 fusion=meta.get("fusion"), iteration_ids=[chosen[k] for k in kept],
+                 backend=meta.get("backend"))
 
 
 def collective_samples(trace: Trace, queued: bool = False) -> list[dict[str, Any]]:

@@ -43,6 +43,15 @@ from .intervals import clip, subtract, total, union
 DEFAULT_THRESHOLD = 25 * 2**20
 DDP_FIRST_BUCKET = 2**20
 ITERATIONS = 4
+#: collectives torch's Gloo process group runs at once (its 2 worker threads): DDP's and
+#: WFBP's all-reduces share the link two at a time there (engine.py's `slots`)
+GLOO_ALLREDUCE_SLOTS = 2
+
+
+def backend_allreduce_slots(backend: Optional[str]) -> int:
+    """How many of DDP's / WFBP's all-reduces run at once on the traced backend: 2 on Gloo
+    (torch's process group), 1 elsewhere (NCCL's stream) or when the trace does not say."""
+    return GLOO_ALLREDUCE_SLOTS if (backend or "").lower().startswith("gloo") else 1
 
 
 class Schedule(str, enum.Enum):
@@ -318,7 +327,8 @@ class Simulator:
                 traced_bandwidth_bps: Optional[float] = None,
                 compute_scale: float = 1.0, unclaimed_first: bool = False,
                 fusion: Optional[FusionConfig] = None, step_overhead_s: float = 0.0,
-                unpack_s: float = 0.0, fused_cost: Optional[CostModel] = None) -> Prediction:
+                unpack_s: float = 0.0, fused_cost: Optional[CostModel] = None,
+                allreduce_slots: Optional[int] = None) -> Prediction:
         """`fusion_threshold` is one threshold for every schedule (for DeAR:
         FusionConfig.single, as dear's own fusion_threshold=); `fusion` is DeAR's full layout
         (reduce-scatter threshold, all-gather threshold, first bucket). `step_overhead_s`: CPU
@@ -330,7 +340,9 @@ class Simulator:
         `fused_cost` (Horovod): the all-reduce cost of a response that fuses several tensors,
         at the traced world size and link, moved to the asked ones as the trace's cost is
         (Horovod copies fused tensors through its fusion buffer; a tensor alone is reduced in
-        place at the usual cost); None: the same cost for both."""
+        place at the usual cost); None: the same cost for both. `allreduce_slots` (DDP, WFBP,
+        ALLREDUCE): how many all-reduces share the link at once; None: from the traced backend
+        (`backend_allreduce_slots`: 2 on Gloo, whose process group runs two at a time)."""
         schedule = Schedule(schedule)
         if fusion_threshold is not None and fusion_threshold < 0:
             raise ValueError(f"fusion_threshold must be >= 0 bytes, got {fusion_threshold}")
@@ -348,6 +360,15 @@ class Simulator:
                                        or not isinstance(fused_cost, CostModel)):
             raise ValueError("fused_cost= is the cost of Horovod's fused responses: give a "
                              "dear.diagnose CostModel with Schedule.HOROVOD")
+        if allreduce_slots is not None and allreduce_slots < 1:
+            raise ValueError(f"allreduce_slots must be >= 1, got {allreduce_slots}")
+        if allreduce_slots is not None and schedule not in (Schedule.DDP, Schedule.WFBP,
+                                                            Schedule.ALLREDUCE):
+            raise ValueError("allreduce_slots= is for torch's all-reduce schedules (DDP, WFBP, "
+                             "ALLREDUCE); dear and Horovod run one collective at a time")
+        slots = (allreduce_slots if allreduce_slots is not None
+                 else backend_allreduce_slots(self.model.backend)
+                 if schedule in (Schedule.DDP, Schedule.WFBP, Schedule.ALLREDUCE) else 1)
         if step_overhead_s < 0 or unpack_s < 0:
             raise ValueError(f"step_overhead_s and unpack_s must be >= 0, got "
                              f"{step_overhead_s}, {unpack_s}")
@@ -363,7 +384,7 @@ class Simulator:
         runs = [self._replay(ps, schedule, plan, self._iteration_cost(cost, k) if
                              self.model.iterations else cost, compute_scale, chunk,
                              step_overhead_s=step_overhead_s, unpack_s=unpack_s,
-                             fused_cost=fused_cost)
+                             fused_cost=fused_cost, slots=slots)
                 for k, ps in enumerate(self.model.iterations or [self.model.profiles])]
         runs.sort(key=lambda p: p.iteration_time)
         return runs[len(runs) // 2]
@@ -389,7 +410,8 @@ class Simulator:
                 plan: "tuple[list[tuple[list[int], int]], Optional[DearLayout]]",
                 cost: CostModel, compute_scale: float,
                 chunk: Optional[int] = None, step_overhead_s: float = 0.0,
-                unpack_s: float = 0.0, fused_cost: Optional[CostModel] = None) -> Prediction:
+                unpack_s: float = 0.0, fused_cost: Optional[CostModel] = None,
+                slots: int = 1) -> Prediction:
         buckets, layout = plan
         profiles = [_scaled(p, compute_scale) for p in profiles]
         delay = 0.0                            # per collective: Horovod's negotiation cycle
@@ -421,7 +443,7 @@ class Simulator:
         result = replay_contended(
             programs, lambda key: (per_bucket[key[2]] if key[0] == "ar" else cost).time(
                 kinds[key[0]], nbytes[key[0]][key[2]]) + (delay if key[0] == "ar" else 0.0),
-            self.contention)
+            self.contention, slots=slots)
         return _measure(result, schedule, cost.world_size, len(buckets))
 
 
