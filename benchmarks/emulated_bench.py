@@ -27,7 +27,7 @@ Methods: a name from METHODS, optionally with keyword options after colons,
 `NAME[:KEY=VALUE[:KEY=VALUE...]]`; values: 2MB / 512KB / 1GB (bytes), true/false, none,
 numbers, else strings. `dear:...` options go to dear.DistributedOptimizer (rs_threshold,
 ag_threshold and first_bucket make a FusionConfig: missing sizes default to fusion_threshold or
-DEAR_FUSION_THRESHOLD; row_sparse: dear's default "auto" is the word embeddings --tokens made
+DEAR_FUSION_THRESHOLD; chunk_bytes: the planned schedule's chunk size; row_sparse: dear's default "auto" is the word embeddings --tokens made
 row-sparse (what auto finds in the real model), `row_sparse=off` sends them whole);
 `ddp:...` to DistributedDataParallel; `wfbp:threshold=8MB`. To add a method, add a function to
 METHODS.
@@ -160,13 +160,15 @@ def _dear(model: emulated.EmulatedModel, make_opt: OptFactory, opts: dict[str, A
     else:
         opts["row_sparse"] = False
     sizes = {k: opts.pop(k) for k in ("rs_threshold", "ag_threshold", "first_bucket") if k in opts}
-    if sizes:
-        default = (opts.pop("fusion_threshold", None) or dear.runtime.config().fusion_threshold
+    chunk = opts.pop("chunk_bytes", None)       # alone: dear's default layout, this chunk size
+    if sizes or chunk:
+        cfg = dear.runtime.config()
+        default = (opts.pop("fusion_threshold", None) or cfg.fusion_threshold
                    or dear.config.auto_threshold(sum(p.numel() * p.element_size()
                                                      for p in model.parameters())))
-        opts["fusion_config"] = FusionConfig(sizes.get("rs_threshold", default),
-                                             sizes.get("ag_threshold", default),
-                                             sizes.get("first_bucket"))
+        opts["fusion_config"] = FusionConfig(
+            sizes.get("rs_threshold", default), sizes.get("ag_threshold", default),
+            sizes.get("first_bucket") if sizes else cfg.first_bucket, chunk_bytes=chunk)
     return model, dear.DistributedOptimizer(make_opt(model.parameters()), model=model, **opts)
 
 

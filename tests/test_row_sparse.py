@@ -228,3 +228,48 @@ def test_default_sends_an_untied_table_by_rows(setting: object) -> None:
         assert res["sent"] == ([[t] for t in touched] if setting is None else [[]] * steps)
         assert max_diff(res["params"], ref) <= 2e-6 * scale
     assert max_diff(ranks[1]["params"], ranks[0]["params"]) == 0.0
+
+
+def _train_synchronized(steps: int) -> dict:
+    """Horovod's pattern (as dear.KFAC's non-overlapped path and clipping users write it):
+    synchronize() puts the averaged gradients in .grad, then step() inside skip_synchronize()."""
+    dear.init()
+    rank = dear.rank()
+    model = BigTokenNet()
+    opt = dear.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5), model=model,
+                                    fusion_threshold=4096)
+    grads = []
+    for step in range(steps):
+        opt.zero_grad()
+        F.mse_loss(model(_big_ids(step, rank)), target_of(step, rank)).backward()
+        opt.synchronize()
+        grads.append(model.emb.weight.grad.clone())
+        with opt.skip_synchronize():
+            opt.step()
+    out = {"params": state_of(model), "grads": grads,
+           "tables": sum(1 for b in opt._buckets if getattr(b, "rows", None))}
+    dear.shutdown()
+    return out
+
+
+def test_synchronize_hands_back_the_whole_averaged_table() -> None:
+    steps, world = 3, 2
+    ranks = run_distributed(_train_synchronized, world, steps, timeout=180)
+    model = BigTokenNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    ref_grads = []
+    for step in range(steps):
+        opt.zero_grad()
+        loss = sum(F.mse_loss(model(_big_ids(step, r)), target_of(step, r))
+                   for r in range(world)) / world
+        loss.backward()
+        ref_grads.append(model.emb.weight.grad.clone())
+        opt.step()
+    ref = state_of(model)
+    scale = max(v.abs().max().item() for v in ref.values())
+    for res in ranks:
+        assert res["tables"] == 1                     # the default sent the table by rows
+        for got, want in zip(res["grads"], ref_grads):
+            assert (got - want).abs().max().item() <= 1e-6 * want.abs().max().item()
+            assert torch.equal(got.ne(0).any(1), want.ne(0).any(1))
+        assert max_diff(res["params"], ref) <= 2e-6 * scale

@@ -66,7 +66,7 @@ class RowSparseBucket(Bucket):
             self.sent_rows = self.rows
             return super()._reduce(comm)
         table = self._table()
-        marks = table.ne(0).any(dim=1).to(self.spec.dtype)   # NaN and inf rows count
+        marks = table.any(dim=1).to(self.spec.dtype)         # NaN and inf rows count
         try:
             comm.all_reduce(marks).wait()
         except Exception as exc:
@@ -100,7 +100,8 @@ class RowSparseBucket(Bucket):
             if postscale != 1.0:
                 compact.mul_(postscale)
             if index is not None:              # else the all-reduce ran in the buffer itself
-                self.buffer.zero_()
+                # Rows outside the union are zero here already (this rank's marks are in the
+                # union), so only the union's rows are written: no pass over the whole table.
                 self._table().index_copy_(0, index, compact[:-1].view(-1, self.cols))
                 self.buffer[self.spec.flags_offset] = compact[-1]
             length = self.spec.shard_numel
