@@ -101,6 +101,10 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
         self._row_sparse = resolve_row_sparse(
             cfg.row_sparse if row_sparse is None else row_sparse, named, model,
             explicit=row_sparse is not None)
+        if self._row_sparse:
+            log.info("dear: sent as the rows some rank used (row_sparse; DEAR_ROW_SPARSE=off "
+                     "sends them whole): %s", ", ".join(self._names[i]
+                                                       for i in sorted(self._row_sparse)))
         self._autotuner = self._make_autotuner(named, autotune) if autotune else None
         # clip / unscale factors that must reach chunks gathered before step(): applied to the
         # gathered gradients instead of the shards (the same multiplications, the same bits)

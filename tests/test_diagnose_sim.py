@@ -577,3 +577,17 @@ def test_wfbp_unpack_waits_for_a_shared_link_closed_form():
         sim.predict(Schedule.DEAR, allreduce_slots=2)
     with pytest.raises(ValueError, match="allreduce_slots"):
         sim.predict(Schedule.DDP, allreduce_slots=0)
+
+
+def test_layout_keeps_row_sparse_tables_alone_as_the_optimizer_does():
+    """The offline autotuner replays layouts of an optimizer that keeps row-sparse tables in
+    buckets of their own (Model.alone): the simulated layout must have the same buckets."""
+    model = dataclasses.replace(_model("dear"), param_bytes=[2 * MB] * 3,
+                                param_numel=[NUMEL] * 3, forward_order=[0, 1, 2],
+                                backward_order=[2, 1, 0])
+    sim = Simulator.from_model(model, CostModel.ideal(2e9, 0.0, world_size=2))
+    fusion = FusionConfig(25 * MB, 25 * MB)
+    assert [ps for ps, _ in sim.layout(fusion).buckets] == [[0, 1, 2]]
+    alone = Simulator.from_model(dataclasses.replace(model, alone=[1]), sim.fitted)
+    assert [ps for ps, _ in alone.layout(fusion).buckets] == [[0], [1], [2]]
+    assert [1] in alone.layout(fusion).groups          # all-gathered alone, as dear does

@@ -77,6 +77,9 @@ class Model:
     iteration_ids: list[int] = dataclasses.field(default_factory=list)
     #: the traced communicator's name (e.g. "gloo-pairwise", "nccl", "horovod"), if recorded
     backend: Optional[str] = None
+    #: parameters dear keeps in a bucket of their own (row-sparse embedding tables) when it
+    #: lays out buckets; replayed as dense buckets (a traced window sends them whole)
+    alone: list[int] = dataclasses.field(default_factory=list)
 
 
 def _rank_profile(rank: RankTrace, iteration: int, comm: list[Interval],

@@ -119,7 +119,8 @@ def dear_layout(model: Model, fusion: Optional[FusionConfig], world_size: int,
                       else FusionConfig.single(model.fusion_threshold if dear and
                                                model.fusion_threshold is not None
                                                else DEFAULT_THRESHOLD))
-        specs, gathers = plan_layout(_fake_params(model), order, fusion, world_size)
+        specs, gathers = plan_layout(_fake_params(model), order, fusion, world_size,
+                                     row_sparse=model.alone)
         groups = [list(s.params) for s in specs]
     out = []
     for g in groups:

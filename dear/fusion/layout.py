@@ -24,8 +24,10 @@ class Layout:
     def describe(self) -> str:
         sizes = [round(b.buffer.numel() * b.buffer.element_size() / 2**20, 2)
                  for b in self.buckets]
+        rows = sum(isinstance(b, RowSparseBucket) for b in self.buckets)
         return (f"{len(self.buckets)} buckets (MB) {sizes}, "
-                f"{len(self.gather_groups)} all-gathers")
+                f"{len(self.gather_groups)} all-gathers"
+                + (f", {rows} embedding table(s) sent by rows" if rows else ""))
 
     def signature(self) -> list[list[int]]:
         """Parameter indices per bucket and bucket indices per all-gather: compared across

@@ -239,8 +239,10 @@ class OfflineAutotuner(TrialDriver):
         index = {id(p): i for i, (_, p) in enumerate(collect_params(opt._model, opt))}
         order = [index[id(opt._params[i])] for i in opt._order]
         order += [i for i in range(len(index)) if i not in set(order)]
-        sim = Simulator.from_model(dataclasses.replace(sim.model, forward_order=order,
-                                                       unclaimed=[]), sim.fitted)
+        rows = opt._row_sparse if opt._transform is None else ()   # alone in the layouts
+        sim = Simulator.from_model(dataclasses.replace(
+            sim.model, forward_order=order, unclaimed=[],
+            alone=sorted(index[id(opt._params[i])] for i in rows)), sim.fitted)
         # The planned schedule's chunk size is searched where a plan can run (its default
         # otherwise: DeAR's order is replayed, where the chunk size does nothing).
         chunk = opt._schedule.searched_chunk_bytes
