@@ -273,3 +273,37 @@ def test_synchronize_hands_back_the_whole_averaged_table() -> None:
             assert (got - want).abs().max().item() <= 1e-6 * want.abs().max().item()
             assert torch.equal(got.ne(0).any(1), want.ne(0).any(1))
         assert max_diff(res["params"], ref) <= 2e-6 * scale
+
+
+def _join_runs(batches: list[int]) -> dict:
+    """Uneven inputs with the table sent by rows (the default) under dear.join(), and DDP +
+    torch's Join on the same batches: a joined rank shadows the marks' and rows' all-reduces."""
+    from torch.distributed.algorithms.join import Join
+    dear.init()
+    rank = dear.rank()
+    out = {}
+    for kind in ("ddp", "dear"):
+        model = BigTokenNet()
+        net = torch.nn.parallel.DistributedDataParallel(model) if kind == "ddp" else model
+        opt = torch.optim.Adam(model.parameters(), lr=0.05)
+        if kind == "dear":
+            opt = dear.DistributedOptimizer(opt, model=model, fusion_threshold=4096)
+        with (Join([net]) if kind == "ddp" else dear.join(opt)):
+            for step in range(batches[rank]):
+                opt.zero_grad()
+                F.mse_loss(net(_big_ids(step, rank)), target_of(step, rank)).backward()
+                opt.step()
+        if kind == "dear":
+            out["tables"] = sum(1 for b in opt._buckets if getattr(b, "rows", None))
+        out[kind] = state_of(model)
+    dear.shutdown()
+    return out
+
+
+def test_uneven_inputs_with_a_table_sent_by_rows_end_where_ddp_join_ends() -> None:
+    ranks = run_distributed(_join_runs, 2, [2, 5], timeout=180, env={"DEAR_PLAN_AFTER": "2"})
+    for res in ranks:
+        assert res["tables"] == 1
+        scale = max(v.abs().max().item() for v in res["ddp"].values())
+        assert max_diff(res["dear"], res["ddp"]) <= 2e-6 * scale
+    assert max_diff(ranks[0]["dear"], ranks[1]["dear"]) == 0.0
