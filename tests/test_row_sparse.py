@@ -188,21 +188,48 @@ def _big_ids(step: int, rank: int) -> torch.Tensor:
     return torch.randint(0, BIG_VOCAB, (PER_RANK, SEQ), generator=g)
 
 
-def _train_default(steps: int) -> dict:
-    """No row_sparse= argument: what DEAR_ROW_SPARSE (default auto) decides."""
+def _big_loss(net: nn.Module, step: int, rank: int) -> torch.Tensor:
+    return F.mse_loss(net(_big_ids(step, rank)), target_of(step, rank))
+
+
+def _big_reference(make_opt, steps: int, world: int) -> tuple[dict, list[torch.Tensor]]:
+    """One process, the global batch: the parameters after `steps` and each step's table
+    gradient."""
+    model = BigTokenNet()
+    opt = make_opt(model.parameters())
+    grads = []
+    for step in range(steps):
+        opt.zero_grad()
+        (sum(_big_loss(model, step, r) for r in range(world)) / world).backward()
+        grads.append(model.emb.weight.grad.clone())
+        opt.step()
+    return state_of(model), grads
+
+
+def _train_big(steps: int, synchronized: bool = False) -> dict:
+    """No row_sparse= argument: what DEAR_ROW_SPARSE (default auto) decides. `synchronized`:
+    Horovod's pattern (as dear.KFAC's non-overlapped path and clipping users write it):
+    synchronize() puts the averaged gradients in .grad, then step() in skip_synchronize()."""
     dear.init()
     rank = dear.rank()
     model = BigTokenNet()
-    opt = dear.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.05), model=model,
-                                    fusion_threshold=4096)
-    sent = []
+    inner = (torch.optim.SGD(model.parameters(), lr=0.5) if synchronized
+             else torch.optim.Adam(model.parameters(), lr=0.05))
+    opt = dear.DistributedOptimizer(inner, model=model, fusion_threshold=4096)
+    sent, grads = [], []
     for step in range(steps):
         opt.zero_grad()
-        F.mse_loss(model(_big_ids(step, rank)), target_of(step, rank)).backward()
-        opt.step()
+        _big_loss(model, step, rank).backward()
+        if synchronized:
+            opt.synchronize()
+            grads.append(model.emb.weight.grad.clone())
+            with opt.skip_synchronize():
+                opt.step()
+        else:
+            opt.step()
         sent.append([b.sent_rows for b in opt._buckets if getattr(b, "rows", None)])
     opt.flush_updates()
-    out = {"params": state_of(model), "sent": sent}
+    out = {"params": state_of(model), "sent": sent, "grads": grads}
     dear.shutdown()
     return out
 
@@ -211,16 +238,8 @@ def _train_default(steps: int) -> dict:
 def test_default_sends_an_untied_table_by_rows(setting: object) -> None:
     steps, world = 3, 2
     env = {"DEAR_ROW_SPARSE": setting} if setting else {}
-    ranks = run_distributed(_train_default, world, steps, timeout=180, env=env)
-    model = BigTokenNet()
-    opt = torch.optim.Adam(model.parameters(), lr=0.05)
-    for step in range(steps):
-        opt.zero_grad()
-        loss = sum(F.mse_loss(model(_big_ids(step, r)), target_of(step, r))
-                   for r in range(world)) / world
-        loss.backward()
-        opt.step()
-    ref = state_of(model)
+    ranks = run_distributed(_train_big, world, steps, timeout=180, env=env)
+    ref, _ = _big_reference(lambda ps: torch.optim.Adam(ps, lr=0.05), steps, world)
     scale = max(v.abs().max().item() for v in ref.values())
     for res in ranks:
         touched = [len({int(i) for r in range(world) for i in _big_ids(s, r).unique()})
@@ -230,45 +249,13 @@ def test_default_sends_an_untied_table_by_rows(setting: object) -> None:
     assert max_diff(ranks[1]["params"], ranks[0]["params"]) == 0.0
 
 
-def _train_synchronized(steps: int) -> dict:
-    """Horovod's pattern (as dear.KFAC's non-overlapped path and clipping users write it):
-    synchronize() puts the averaged gradients in .grad, then step() inside skip_synchronize()."""
-    dear.init()
-    rank = dear.rank()
-    model = BigTokenNet()
-    opt = dear.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5), model=model,
-                                    fusion_threshold=4096)
-    grads = []
-    for step in range(steps):
-        opt.zero_grad()
-        F.mse_loss(model(_big_ids(step, rank)), target_of(step, rank)).backward()
-        opt.synchronize()
-        grads.append(model.emb.weight.grad.clone())
-        with opt.skip_synchronize():
-            opt.step()
-    out = {"params": state_of(model), "grads": grads,
-           "tables": sum(1 for b in opt._buckets if getattr(b, "rows", None))}
-    dear.shutdown()
-    return out
-
-
 def test_synchronize_hands_back_the_whole_averaged_table() -> None:
     steps, world = 3, 2
-    ranks = run_distributed(_train_synchronized, world, steps, timeout=180)
-    model = BigTokenNet()
-    opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    ref_grads = []
-    for step in range(steps):
-        opt.zero_grad()
-        loss = sum(F.mse_loss(model(_big_ids(step, r)), target_of(step, r))
-                   for r in range(world)) / world
-        loss.backward()
-        ref_grads.append(model.emb.weight.grad.clone())
-        opt.step()
-    ref = state_of(model)
+    ranks = run_distributed(_train_big, world, steps, True, timeout=180)
+    ref, ref_grads = _big_reference(lambda ps: torch.optim.SGD(ps, lr=0.5), steps, world)
     scale = max(v.abs().max().item() for v in ref.values())
     for res in ranks:
-        assert res["tables"] == 1                     # the default sent the table by rows
+        assert all(len(sent) == 1 for sent in res["sent"])   # the default sent it by rows
         for got, want in zip(res["grads"], ref_grads):
             assert (got - want).abs().max().item() <= 1e-6 * want.abs().max().item()
             assert torch.equal(got.ne(0).any(1), want.ne(0).any(1))
@@ -291,7 +278,7 @@ def _join_runs(batches: list[int]) -> dict:
         with (Join([net]) if kind == "ddp" else dear.join(opt)):
             for step in range(batches[rank]):
                 opt.zero_grad()
-                F.mse_loss(net(_big_ids(step, rank)), target_of(step, rank)).backward()
+                _big_loss(net, step, rank).backward()
                 opt.step()
         if kind == "dear":
             out["tables"] = sum(1 for b in opt._buckets if getattr(b, "rows", None))
