@@ -151,11 +151,13 @@ def _dear(model: emulated.EmulatedModel, make_opt: OptFactory, opts: dict[str, A
     # emulated layers are not nn.Embedding, so the word embeddings --tokens made row-sparse are
     # named for it. (The real BERT's 1.5 MB position table, which auto would also send by rows,
     # travels whole here: its emulated gradient is dense.)
-    setting = opts.pop("row_sparse", "tables")
+    setting = opts.pop("row_sparse", None)
+    if setting is None:                            # dear's own default: DEAR_ROW_SPARSE
+        setting = dear.runtime.config().row_sparse
     if setting in ("tables", "auto", True):
         opts["row_sparse"] = [f"{name}.weight" for name, m in model.named_modules()
                               if getattr(m, "_tokens", 0)] or False
-    elif setting not in ("off", False, None):
+    elif setting not in ("off", False, ""):
         opts["row_sparse"] = setting
     else:
         opts["row_sparse"] = False

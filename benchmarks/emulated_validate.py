@@ -352,6 +352,9 @@ def main(argv: Optional[list[str]] = None) -> int:
               ", ".join(sorted({os.path.dirname(rep["extra"]["trace_dir"]) for rep in reps})),
               measured)
         return 0
+    # dear.diagnose replays dense buckets (a traced window sends embedding tables whole), so
+    # the dear methods measured against it send them whole too.
+    os.environ["DEAR_ROW_SPARSE"] = "off"
     workdir = tempfile.mkdtemp(prefix="dear-emulated-validate-")
     reps, rows = [], []
     for i, setup in enumerate(s for s in args.setups.split(",") if s.strip()):
