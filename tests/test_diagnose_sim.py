@@ -591,3 +591,25 @@ def test_layout_keeps_row_sparse_tables_alone_as_the_optimizer_does():
     alone = Simulator.from_model(dataclasses.replace(model, alone=[1]), sim.fitted)
     assert [ps for ps, _ in alone.layout(fusion).buckets] == [[0], [1], [2]]
     assert [1] in alone.layout(fusion).groups          # all-gathered alone, as dear does
+
+
+def test_row_sparse_table_replayed_closed_form():
+    """Parameter 0 as a table of 1024 rows sent by rows (dear/fusion/rows.py): its reduce-scatter
+    is the marks' all-reduce plus the rows' all-reduce, and nothing is all-gathered. With every
+    row sent, the rows' all-reduce carries what the reduce-scatter and all-gather carried
+    (ring identity), so the iteration is longer by the marks' all-reduce alone; with none
+    sent it is shorter than dense."""
+    cost = CostModel.ideal(2e9, 0.0, world_size=2)
+    sim = Simulator.from_model(_model("dear"), cost)
+    dense = sim.predict(Schedule.DEAR).iteration_time
+    every = sim.predict(Schedule.DEAR, row_sparse={0: (1024, 1024)}).iteration_time
+    marks = cost.time("all_reduce", 1024 * 4)
+    assert every == pytest.approx(dense + marks, abs=cost.time("all_reduce", 16))
+    none = sim.predict(Schedule.DEAR, row_sparse={0: (1024, 0)}).iteration_time
+    assert none < dense
+    planned = sim.predict(Schedule.PLANNED, row_sparse={0: (1024, 0)}).iteration_time
+    assert planned <= none + 1e-12
+    with pytest.raises(ValueError, match="row_sparse"):
+        sim.predict(Schedule.DDP, row_sparse={0: (1024, 10)})
+    with pytest.raises(ValueError, match="row_sparse"):
+        sim.predict(Schedule.DEAR, row_sparse={0: (1024, 2000)})

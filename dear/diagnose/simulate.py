@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import statistics
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Collection, Mapping, Optional, Sequence
 
 import torch
 
@@ -329,7 +329,8 @@ class Simulator:
                 compute_scale: float = 1.0, unclaimed_first: bool = False,
                 fusion: Optional[FusionConfig] = None, step_overhead_s: float = 0.0,
                 unpack_s: float = 0.0, fused_cost: Optional[CostModel] = None,
-                allreduce_slots: Optional[int] = None) -> Prediction:
+                allreduce_slots: Optional[int] = None,
+                row_sparse: Optional[Mapping[int, tuple[int, int]]] = None) -> Prediction:
         """`fusion_threshold` is one threshold for every schedule (for DeAR:
         FusionConfig.single, as dear's own fusion_threshold=); `fusion` is DeAR's full layout
         (reduce-scatter threshold, all-gather threshold, first bucket). `step_overhead_s`: CPU
@@ -343,7 +344,12 @@ class Simulator:
         (Horovod copies fused tensors through its fusion buffer; a tensor alone is reduced in
         place at the usual cost); None: the same cost for both. `allreduce_slots` (DDP, WFBP,
         ALLREDUCE): how many all-reduces share the link at once; None: from the traced backend
-        (`backend_allreduce_slots`: 2 on Gloo, whose process group runs two at a time)."""
+        (`backend_allreduce_slots`: 2 on Gloo, whose process group runs two at a time).
+        `row_sparse` (DEAR, PLANNED): {parameter: (rows, rows sent)} for embedding tables dear
+        sends by rows (dear/fusion/rows.py; a trace sends them whole, so how many rows the
+        ranks' batches touch together is given here): such a table is a bucket of its own, its
+        reduce-scatter is an all-reduce of the row marks and one of the rows sent, and its
+        all-gather costs nothing (every rank already holds the averaged table)."""
         schedule = Schedule(schedule)
         if fusion_threshold is not None and fusion_threshold < 0:
             raise ValueError(f"fusion_threshold must be >= 0 bytes, got {fusion_threshold}")
@@ -370,6 +376,13 @@ class Simulator:
         slots = (allreduce_slots if allreduce_slots is not None
                  else backend_allreduce_slots(self.model.backend)
                  if schedule in (Schedule.DDP, Schedule.WFBP, Schedule.ALLREDUCE) else 1)
+        rows = dict(row_sparse or {})
+        if rows and schedule not in (Schedule.DEAR, Schedule.PLANNED):
+            raise ValueError("row_sparse= is dear's: give it with Schedule.DEAR or PLANNED")
+        for p, (total, sent) in rows.items():
+            if not 0 <= p < len(self.model.param_bytes) or not 0 <= sent <= total or total < 1:
+                raise ValueError(f"row_sparse: parameter {p} with {sent} of {total} rows sent "
+                                 "is not a table of this model")
         if step_overhead_s < 0 or unpack_s < 0:
             raise ValueError(f"step_overhead_s and unpack_s must be >= 0, got "
                              f"{step_overhead_s}, {unpack_s}")
@@ -380,23 +393,30 @@ class Simulator:
         # Each traced iteration replayed on its own, on the link as it ran in that iteration
         # (_iteration_cost); the median one is the prediction (the median of iterations, as
         # measured, rather than an iteration of medians).
-        plan = self._plan(schedule, fusion_threshold, fusion, cost.world_size, unclaimed_first)
+        plan = self._plan(schedule, fusion_threshold, fusion, cost.world_size, unclaimed_first,
+                          sorted(rows))
         chunk = None if fusion is None else fusion.chunk_bytes     # PLANNED: the plan's chunks
         runs = [self._replay(ps, schedule, plan, self._iteration_cost(cost, k) if
                              self.model.iterations else cost, compute_scale, chunk,
                              step_overhead_s=step_overhead_s, unpack_s=unpack_s,
-                             fused_cost=fused_cost, slots=slots)
+                             fused_cost=fused_cost, slots=slots, rows=rows)
                 for k, ps in enumerate(self.model.iterations or [self.model.profiles])]
         runs.sort(key=lambda p: p.iteration_time)
         return runs[len(runs) // 2]
 
     def _plan(self, schedule: Schedule, fusion_threshold: Optional[int],
-              fusion: Optional[FusionConfig], n: int, unclaimed_first: bool
+              fusion: Optional[FusionConfig], n: int, unclaimed_first: bool,
+              alone: Sequence[int] = ()
               ) -> "tuple[list[tuple[list[int], int]], Optional[DearLayout]]":
-        """The schedule's buckets (and DeAR's layout), planned once per prediction."""
+        """The schedule's buckets (and DeAR's layout), planned once per prediction; `alone`:
+        row-sparse tables, each in a bucket of its own."""
         m = self.model
         threshold = DEFAULT_THRESHOLD if fusion_threshold is None else fusion_threshold
         if schedule in (Schedule.DEAR, Schedule.PLANNED):
+            if set(alone) - set(m.alone):
+                m = dataclasses.replace(m, alone=sorted(set(m.alone) | set(alone)))
+                fusion = fusion if fusion is not None else FusionConfig.single(
+                    m.fusion_threshold if m.fusion_threshold is not None else DEFAULT_THRESHOLD)
             layout = dear_layout(m, fusion, n, unclaimed_first)
             return layout.buckets, layout
         if schedule is Schedule.ALLREDUCE:
@@ -412,7 +432,8 @@ class Simulator:
                 cost: CostModel, compute_scale: float,
                 chunk: Optional[int] = None, step_overhead_s: float = 0.0,
                 unpack_s: float = 0.0, fused_cost: Optional[CostModel] = None,
-                slots: int = 1) -> Prediction:
+                slots: int = 1, rows: Optional[Mapping[int, tuple[int, int]]] = None
+                ) -> Prediction:
         buckets, layout = plan
         profiles = [_scaled(p, compute_scale) for p in profiles]
         delay = 0.0                            # per collective: Horovod's negotiation cycle
@@ -420,14 +441,23 @@ class Simulator:
         if layout is not None:
             programs = [_dear_program(p, layout, self.model.param_numel) for p in profiles]
             kinds = {"rs": "reduce_scatter", "ag": "all_gather"}
-            nbytes = {"rs": [b for _, b in buckets], "ag": layout.group_bytes()}
+            numel = self.model.param_numel
+            by_rows = _row_sparse_costs(buckets, layout, rows or {}, numel, cost)
             if schedule is Schedule.PLANNED:
-                plan, as_run, chunk_bytes = self._planned(programs, layout, cost, chunk)
+                plan, as_run, chunk_bytes = self._planned(programs, layout, cost, chunk,
+                                                          set(by_rows["rs"]))
+                by_rows = _row_sparse_costs(buckets, as_run, rows or {}, numel, cost)
                 programs = [_dear_program(p, as_run, self.model.param_numel, plan)
                             for p in profiles]
-                result = replay_contended(programs, lambda key: cost.time(
-                    kinds.get(key[0], "all_gather"), chunk_bytes(key)), self.contention)
+                result = replay_contended(programs, lambda key: by_rows[key[0]].get(
+                    key[2], cost.time(kinds.get(key[0], "all_gather"), chunk_bytes(key)))
+                    if key[0] in ("rs", "ag") else cost.time("all_gather", chunk_bytes(key)),
+                    self.contention)
                 return _measure(result, schedule, cost.world_size, len(buckets))
+            nbytes = {"rs": [b for _, b in buckets], "ag": layout.group_bytes()}
+            result = replay_contended(programs, lambda key: by_rows[key[0]].get(
+                key[2], cost.time(kinds[key[0]], nbytes[key[0]][key[2]])), self.contention)
+            return _measure(result, schedule, cost.world_size, len(buckets))
         else:
             fused = fused_cost or cost         # given for Schedule.HOROVOD only
             if schedule is Schedule.HOROVOD:   # dynamic fusion: from this iteration's timing
@@ -449,7 +479,7 @@ class Simulator:
 
 
     def _planned(self, programs: list[list[Action]], layout: DearLayout, cost: CostModel,
-                 chunk: Optional[int] = None
+                 chunk: Optional[int] = None, unchunked: Collection[int] = ()
                  ) -> tuple[Any, DearLayout, Callable[[tuple], int]]:
         """What dear does: replay DeAR's order, take when each bucket's reduce-scatter was
         issued in the last iteration, and plan the gaps with dear's own planner, in chunks of
@@ -475,7 +505,9 @@ class Simulator:
                     for ps, b in buckets]
         shard = [b // itemsize[k] // world for k, (_, b) in enumerate(buckets)]
         chunk = Config().chunk_bytes if chunk is None else chunk
-        plan = plan_gaps(ready, [b for _, b in buckets], shard, itemsize, world, link, chunk)
+        plan = plan_gaps(ready, [b for _, b in buckets],
+                         [0 if k in unchunked else n for k, n in enumerate(shard)],
+                         itemsize, world, link, chunk)   # as dear: no chunks of a rows table
         early = {c[0] for cs in plan.after.values() for c in cs}
         layout = DearLayout(buckets, [part for g in layout.groups
                                       for part in ([[b] for b in g] if early & set(g) else [g])])
@@ -496,6 +528,26 @@ class Simulator:
                 return world * (shard[b] - done.get(b, 0)) * itemsize[b]
             return group_bytes[b]                       # "ag": a whole group
         return plan, layout, nbytes
+
+
+def _row_sparse_costs(buckets: list[tuple[list[int], int]], layout: DearLayout,
+                      rows: Mapping[int, tuple[int, int]], numel: Sequence[int],
+                      cost: CostModel) -> dict[str, dict[int, float]]:
+    """Seconds on the link of the buckets (key "rs") and all-gather groups ("ag") that hold one
+    row-sparse table: the marks' all-reduce (one element a row) and the rows' (+ the usage
+    flag); nothing to all-gather."""
+    out: dict[str, dict[int, float]] = {"rs": {}, "ag": {}}
+    for b, (ps, nbytes) in enumerate(buckets):
+        if len(ps) == 1 and ps[0] in rows:
+            total, sent = rows[ps[0]]
+            item = max(1, nbytes // (numel[ps[0]] + 1))      # + flag and padding: < 1 element
+            row_bytes = numel[ps[0]] // total * item
+            out["rs"][b] = (cost.time("all_reduce", total * item)
+                            + cost.time("all_reduce", sent * row_bytes + item))
+    for g, members in enumerate(layout.groups):
+        if members and all(b in out["rs"] for b in members):
+            out["ag"][g] = 0.0
+    return out
 
 
 def _alpha_rate(cost: CostModel, kind: str, small: int, large: int) -> tuple[float, float]:
