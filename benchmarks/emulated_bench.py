@@ -209,6 +209,7 @@ def train(method: Method, model_spec: emulated.ModelSpec, warmup: int, iters: in
     net, opt = METHODS[method.base](model, make_optimizer(update), method.options)
     rec: dict[str, list[float]] = {"total": [], "forward": [], "backward": [], "step": []}
     losses: list[float] = []
+    rows_sent: list[dict[str, tuple[int, int]]] = []
     cpu0 = busy0 = wall0 = 0.0
     setup = time.perf_counter() - started
     for step in range(warmup + iters):
@@ -227,6 +228,9 @@ def train(method: Method, model_spec: emulated.ModelSpec, warmup: int, iters: in
         if step >= warmup:
             for key, value in zip(rec, (t3 - t0, t1 - t0, t2 - t1, t3 - t2)):
                 rec[key].append(value)
+            if method.base == "dear":              # tables sent by rows: how many went
+                rows_sent.append({opt._names[b.spec.params[0]]: (b.rows, b.sent_rows)
+                                  for b in opt._buckets if getattr(b, "rows", None)})
         losses.append(loss.item())
     wall = time.perf_counter() - wall0
     busy1 = _busy_jiffies()
@@ -246,7 +250,7 @@ def train(method: Method, model_spec: emulated.ModelSpec, warmup: int, iters: in
             "wall_s": wall, "setup_s": setup,
             "teardown_s": time.perf_counter() - started - setup - wall,
             "machine_busy": (busy1[0] - busy0[0]) / max(1, busy1[1] - busy0[1]),
-            "loadavg": os.getloadavg()[0], "params": params}
+            "loadavg": os.getloadavg()[0], "params": params, "rows_sent": rows_sent}
 
 
 def _plan_warmup(method: Method) -> int:
@@ -422,6 +426,11 @@ def summarize(gathered: list[dict[str, Any]], methods: list[Method],
         cpu = statistics.mean(run["cpu_s"] / args.iters for runs in per_rank for run in runs)
         res = {
             "median_s": ph["total"], "q1_s": q[0], "q3_s": q[2],
+            # per row-sparse table: (rows, median rows sent per timed iteration), rank 0
+            "row_sparse": {name: (steps[0][name][0],
+                                  statistics.median(st[name][1] for st in steps))
+                           for steps in [[st for run in runs0 for st in run.get("rows_sent", [])]]
+                           if steps for name in steps[0]},
             "forward_s": ph["forward"], "backward_s": ph["backward"], "step_s": ph["step"],
             "forward_wait_s": ph["forward"] - base["forward"],
             "backward_extra_s": ph["backward"] - base["backward"],

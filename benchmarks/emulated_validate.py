@@ -40,7 +40,7 @@ from benchmarks import emulated, emulated_bench, results
 
 METHODS = "ddp,wfbp,horovod,dear:schedule=dear,dear"
 SCHEDULES = {"ddp": "ddp", "wfbp": "wfbp", "horovod": "horovod", "dear:schedule=dear": "dear",
-             "dear": "planned"}
+             "dear": "planned", "dear:row_sparse=tables": "planned"}
 PROBE_MB = (1, 8, 32)
 WORKERS = (1, 2, 4, 8, 16, 32, 64)
 TOLERANCE = 0.05
@@ -173,13 +173,15 @@ def worker(argv: list[str]) -> int:
 # ---------------------------------------------------------------- the driver: predictions
 
 
-def simulator(rep: dict[str, Any], probe: Optional[str] = "allreduce_probe_s") -> Any:
+def simulator(rep: dict[str, Any], probe: Optional[str] = "allreduce_probe_s",
+              trace: Any = None) -> Any:
     """The trace's simulator, without the first traced iteration (its forward waits for
     all-gathers issued before the trace: untraced waits, counted as compute), its all-reduce
-    cost from `probe` (alpha-beta, least squares over the probed sizes)."""
+    cost from `probe` (alpha-beta, least squares over the probed sizes). `trace`: the setup's
+    trace, loaded already."""
     from dear.diagnose import Simulator, load_trace
 
-    trace = load_trace(rep["extra"]["trace_dir"])
+    trace = load_trace(rep["extra"]["trace_dir"]) if trace is None else trace
     sim = Simulator(trace, iterations=trace.common_iterations()[1:])
     if probe is not None:
         sim.fitted = probed_cost(sim.fitted, rep, probe)
@@ -208,6 +210,11 @@ def _predict(sims: dict[str, Any], rep: dict[str, Any], label: str, **kw: Any) -
     extra = horovod_idle_s(rep) if schedule == "horovod" else 0.0
     if schedule == "horovod" and "horovod_fused" in sims:
         kw = {"fused_cost": sims["horovod_fused"], **kw}
+    tables = rep.get("methods", {}).get(label, {}).get("row_sparse") or {}
+    if tables:                                 # sent by rows: as many as the run sent
+        index = {p["name"]: i for i, p in enumerate(sims["params"])}
+        kw = {"row_sparse": {index[name]: (int(rows), int(round(sent)))
+                             for name, (rows, sent) in tables.items()}, **kw}
     return sims["trace"].predict(schedule, step_overhead_s=extra, unpack_s=unpack,
                                  **kw).iteration_time
 
@@ -225,8 +232,11 @@ ALLREDUCE_COST = {"source": "probe"}
 
 
 def simulators(rep: dict[str, Any]) -> dict[str, Any]:
+    from dear.diagnose import load_trace
+    trace = load_trace(rep["extra"]["trace_dir"])
     sims = {"trace": simulator(rep, "allreduce_probe_s"
-                               if ALLREDUCE_COST["source"] == "probe" else None)}
+                               if ALLREDUCE_COST["source"] == "probe" else None, trace),
+            "params": trace.meta["params"]}
     if "horovod_allreduce_s" in rep["extra"]:
         # A response of several tensors at Horovod's own probe (8 tensors fused: its fusion
         # buffer copies); a tensor alone is reduced in place, at torch's all-reduce cost.

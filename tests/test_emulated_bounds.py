@@ -33,7 +33,7 @@ def test_validator_costs_horovod_idle_cycles_as_serial_compute() -> None:
         def predict(self, schedule, step_overhead_s=0.0, unpack_s=0.0, **kw):
             class P:
                 iteration_time = 1.0 + step_overhead_s + 10 * unpack_s
-            self.seen = (schedule, step_overhead_s, unpack_s)
+            self.seen = (schedule, step_overhead_s, unpack_s, kw)
             return P()
 
     rep = {"extra": {"wfbp_unpack_s": 0.07,
@@ -42,6 +42,11 @@ def test_validator_costs_horovod_idle_cycles_as_serial_compute() -> None:
     assert abs(ev._predict(sims, rep, "horovod") - 1.08) < 1e-9
     assert abs(ev._predict(sims, rep, "wfbp") - 1.7) < 1e-9     # as unpack_s (per bucket)
     assert ev._predict(sims, rep, "ddp") == 1.0
+    # A table the run sent by rows: replayed with the rows it sent (median), by trace index.
+    rep["methods"] = {"dear:row_sparse=tables": {"row_sparse": {"word.weight": [30522, 3900.5]}}}
+    sims["params"] = [{"name": "pos.weight"}, {"name": "word.weight"}]
+    ev._predict(sims, rep, "dear:row_sparse=tables")
+    assert sims["trace"].seen == ("planned", 0.0, 0.0, {"row_sparse": {1: (30522, 3900)}})
     rep["extra"]["horovod_forward_s"] = {"plain": 0.30, "horovod": 0.29}
     assert ev.horovod_idle_s(rep) == 0.0
     assert ev.horovod_idle_s({"extra": {}}) == 0.0
