@@ -315,7 +315,8 @@ def plot_scaling(scale: dict[str, Any], path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    colors = dict(zip(SCHEDULES, ("tab:gray", "tab:blue", "tab:green", "tab:orange", "tab:red")))
+    colors = dict(zip(SCHEDULES, ("tab:gray", "tab:blue", "tab:green", "tab:orange", "tab:red",
+                                  "tab:purple")))
     for label, ys in scale["curves"].items():
         ax.plot(scale["workers"], ys, "-", color=colors[label], label=f"{label} (predicted)")
         pts = [p for p in scale["points"] if p["method"] == label]
