@@ -95,6 +95,15 @@ class DearLayout:
         return [sum(self.buckets[b][1] for b in g) for g in self.groups]
 
 
+def traced_fusion(model: Model) -> FusionConfig:
+    """The traced FusionConfig (dear's traces), else 25 MB for both collectives."""
+    dear = model.schedule == "dear"
+    return (FusionConfig(**model.fusion) if dear and model.fusion
+            else FusionConfig.single(model.fusion_threshold if dear and
+                                     model.fusion_threshold is not None
+                                     else DEFAULT_THRESHOLD))
+
+
 def dear_layout(model: Model, fusion: Optional[FusionConfig], world_size: int,
                 unclaimed_first: bool = False) -> DearLayout:
     """Buckets and all-gather groups as dear.fusion.layout plans them for `fusion` (its own
@@ -115,10 +124,7 @@ def dear_layout(model: Model, fusion: Optional[FusionConfig], world_size: int,
         gathers = model.gather_groups or [[b] for b in range(len(groups))]  # older traces
     else:
         if fusion is None:
-            fusion = (FusionConfig(**model.fusion) if dear and model.fusion
-                      else FusionConfig.single(model.fusion_threshold if dear and
-                                               model.fusion_threshold is not None
-                                               else DEFAULT_THRESHOLD))
+            fusion = traced_fusion(model)
         specs, gathers = plan_layout(_fake_params(model), order, fusion, world_size,
                                      row_sparse=model.alone)
         groups = [list(s.params) for s in specs]
@@ -413,10 +419,9 @@ class Simulator:
         m = self.model
         threshold = DEFAULT_THRESHOLD if fusion_threshold is None else fusion_threshold
         if schedule in (Schedule.DEAR, Schedule.PLANNED):
-            if set(alone) - set(m.alone):
+            if set(alone) - set(m.alone):      # the traced buckets cannot hold them: re-plan
                 m = dataclasses.replace(m, alone=sorted(set(m.alone) | set(alone)))
-                fusion = fusion if fusion is not None else FusionConfig.single(
-                    m.fusion_threshold if m.fusion_threshold is not None else DEFAULT_THRESHOLD)
+                fusion = traced_fusion(m) if fusion is None else fusion
             layout = dear_layout(m, fusion, n, unclaimed_first)
             return layout.buckets, layout
         if schedule is Schedule.ALLREDUCE:
