@@ -234,6 +234,15 @@ def test_simulate_cli(tmp_path, capsys):
     traced = Simulator(path).predict(Schedule.DEAR, bandwidth_bps=1e9)   # one bucket a param
     assert row.split("|")[4].strip() == f"{want.iteration_time * 1e3:.1f}" != \
         f"{traced.iteration_time * 1e3:.1f}"
+    # A table sent by rows (dear's default), named as traced.
+    assert main(["simulate", path, "--bandwidth", "1gbit", "--schedule", "dear",
+                 "--row-sparse", "fc1.weight=64:8"]) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines()
+               if line.startswith("| dear |"))
+    want = Simulator(path).predict(Schedule.DEAR, bandwidth_bps=1e9, row_sparse={0: (64, 8)})
+    assert row.split("|")[4].strip() == f"{want.iteration_time * 1e3:.1f}"
+    with pytest.raises(SystemExit, match="NAME=ROWS:SENT"):
+        main(["simulate", path, "--row-sparse", "fc9.weight=64:8"])
 
 
 def test_concurrent_collectives_share_the_link(tmp_path):

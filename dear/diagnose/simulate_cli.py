@@ -26,10 +26,26 @@ def _seconds(text: str) -> float:
     return float(value)
 
 
+def _row_sparse(text: str, names: list[str]) -> dict[int, tuple[int, int]]:
+    """'NAME=ROWS:SENT[,NAME=ROWS:SENT...]' -> {parameter index: (rows, rows sent)}."""
+    out = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, _, counts = item.rpartition("=")
+        rows, _, sent = counts.partition(":")
+        if name not in names or not rows.isdigit() or not sent.isdigit():
+            raise SystemExit(f"--row-sparse {item!r}: give NAME=ROWS:SENT with NAME a traced "
+                             f"parameter (e.g. {names[0] if names else '-'}=30522:3900)")
+        out[names.index(name)] = (int(rows), int(sent))
+    return out
+
+
 def _simulate(args: argparse.Namespace) -> int:
     from ..fusion.fusion_config import FusionConfig
+    from .chrome import load_trace
     from .simulate import DEFAULT_THRESHOLD, Schedule, Simulator
-    sim = Simulator(args.trace, contention=args.contention)
+    trace = load_trace(args.trace)
+    sim = Simulator(trace, contention=args.contention)
+    tables = _row_sparse(args.row_sparse, [p["name"] for p in trace.meta.get("params", [])])
     fusion = None                              # DeAR's full layout, when any part is given
     if args.rs_threshold is not None or args.ag_threshold is not None \
             or args.first_bucket is not None:
@@ -52,6 +68,8 @@ def _simulate(args: argparse.Namespace) -> int:
             dear_like = schedule in (Schedule.DEAR, Schedule.PLANNED)
             layout = dict(fusion=fusion) if fusion is not None and dear_like \
                 else dict(fusion_threshold=args.fusion_threshold)
+            if dear_like and tables:
+                layout["row_sparse"] = tables
             p = sim.predict(schedule, **layout,
                             bandwidth_bps=args.bandwidth, latency_s=args.latency, world_size=n,
                             traced_bandwidth_bps=args.traced_bandwidth,
@@ -88,6 +106,10 @@ def add_parser(sub: Any) -> None:
     sim.add_argument("--traced-bandwidth", type=_rate, default=None,
                      help="the traced link's rate: --bandwidth then keeps each collective's "
                           "measured efficiency instead of assuming the ideal rate")
+    sim.add_argument("--row-sparse", default="",
+                     help="DeAR only: NAME=ROWS:SENT,... embedding tables dear sends by rows "
+                          "(its default for untied nn.Embedding tables of 1 MB or more): a "
+                          "trace sends them whole, so give how many rows the ranks send")
     sim.add_argument("--compute-scale", type=float, default=1.0,
                      help="multiply compute times (e.g. 0.1 for a 10x faster accelerator)")
     sim.set_defaults(run=_simulate)
