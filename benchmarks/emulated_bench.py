@@ -27,8 +27,9 @@ Methods: a name from METHODS, optionally with keyword options after colons,
 `NAME[:KEY=VALUE[:KEY=VALUE...]]`; values: 2MB / 512KB / 1GB (bytes), true/false, none,
 numbers, else strings. `dear:...` options go to dear.DistributedOptimizer (rs_threshold,
 ag_threshold and first_bucket make a FusionConfig: missing sizes default to fusion_threshold or
-DEAR_FUSION_THRESHOLD; chunk_bytes: the planned schedule's chunk size; row_sparse: dear's default "auto" is the word embeddings --tokens made
-row-sparse (what auto finds in the real model), `row_sparse=off` sends them whole);
+DEAR_FUSION_THRESHOLD; chunk_bytes: the planned schedule's chunk size; row_sparse: dear's
+default "auto" is the word embeddings --tokens made row-sparse, what auto finds in the real
+model, and `row_sparse=off` sends them whole);
 `ddp:...` to DistributedDataParallel; `wfbp:threshold=8MB`. To add a method, add a function to
 METHODS.
 """
@@ -393,6 +394,13 @@ def _phase_medians(per_rank: list[list[dict[str, Any]]]) -> dict[str, float]:
     return out
 
 
+def _rows_sent(runs: list[dict[str, Any]]) -> dict[str, tuple[int, float]]:
+    """Per table sent by rows: (its rows, the median rows sent per timed iteration)."""
+    steps = [st for run in runs for st in run.get("rows_sent", [])]
+    return {name: (rows, statistics.median(st[name][1] for st in steps))
+            for name, (rows, _) in (steps[0].items() if steps else ())}
+
+
 def summarize(gathered: list[dict[str, Any]], methods: list[Method],
               model_spec: emulated.ModelSpec, comm: dict[str, float], t_comm: float,
               args: argparse.Namespace) -> dict[str, Any]:
@@ -426,11 +434,7 @@ def summarize(gathered: list[dict[str, Any]], methods: list[Method],
         cpu = statistics.mean(run["cpu_s"] / args.iters for runs in per_rank for run in runs)
         res = {
             "median_s": ph["total"], "q1_s": q[0], "q3_s": q[2],
-            # per row-sparse table: (rows, median rows sent per timed iteration), rank 0
-            "row_sparse": {name: (steps[0][name][0],
-                                  statistics.median(st[name][1] for st in steps))
-                           for steps in [[st for run in runs0 for st in run.get("rows_sent", [])]]
-                           if steps for name in steps[0]},
+            "row_sparse": _rows_sent(runs0),
             "forward_s": ph["forward"], "backward_s": ph["backward"], "step_s": ph["step"],
             "forward_wait_s": ph["forward"] - base["forward"],
             "backward_extra_s": ph["backward"] - base["backward"],

@@ -213,7 +213,7 @@ def _predict(sims: dict[str, Any], rep: dict[str, Any], label: str, **kw: Any) -
     tables = rep.get("methods", {}).get(label, {}).get("row_sparse") or {}
     if tables:                                 # sent by rows: as many as the run sent
         index = {p["name"]: i for i, p in enumerate(sims["params"])}
-        kw = {"row_sparse": {index[name]: (int(rows), int(round(sent)))
+        kw = {"row_sparse": {index[name]: (int(rows), round(sent))
                              for name, (rows, sent) in tables.items()}, **kw}
     return sims["trace"].predict(schedule, step_overhead_s=extra, unpack_s=unpack,
                                  **kw).iteration_time

@@ -385,10 +385,11 @@ class Simulator:
         rows = dict(row_sparse or {})
         if rows and schedule not in (Schedule.DEAR, Schedule.PLANNED):
             raise ValueError("row_sparse= is dear's: give it with Schedule.DEAR or PLANNED")
-        for p, (total, sent) in rows.items():
-            if not 0 <= p < len(self.model.param_bytes) or not 0 <= sent <= total or total < 1:
-                raise ValueError(f"row_sparse: parameter {p} with {sent} of {total} rows sent "
-                                 "is not a table of this model")
+        for p, (table_rows, sent) in rows.items():
+            if not 0 <= p < len(self.model.param_bytes) or not 0 <= sent <= table_rows \
+                    or table_rows < 1:
+                raise ValueError(f"row_sparse: parameter {p} with {sent} of {table_rows} rows "
+                                 "sent is not a table of this model")
         if step_overhead_s < 0 or unpack_s < 0:
             raise ValueError(f"step_overhead_s and unpack_s must be >= 0, got "
                              f"{step_overhead_s}, {unpack_s}")
@@ -444,24 +445,25 @@ class Simulator:
         delay = 0.0                            # per collective: Horovod's negotiation cycle
         per_bucket: list[CostModel] = []       # per all-reduce bucket: its cost model
         if layout is not None:
-            programs = [_dear_program(p, layout, self.model.param_numel) for p in profiles]
-            kinds = {"rs": "reduce_scatter", "ag": "all_gather"}
             numel = self.model.param_numel
-            by_rows = _row_sparse_costs(buckets, layout, rows or {}, numel, cost)
+            programs = [_dear_program(p, layout, numel) for p in profiles]
+            tables = _row_sparse_seconds(buckets, rows or {}, numel, cost)
+            group_bytes = layout.group_bytes()
+            sizes: Callable[[tuple], int] = lambda key: (
+                buckets[key[2]][1] if key[0] == "rs" else group_bytes[key[2]])
             if schedule is Schedule.PLANNED:
-                plan, as_run, chunk_bytes = self._planned(programs, layout, cost, chunk,
-                                                          set(by_rows["rs"]))
-                by_rows = _row_sparse_costs(buckets, as_run, rows or {}, numel, cost)
-                programs = [_dear_program(p, as_run, self.model.param_numel, plan)
-                            for p in profiles]
-                result = replay_contended(programs, lambda key: by_rows[key[0]].get(
-                    key[2], cost.time(kinds.get(key[0], "all_gather"), chunk_bytes(key)))
-                    if key[0] in ("rs", "ag") else cost.time("all_gather", chunk_bytes(key)),
-                    self.contention)
-                return _measure(result, schedule, cost.world_size, len(buckets))
-            nbytes = {"rs": [b for _, b in buckets], "ag": layout.group_bytes()}
-            result = replay_contended(programs, lambda key: by_rows[key[0]].get(
-                key[2], cost.time(kinds[key[0]], nbytes[key[0]][key[2]])), self.contention)
+                plan, layout, sizes = self._planned(programs, layout, cost, chunk, set(tables))
+                programs = [_dear_program(p, layout, numel, plan) for p in profiles]
+            # a table sent by rows: its own reduce-scatter time, nothing to all-gather
+            fixed = {("rs", b): t for b, t in tables.items()}
+            fixed.update((("ag", g), 0.0) for g, members in enumerate(layout.groups)
+                         if members and all(b in tables for b in members))
+
+            def seconds(key: tuple) -> float:
+                known = fixed.get((key[0], key[2]))
+                return known if known is not None else cost.time(
+                    {"rs": "reduce_scatter"}.get(key[0], "all_gather"), sizes(key))
+            result = replay_contended(programs, seconds, self.contention)
             return _measure(result, schedule, cost.world_size, len(buckets))
         else:
             fused = fused_cost or cost         # given for Schedule.HOROVOD only
@@ -535,23 +537,20 @@ class Simulator:
         return plan, layout, nbytes
 
 
-def _row_sparse_costs(buckets: list[tuple[list[int], int]], layout: DearLayout,
-                      rows: Mapping[int, tuple[int, int]], numel: Sequence[int],
-                      cost: CostModel) -> dict[str, dict[int, float]]:
-    """Seconds on the link of the buckets (key "rs") and all-gather groups ("ag") that hold one
-    row-sparse table: the marks' all-reduce (one element a row) and the rows' (+ the usage
-    flag); nothing to all-gather."""
-    out: dict[str, dict[int, float]] = {"rs": {}, "ag": {}}
+def _row_sparse_seconds(buckets: list[tuple[list[int], int]],
+                        rows: Mapping[int, tuple[int, int]], numel: Sequence[int],
+                        cost: CostModel) -> dict[int, float]:
+    """Seconds on the link of each bucket that holds one row-sparse table, in its
+    reduce-scatter's place: the marks' all-reduce (one element a row) and the rows' (+ the
+    usage flag)."""
+    out: dict[int, float] = {}
     for b, (ps, nbytes) in enumerate(buckets):
         if len(ps) == 1 and ps[0] in rows:
-            total, sent = rows[ps[0]]
+            table_rows, sent = rows[ps[0]]
             item = max(1, nbytes // (numel[ps[0]] + 1))      # + flag and padding: < 1 element
-            row_bytes = numel[ps[0]] // total * item
-            out["rs"][b] = (cost.time("all_reduce", total * item)
-                            + cost.time("all_reduce", sent * row_bytes + item))
-    for g, members in enumerate(layout.groups):
-        if members and all(b in out["rs"] for b in members):
-            out["ag"][g] = 0.0
+            row_bytes = numel[ps[0]] // table_rows * item
+            out[b] = (cost.time("all_reduce", table_rows * item)
+                      + cost.time("all_reduce", sent * row_bytes + item))
     return out
 
 
