@@ -91,9 +91,18 @@ def _make_communicator(backend: str, cfg: Config) -> tuple[Communicator, bool]:
             raise RuntimeError("backend='torch' needs torch.distributed: launch with torchrun or "
                                "call torch.distributed.init_process_group() before dear.init()")
         return LocalCommunicator(), False
-    if torch.cuda.is_available() and "LOCAL_RANK" in os.environ:
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    _select_local_gpu()
     return TorchCommunicator(gloo_collectives=cfg.gloo_collectives, timeout=cfg.timeout), owns
+
+
+def _select_local_gpu() -> None:
+    """torchrun's LOCAL_RANK picks this rank's GPU, as DDP users expect; where there are fewer
+    GPUs than local ranks (CPU training on a GPU machine) none is picked."""
+    if not torch.cuda.is_available() or "LOCAL_RANK" not in os.environ:
+        return
+    local = int(os.environ["LOCAL_RANK"])
+    if local < torch.cuda.device_count():
+        torch.cuda.set_device(local)
 
 
 def shutdown() -> None:

@@ -2,8 +2,9 @@
 
 The CPU tests (tests/test_amp.py) cover the cross-rank agreement; here the CUDA scaler's own
 path: autocast fp16 forward, inf/NaN injected at two steps, dear's found-inf check on the reduced
-shards and the skip of the deferred update, against DDP's. Skipped without a GPU. Written while
-no GPU was available to this project's sessions: not yet run (see the issue 9 note).
+shards and the skip of the deferred update, against DDP's. Skipped without a GPU. Run on an H100
+(torch 2.11, CUDA 13, 2026-11-24): besides the two injected steps, the fp16 forward overflows by
+itself once the scale has grown to 2^17, so the skipped steps are counted from the scales.
 """
 
 from __future__ import annotations
@@ -70,5 +71,8 @@ def _loop(mode: str) -> dict:
 def test_cuda_grad_scaler_matches_ddp(nccl_world_of_one) -> None:
     ddp, ours = _loop("ddp"), _loop("dear")
     assert ours["scales"] == ddp["scales"], "different skip decisions"
-    assert ours["adam_steps"] == ddp["adam_steps"] == {STEPS - len(INJECT)}
+    before = [2.0**16] + ddp["scales"][:-1]
+    skipped = sum(after < prior for prior, after in zip(before, ddp["scales"]))
+    assert skipped >= len(INJECT), "an injected inf/NaN did not skip its step"
+    assert ours["adam_steps"] == ddp["adam_steps"] == {STEPS - skipped}
     assert max_diff(ours["params"], ddp["params"]) < 1e-5

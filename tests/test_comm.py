@@ -308,3 +308,31 @@ def test_local_communicator() -> None:
             comm.broadcast_object(None, 1)
     finally:
         dear.shutdown()
+
+
+def device_mapped_backend() -> dict[str, Any]:
+    """Rank body: a group started with a per-device backend string, as dear.init() starts one
+    where CUDA is there ("cpu:gloo,cuda:nccl"); here the CPU half alone."""
+    dist.init_process_group("cpu:gloo", timeout=datetime.timedelta(seconds=60))
+    chk, digests = Checker(), {}
+    dear.init()
+    comm = dear.runtime.communicator()
+    check_shards(comm, chk, digests)
+    name = comm.name
+    dear.shutdown()
+    return {"errors": chk.errors, "name": name}
+
+
+def test_device_mapped_backend_runs_the_pairwise_exchange_on_cpu() -> None:
+    outcomes = run_distributed(device_mapped_backend, 2, timeout=120)
+    assert [o["name"] for o in outcomes] == ["cpu:gloo-pairwise"] * 2
+    problems = [f"rank {r}: {e}" for r, o in enumerate(outcomes) for e in o["errors"]]
+    assert not problems, "\n".join(problems)
+
+
+def test_which_backends_carry_cpu_tensors_on_gloo() -> None:
+    from dear.comm.torch_dist import carries_cpu_on_gloo, default_backend
+    assert carries_cpu_on_gloo("gloo") and carries_cpu_on_gloo("cpu:gloo,cuda:nccl")
+    assert carries_cpu_on_gloo("cuda:nccl, cpu:gloo")
+    assert not carries_cpu_on_gloo("nccl") and not carries_cpu_on_gloo("cuda:gloo")
+    assert default_backend() == ("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")

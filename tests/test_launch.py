@@ -192,12 +192,18 @@ def _mpirun() -> str:
     return path
 
 
+def _mpirun_env(env: dict[str, str]) -> dict[str, str]:
+    """Open MPI's mpirun (the system's, where the venv has no mpich) refuses to start as root
+    without these; MPICH ignores them."""
+    return {**env, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+
+
 def test_real_mpirun_agrees_through_mpi() -> None:
     """mpirun -np 2 with nothing else: the master address and a free port come from rank 0,
     broadcast through mpi4py."""
     pytest.importorskip("mpi4py")
     out = run([_mpirun(), "-np", "2", sys.executable, "-c", BODY], timeout=120,
-              env={k: v for k, v in _clean_env().items()})
+              env=_mpirun_env(_clean_env()))
     assert out.returncode == 0, out.stdout
     lines = _ok_lines([out.stdout])
     assert [line.split(" master=")[0] for line in lines] == [
@@ -212,7 +218,8 @@ def test_real_mpirun_without_mpi4py() -> None:
     port = _free_port()
     env = _clean_env()
     env.update({"MASTER_PORT": str(port), "HIDE_MODULES": "mpi4py,mpi4py.MPI"})
-    out = run([_mpirun(), "-np", "2", sys.executable, "-c", BODY], timeout=120, env=env)
+    out = run([_mpirun(), "-np", "2", sys.executable, "-c", BODY], timeout=120,
+              env=_mpirun_env(env))
     assert out.returncode == 0, out.stdout
     assert _ok_lines([out.stdout]) == [
         f"OK rank={r} size=2 local={r} sum=3 pg=True master=127.0.0.1:{port}" for r in range(2)]

@@ -55,9 +55,10 @@ Event::Event(c10::DeviceIndex device) : device_(device) {
 }
 
 Event::~Event() {
+  // No guard and no check: a destructor must not throw, e.g. at exit after CUDA's teardown.
   if (event_ != nullptr) {
-    const c10::cuda::CUDAGuard guard(device_);
-    cudaEventDestroy(event_);
+    (void)cudaEventDestroy(event_);
+    (void)cudaGetLastError();
   }
 }
 
@@ -95,7 +96,11 @@ bool NcclWork::query() const {
 void NcclWork::synchronize() { done_->synchronize(); }
 
 NcclCommunicator::NcclCommunicator(int rank, int size, const std::string& unique_id, int device)
-    : rank_(rank), size_(size), device_(static_cast<c10::DeviceIndex>(device)) {
+    : rank_(rank),
+      size_(size),
+      device_(static_cast<c10::DeviceIndex>(device)),
+      stream_(c10::cuda::getStreamFromPool(/*isHighPriority=*/false,
+                                           static_cast<c10::DeviceIndex>(device))) {
   TORCH_CHECK(size >= 1 && rank >= 0 && rank < size, "dear: rank ", rank,
               " does not exist in a world of size ", size);
   TORCH_CHECK(unique_id.size() == NCCL_UNIQUE_ID_BYTES, "dear: an NCCL unique id has ",
@@ -104,7 +109,6 @@ NcclCommunicator::NcclCommunicator(int rank, int size, const std::string& unique
   ncclUniqueId id;
   std::memcpy(id.internal, unique_id.data(), NCCL_UNIQUE_ID_BYTES);
   DEAR_NCCL_CHECK(ncclCommInitRank(&comm_, size, id, rank));
-  C10_CUDA_CHECK(cudaStreamCreateWithFlags(&raw_stream_, cudaStreamNonBlocking));
 }
 
 NcclCommunicator::~NcclCommunicator() {
@@ -115,23 +119,19 @@ NcclCommunicator::~NcclCommunicator() {
 }
 
 void NcclCommunicator::destroy() {
+  if (comm_ == nullptr) {
+    return;
+  }
   const c10::cuda::CUDAGuard guard(device_);
-  if (raw_stream_ != nullptr) {
-    C10_CUDA_CHECK(cudaStreamSynchronize(raw_stream_));
-  }
-  if (comm_ != nullptr) {
-    ncclComm_t comm = comm_;
-    comm_ = nullptr;
-    DEAR_NCCL_CHECK(ncclCommDestroy(comm));
-  }
-  if (raw_stream_ != nullptr) {
-    cudaStream_t stream = raw_stream_;
-    raw_stream_ = nullptr;
-    C10_CUDA_CHECK(cudaStreamDestroy(stream));
-  }
+  C10_CUDA_CHECK(cudaStreamSynchronize(stream_.stream()));
+  ncclComm_t comm = comm_;
+  comm_ = nullptr;
+  DEAR_NCCL_CHECK(ncclCommDestroy(comm));
 }
 
-int64_t NcclCommunicator::stream_handle() const { return reinterpret_cast<int64_t>(raw_stream_); }
+int64_t NcclCommunicator::stream_handle() const {
+  return reinterpret_cast<int64_t>(stream_.stream());
+}
 
 void NcclCommunicator::check_tensor(const at::Tensor& t, const char* what) const {
   TORCH_CHECK(comm_ != nullptr, "dear: the NCCL communicator was destroyed");
@@ -143,16 +143,16 @@ void NcclCommunicator::check_tensor(const at::Tensor& t, const char* what) const
 template <typename Call>
 NcclWork NcclCommunicator::launch(const std::vector<at::Tensor>& tensors, Call&& call) {
   const c10::cuda::CUDAGuard guard(device_);
-  c10::cuda::CUDAStream comm_stream = c10::cuda::getStreamFromExternal(raw_stream_, device_);
+  const cudaStream_t raw = stream_.stream();
   Event ready(device_);
   ready.record(c10::cuda::getCurrentCUDAStream(device_).stream());
-  ready.block(raw_stream_);
-  DEAR_NCCL_CHECK(call(raw_stream_));
+  ready.block(raw);
+  DEAR_NCCL_CHECK(call(raw));
   for (const auto& t : tensors) {
-    c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), comm_stream);
+    c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), stream_);
   }
   auto done = std::make_shared<Event>(device_);
-  done->record(raw_stream_);
+  done->record(raw);
   return NcclWork(std::move(done), device_, comm_);
 }
 

@@ -4,7 +4,10 @@
 // communication stream wait for it (so NCCL reads gradients only after the kernels that wrote
 // them), enqueue the NCCL call, record a completion event. NcclWork::wait() makes the caller's
 // current stream wait for that event: the host never blocks, and kernels that read the result
-// run after it. Tensors are recorded on the communication stream for the caching allocator.
+// run after it. Tensors are recorded on the communication stream for the caching allocator, so
+// that stream comes from torch's pool and is never destroyed: the allocator records an event on
+// it when such a tensor is freed, possibly after destroy() (a destroyed stream crashed the
+// process at exit, seen on an H100).
 // The original DeAR code had no such dependency between its compute and communication streams.
 #pragma once
 
@@ -83,7 +86,7 @@ class NcclCommunicator {
   int size_;
   c10::DeviceIndex device_;
   ncclComm_t comm_ = nullptr;
-  cudaStream_t raw_stream_ = nullptr;
+  c10::cuda::CUDAStream stream_;
 };
 
 void bind_nccl(pybind11::module_& m);

@@ -260,5 +260,12 @@ def create(timeout: float) -> NcclCommunicator:
     else:
         rank, size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     if "LOCAL_RANK" in os.environ:
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        local, gpus = int(os.environ["LOCAL_RANK"]), torch.cuda.device_count()
+        if local >= gpus:
+            raise RuntimeError(
+                f"dear.init(backend='nccl') needs one GPU per local rank: LOCAL_RANK={local} but "
+                f"{gpus} GPU(s) are visible here (NCCL cannot put two ranks on one GPU); start "
+                "at most that many ranks per machine, or use backend='torch' (Gloo) for CPU "
+                "training")
+        torch.cuda.set_device(local)
     return NcclCommunicator(rank, size, _store(rank, size, timeout))

@@ -3,7 +3,8 @@
 On Gloo, reduce-scatter and all-gather run dear's bandwidth-optimal exchange (a ring of
 point-to-point messages: gloo_exchange.py says why and what it measured) on the communicator's
 group and, for the default group, a twin Gloo group that carries the messages from higher to
-lower ranks.
+lower ranks. A group with both ("cpu:gloo,cuda:nccl", what dear.init() starts where CUDA is
+there) takes each tensor to the backend of its device.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ class TorchCommunicator(Communicator):
         self._rank = dist.get_rank(group)
         self._size = dist.get_world_size(group)
         self._backend = str(dist.get_backend(group)).lower()
-        self._pairwise = self._backend == "gloo" and gloo_collectives == "pairwise"
+        self._gloo_cpu = carries_cpu_on_gloo(self._backend)
+        self._pairwise = self._gloo_cpu and gloo_collectives == "pairwise"
         self._reverse: Optional[dist.ProcessGroup] = None
         self._exchange: Optional[PairwiseExchange] = None
         if self._pairwise:
@@ -63,9 +65,14 @@ class TorchCommunicator(Communicator):
     def _peer(self, index: int) -> int:
         return dist.get_global_rank(self._group, index) if self._group is not None else index
 
+    def _exchange_for(self, tensor: torch.Tensor) -> Optional[PairwiseExchange]:
+        """dear's exchange where it carries this tensor (a CPU tensor on Gloo), else None."""
+        return self._exchange if tensor.device.type == "cpu" else None
+
     def reduce_scatter(self, input: torch.Tensor, output: torch.Tensor) -> Work:
-        if self._exchange is not None:
-            return self._exchange.reduce_scatter(input, output)
+        exchange = self._exchange_for(input)
+        if exchange is not None:
+            return exchange.reduce_scatter(input, output)
         check_shard_sizes(input, output, self._size)
         if self._size == 1:
             output.copy_(input)
@@ -75,8 +82,9 @@ class TorchCommunicator(Communicator):
             timeout=self._timeout)
 
     def all_gather(self, input: torch.Tensor, output: torch.Tensor) -> Work:
-        if self._exchange is not None:
-            return self._exchange.all_gather(input, output)
+        exchange = self._exchange_for(input)
+        if exchange is not None:
+            return exchange.all_gather(input, output)
         check_shard_sizes(output, input, self._size)
         shard = input.numel()
         own = output[self._rank * shard:(self._rank + 1) * shard]
@@ -89,8 +97,9 @@ class TorchCommunicator(Communicator):
 
     def all_gather_columns(self, input: torch.Tensor, output: torch.Tensor, start: int,
                            length: int) -> Work:
-        if self._exchange is not None:
-            return self._exchange.all_gather_columns(input, output, start, length)
+        exchange = self._exchange_for(input)
+        if exchange is not None:
+            return exchange.all_gather_columns(input, output, start, length)
         return super().all_gather_columns(input, output, start, length)
 
     def all_reduce(self, tensor: torch.Tensor) -> Work:
@@ -106,14 +115,14 @@ class TorchCommunicator(Communicator):
     def broadcast_object(self, obj: Any, root: int) -> Any:
         if not 0 <= root < self._size:
             raise ValueError(f"root rank {root} does not exist in a world of size {self._size}")
-        if self._backend == "gloo":            # bounded by DEAR_TIMEOUT, as every wait
+        if self._gloo_cpu:                     # bounded by DEAR_TIMEOUT, as every wait
             return broadcast_object_with(self, obj, root)
         box = [obj]
         dist.broadcast_object_list(box, src=self._peer(root), group=self._group)
         return box[0]
 
     def all_gather_object(self, obj: Any) -> list[Any]:
-        if self._backend == "gloo":
+        if self._gloo_cpu:
             return all_gather_object_with(self, obj)
         out: list[Any] = [None] * self._size
         dist.all_gather_object(out, obj, group=self._group)
@@ -146,7 +155,22 @@ def _timeout_of(group: Optional[dist.ProcessGroup]) -> Optional[datetime.timedel
         return None
 
 
+def carries_cpu_on_gloo(backend: str) -> bool:
+    """Whether a group of this backend ("gloo", "nccl", "cpu:gloo,cuda:nccl") sends CPU
+    tensors over Gloo."""
+    backend = backend.lower()
+    return backend == "gloo" or "cpu:gloo" in backend.replace(" ", "").split(",")
+
+
+def default_backend() -> str:
+    """What dear.init() starts from torchrun's variables: Gloo for CPU tensors, and NCCL for
+    CUDA tensors where CUDA is there (torch's own default). The same on every rank, whatever
+    each rank's model lives on: a CPU model on a GPU machine (two ranks on one GPU, say) must
+    not be handed to NCCL alone."""
+    return "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+
+
 def init_process_group_from_env(timeout: float) -> None:
-    """Start the default group from torchrun's variables: NCCL with CUDA, Gloo otherwise."""
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout))
+    """Start the default group from torchrun's variables (default_backend())."""
+    dist.init_process_group(backend=default_backend(),
+                            timeout=datetime.timedelta(seconds=timeout))

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# One call on a lent GPU machine (the device tool; CI has no GPU, so this is the only place the
+# CUDA half runs): build dear's extension with CUDA and NCCL against that machine's torch, probe
+# the csrc NCCL communicator step by step (a crash names its step, exit included), run the CUDA
+# tests and the demo (two CPU ranks on a GPU machine), then SUITE if given.
+#   SUITE="tests/test_x.py ..." adds a pytest run of those (-n 14); SUITE_TIMEOUT bounds it.
+# Last run: 2026-11-24 on an H100 (torch 2.11+cu130, NCCL 2.28.9): 24 CUDA tests passed,
+# 1 skipped (nccl4py is not installed there).
+set -u
+OUT=${OUT:-/tmp/dear-gpu-check}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+nvidia-smi -L
+"$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.is_available())"
+"$PY" -m pip install --no-build-isolation --no-deps --no-index -e . >"$OUT/build.log" 2>&1
+echo "build: pip exit $?"; grep -n " error" "$OUT/build.log" | head -20
+"$PY" -m dear.info
+for m in raw csrc; do
+  timeout 60 "$PY" tools/gpu_probe.py "$m" >"$OUT/probe_$m.log" 2>&1; echo "probe $m: exit $?"
+done
+echo "== CUDA tests"
+timeout 200 "$PY" -m pytest -q -rfEs -p no:cacheprovider --tb=short -m cuda tests 2>&1 \
+  | tee "$OUT/cuda.log" | tail -12
+echo "== demo"
+timeout 90 "$PY" -m benchmarks.demo 2>&1 | tail -4
+if [ -n "${SUITE-}" ]; then
+  echo "== suite: $SUITE"
+  timeout -s INT "${SUITE_TIMEOUT:-200}" "$PY" -m pytest -q -rfE -p no:cacheprovider --tb=short \
+    -n 14 --timeout 100 $SUITE >"$OUT/suite.log" 2>&1
+  grep -E "^(FAILED|ERROR)|^E |passed|failed" "$OUT/suite.log" | cut -c1-250 | head -40
+fi
