@@ -65,6 +65,13 @@ class TorchCommunicator(Communicator):
     def _peer(self, index: int) -> int:
         return dist.get_global_rank(self._group, index) if self._group is not None else index
 
+    def _wait_timeout(self, tensor: torch.Tensor) -> Optional[float]:
+        """DEAR_TIMEOUT on the waits of CPU collectives. None for CUDA tensors: NCCL's wait() with
+        a timeout blocks the host until the collective ends, where without one it only orders the
+        current stream after it (what lets the host run ahead); NCCL's watchdog enforces the
+        group's timeout, which dear.init() sets to DEAR_TIMEOUT when it starts the group."""
+        return None if tensor.is_cuda else self._timeout
+
     def _exchange_for(self, tensor: torch.Tensor) -> Optional[PairwiseExchange]:
         """dear's exchange where it carries this tensor (a CPU tensor on Gloo), else None."""
         return self._exchange if tensor.device.type == "cpu" else None
@@ -79,7 +86,7 @@ class TorchCommunicator(Communicator):
             return CallbackWork([])
         return CallbackWork([dist.reduce_scatter_tensor(
             output, input, op=dist.ReduceOp.SUM, group=self._group, async_op=True)],
-            timeout=self._timeout)
+            timeout=self._wait_timeout(input))
 
     def all_gather(self, input: torch.Tensor, output: torch.Tensor) -> Work:
         exchange = self._exchange_for(input)
@@ -93,7 +100,7 @@ class TorchCommunicator(Communicator):
         if self._size == 1:
             return CallbackWork([])
         return CallbackWork([dist.all_gather_into_tensor(
-            output, own, group=self._group, async_op=True)], timeout=self._timeout)
+            output, own, group=self._group, async_op=True)], timeout=self._wait_timeout(own))
 
     def all_gather_columns(self, input: torch.Tensor, output: torch.Tensor, start: int,
                            length: int) -> Work:
@@ -104,13 +111,13 @@ class TorchCommunicator(Communicator):
 
     def all_reduce(self, tensor: torch.Tensor) -> Work:
         return CallbackWork([dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self._group,
-                                             async_op=True)], timeout=self._timeout)
+                                             async_op=True)], timeout=self._wait_timeout(tensor))
 
     def broadcast(self, tensor: torch.Tensor, root: int) -> Work:
         if not 0 <= root < self._size:
             raise ValueError(f"root rank {root} does not exist in a world of size {self._size}")
         return CallbackWork([dist.broadcast(tensor, self._peer(root), group=self._group,
-                                            async_op=True)], timeout=self._timeout)
+                                            async_op=True)], timeout=self._wait_timeout(tensor))
 
     def broadcast_object(self, obj: Any, root: int) -> Any:
         if not 0 <= root < self._size:
