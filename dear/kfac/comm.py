@@ -269,21 +269,25 @@ def split_into_buckets(items: Sequence[tuple[Hashable, int, Any]], cap_numel: in
     return buckets
 
 
-def measure_network(transport: Transport, large_numel: int = 1 << 18, repeats: int = 3
-                    ) -> NetworkModel:
-    """alpha and beta from timed all-reduces of 1 and `large_numel` floats (collective; rank
-    0's figures are returned on every rank so all ranks plan alike)."""
+def measure_network(transport: Transport, large_numel: int = 1 << 18, repeats: int = 3,
+                    device: torch.device | str = "cpu") -> NetworkModel:
+    """alpha and beta from timed all-reduces of 1 and `large_numel` floats on `device`, where
+    the factors live (an NCCL group takes CUDA tensors only); a collective: rank 0's figures are
+    returned on every rank so all ranks plan alike."""
     n = transport.size
     if n == 1:
         return NetworkModel()
+    cuda = torch.device(device).type == "cuda"
 
     def timed(numel: int) -> float:
-        buf = torch.zeros(numel)
+        buf = torch.zeros(numel, device=device)
         transport.all_reduce(buf).wait()                 # warm-up, and a loose barrier
         times = []
         for _ in range(repeats):
             start = time.perf_counter()
             transport.all_reduce(buf).wait()
+            if cuda:                                     # wait() only orders the stream
+                torch.cuda.synchronize(device)
             times.append(time.perf_counter() - start)
         return statistics.median(times)
 

@@ -116,8 +116,9 @@ class KFAC:
         self._cap_bytes = self.settings.bucket_cap_bytes
         self.steps = 0
         distributed = self.size > 1
-        self._network = network_model or (measure_network(self._transport) if distributed
-                                          else NetworkModel())
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        self._network = network_model or (measure_network(self._transport, device=device)
+                                          if distributed else NetworkModel())
         self._network_measured = network_model is None and distributed
         self._cost = cost_model or (calibrate() if distributed and self.rank == 0
                                     else CostModel())
