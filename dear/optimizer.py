@@ -37,7 +37,7 @@ from .fusion import fusion_config as fusion_file
 from .fusion.fusion_config import FusionConfig
 from .fusion.layout import GatherGroup, build_layout
 from .fusion.rows import RowSparseBucket, resolve_row_sparse
-from .fusion.schedule import ScheduleDriver
+from .fusion.schedule import ScheduleDriver, issue_mode
 from .fusion.tuner import FusionTuner, OnlineAutotuner
 from .buffers import BufferBroadcast
 from .sparse import SparseGradients, sparse_parameters
@@ -93,10 +93,8 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
         # plan that also fills backward's idle link time with all-gather chunks.
         cfg = runtime.config()
         planned = (cfg.schedule if schedule is None else schedule) == "planned"
-        on_cpu = all(p.device.type == "cpu" for p in self._params)
         self._schedule = ScheduleDriver(lambda: self._comm, planned, cfg.plan_after,
-                                        cfg.chunk_bytes,
-                                        threaded=on_cpu and comm.issue_from_any_thread)
+                                        cfg.chunk_bytes, issue_mode(self._params, comm))
         # Embedding tables sent as the rows some rank used (dear/fusion/rows.py).
         self._row_sparse = resolve_row_sparse(
             cfg.row_sparse if row_sparse is None else row_sparse, named, model,

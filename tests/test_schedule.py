@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 import dear
@@ -141,15 +142,22 @@ def _slow_in_backward(module: torch.nn.Module, seconds: float) -> None:
     module.register_full_backward_pre_hook(lambda *_: time.sleep(seconds))
 
 
-def _planned_run(forced: bool, relayout_at: int) -> dict:
+def _planned_run(forced: bool, relayout_at: int, mode: str = "thread", device: str = "cpu"
+                 ) -> dict:
     """Adam on make_net() with the planned schedule; rank 1's fc1 backward is slow, the branch
     runs on some ranks only. `forced`: after every bucket's reduce-scatter, gather all of that
-    bucket in 3-column chunks (the most chunks in backward any plan can have)."""
+    bucket in 3-column chunks (the most chunks in backward any plan can have). `mode` "stream":
+    the GPU's way of issuing (the training thread issues the chunks, dear/fusion/schedule.py),
+    here on CPU tensors, where the side stream is the host itself."""
+    if mode != "thread":
+        dear.optimizer.issue_mode = lambda params, comm: mode
+    if device == "cuda":                       # two ranks on one GPU: Gloo's CUDA collectives
+        dist.init_process_group("gloo")
     dear.init()
     rank, world = dear.rank(), dear.size()
     recorder = RecordingCommunicator(dear.runtime._state.comm)
     dear.runtime._state.comm = recorder
-    model = make_net()
+    model = make_net().to(device)
     if rank == 1:
         _slow_in_backward(model.fc1, 0.02)
     opt = dear.DistributedOptimizer(OPTIMIZERS["adam"](model.parameters()), model=model,
@@ -165,14 +173,15 @@ def _planned_run(forced: bool, relayout_at: int) -> dict:
                                     for s, n in chunk_columns(b.spec.shard_numel, 3))
                 for b in opt._buckets if b.spec.index > 0})
         opt.zero_grad()
-        x, y = batch(step, world, rank)
+        x, y = (t.to(device) for t in batch(step, world, rank))
         F.mse_loss(model(x, branch_used(step, rank)), y).backward()
         before = len(recorder.log)
         opt.step()
         chunks_in_backward += sum(1 for e in recorder.log[:before] if e[0] == "ag-chunk")
         plans += opt._schedule.plan is not None
     opt.flush_updates()
-    out = {"params": state_of(model), "log": list(recorder.log), "plans": plans,
+    params = {k: v.cpu() for k, v in state_of(model).items()}
+    out = {"params": params, "log": list(recorder.log), "plans": plans,
            "chunks_in_backward": chunks_in_backward, "buckets": len(opt._buckets)}
     dear.shutdown()
     return out
@@ -189,6 +198,44 @@ def test_forced_plan_same_order_everywhere_and_same_training(world: int) -> None
         scale = max(v.abs().max().item() for v in ref.values())
         assert max_diff(res["params"], ref) <= 1e-6 * scale
     assert max_diff(ranks[0]["params"], ranks[1]["params"]) == 0.0
+
+
+def test_gpu_issue_mode_same_order_everywhere_and_same_training() -> None:
+    """The planned schedule as it runs on CUDA tensors, the chunks issued by the training
+    thread: forced chunks, then a measured plan after a new layout."""
+    forced = run_distributed(_planned_run, 2, True, -1, "stream", timeout=180,
+                             env={"DEAR_PLAN_AFTER": "100"})
+    measured = run_distributed(_planned_run, 2, False, 4, "stream", timeout=180,
+                               env={"DEAR_PLAN_AFTER": "2"})
+    ref = reference("adam", 2, STEPS, branch=True)
+    scale = max(v.abs().max().item() for v in ref.values())
+    for ranks in (forced, measured):
+        for res in ranks:
+            assert res["log"] == ranks[0]["log"], "the ranks issued different orders"
+            assert max_diff(res["params"], ref) <= 1e-6 * scale
+    assert all(res["chunks_in_backward"] > 0 for res in forced)
+    assert all(res["plans"] >= 3 for res in measured)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_issue_mode_on_cuda_tensors() -> None:
+    """The same on CUDA tensors, the chunks' waits and averaging on the side stream, the plan
+    timed by CUDA events (two ranks share the one GPU through Gloo's CUDA collectives, which
+    order streams as NCCL's do)."""
+    env = {"DEAR_PLAN_AFTER": "2", "DEAR_GLOO_COLLECTIVES": "native"}
+    forced = run_distributed(_planned_run, 2, True, -1, "stream", "cuda", timeout=240,
+                             env={**env, "DEAR_PLAN_AFTER": "100"})
+    measured = run_distributed(_planned_run, 2, False, 4, "stream", "cuda", timeout=240,
+                               env=env)
+    ref = reference("adam", 2, STEPS, branch=True, dtype=torch.float64)
+    scale = max(v.abs().max().item() for v in ref.values())
+    for ranks in (forced, measured):
+        for res in ranks:
+            assert res["log"] == ranks[0]["log"], "the ranks issued different orders"
+            assert max_diff(res["params"], ref) <= 1e-5 * scale
+    assert all(res["chunks_in_backward"] > 0 for res in forced)
+    assert all(res["plans"] >= 3 for res in measured)
 
 
 def test_measured_plan_and_a_new_layout_mid_run() -> None:

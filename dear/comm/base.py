@@ -90,6 +90,9 @@ class Communicator(abc.ABC):
     #: as well as from the training thread; False keeps every call on the training thread
     #: (and dear's planned schedule off).
     issue_from_any_thread: bool = True
+    #: whether waiting for a collective on CUDA tensors only makes the current stream wait
+    #: (NCCL), never the host; the planned schedule then issues its chunks on a side stream.
+    stream_ordered: bool = False
 
     @property
     @abc.abstractmethod

@@ -157,6 +157,7 @@ class NcclCommunicator(Communicator):
     """All ranks of the job on NCCL, one GPU per rank (LOCAL_RANK picks it)."""
 
     name = "nccl"
+    stream_ordered = True
 
     def __init__(self, rank: int, size: int, store: dist.Store, *,
                  implementation: Optional[str] = None) -> None:

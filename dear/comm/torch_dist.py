@@ -38,6 +38,7 @@ class TorchCommunicator(Communicator):
         self._backend = str(dist.get_backend(group)).lower()
         self._gloo_cpu = carries_cpu_on_gloo(self._backend)
         self._pairwise = self._gloo_cpu and gloo_collectives == "pairwise"
+        self.stream_ordered = "nccl" in self._backend       # CUDA tensors go to NCCL
         self._reverse: Optional[dist.ProcessGroup] = None
         self._exchange: Optional[PairwiseExchange] = None
         if self._pairwise:

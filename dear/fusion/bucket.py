@@ -65,6 +65,9 @@ class Bucket:
         self._work: Optional[Work] = None          # the reduce-scatter
         self._gathers: list[Work] = []              # all-gathers (whole, grouped or chunks)
         self._averaged = False                      # finish_reduce_scatter ran
+        # On a GPU the averaging may run on the planned schedule's side stream: a stream that
+        # reads the shard later waits for this event first.
+        self._averaged_event: Optional[torch.cuda.Event] = None
         # The reduce-scatter may be finished by the thread that issues planned all-gather
         # chunks (dear/fusion/schedule.py) or by step(): whichever comes first, once.
         self._finish_lock = threading.Lock()
@@ -174,6 +177,9 @@ class Bucket:
         """Wait for the reduce-scatter and average this rank's shard, exactly once."""
         with self._finish_lock:
             if self._averaged:
+                if self._averaged_event is not None:
+                    torch.cuda.current_stream(self.shard.device).wait_event(
+                        self._averaged_event)
                 return
             assert self.stage in (Stage.REDUCING, Stage.GATHERING)
             self._wait("reduce-scatter")
@@ -181,6 +187,9 @@ class Bucket:
                 self.shard.copy_(self.wire_shard)
             if postscale != 1.0:
                 self.shard.mul_(postscale)
+            if self.shard.is_cuda:
+                self._averaged_event = torch.cuda.Event()
+                self._averaged_event.record(torch.cuda.current_stream(self.shard.device))
             self._averaged = True
 
     def outgoing_shard(self) -> torch.Tensor:
@@ -250,3 +259,4 @@ class Bucket:
         self.transformed = None
         self._gathers = []
         self._averaged = False
+        self._averaged_event = None

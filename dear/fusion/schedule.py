@@ -21,15 +21,22 @@ thread (`CommExecutor`, executor.py) in the order the training thread submits th
 averaged yet waits in that thread, never in backward. The executor is drained (everything
 submitted is issued) before anything else uses the communicator (step(), clipping, dear.allreduce),
 so main-thread collectives keep their place in the order too.
+
+With CUDA tensors on a stream-ordered communicator (NCCL) no thread is needed: waiting for a
+collective only makes a stream wait, never the host. The training thread issues the plan's chunks
+itself, right after each reduce-scatter, on a side stream, so the waits for their reduce-scatters
+hold back that stream and not backward's kernels. The plan is the same; its timings come from
+CUDA events (the host runs ahead of the GPU).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import statistics
 import time
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, ContextManager, Optional, Sequence
 
 import torch
 
@@ -64,24 +71,29 @@ def _fit(small: tuple[int, float], large: tuple[int, float]) -> tuple[float, flo
 
 
 def probe_link(comm: Communicator, sizes: Sequence[int] = (1 << 16, 4 << 20),
-               repeats: int = 3) -> LinkCost:
-    """Time a reduce-scatter and an all-gather of two sizes (float32), on every rank at once
-    (a collective: call it at the same step everywhere); the best of `repeats` each."""
+               repeats: int = 3, device: torch.device | str = "cpu") -> LinkCost:
+    """Time a reduce-scatter and an all-gather of two sizes (float32, on `device`), on every
+    rank at once (a collective: call it at the same step everywhere); the best of `repeats`."""
     n = comm.size
+    cuda = torch.device(device).type == "cuda"
     points: dict[str, list[tuple[int, float]]] = {"rs": [], "ag": []}
     for nbytes in sizes:
         numel = max(n, nbytes // 4 // n * n)
-        full = torch.zeros(numel)
-        shard = torch.zeros(numel // n)
+        full = torch.zeros(numel, device=device)
+        shard = torch.zeros(numel // n, device=device)
         for kind in ("rs", "ag"):
             best = float("inf")
             for _ in range(repeats):
+                if cuda:
+                    torch.cuda.synchronize(device)
                 comm.barrier()
                 start = time.perf_counter()
                 if kind == "rs":
                     comm.reduce_scatter(full, shard).wait()
                 else:
                     comm.all_gather(shard, full).wait()
+                if cuda:                         # wait() only ordered the stream
+                    torch.cuda.synchronize(device)
                 best = min(best, time.perf_counter() - start)
             points[kind].append((numel * 4, best))
     alpha_rs, rate_rs = _fit(*points["rs"])
@@ -91,32 +103,51 @@ def probe_link(comm: Communicator, sizes: Sequence[int] = (1 << 16, 4 << 20),
 
 class BackwardClock:
     """When each bucket's reduce-scatter was submitted in backward and when step() came,
-    relative to the first submission, over the last few iterations (medians)."""
+    relative to the first submission, over the last few iterations (medians). On a GPU
+    (`device` cuda) the times are those of the compute stream, read from CUDA events."""
 
-    def __init__(self, num_buckets: int) -> None:
-        self._current: dict[int, float] = {}
-        self._samples: list[tuple[dict[int, float], float]] = []
+    def __init__(self, num_buckets: int, device: Optional[torch.device] = None) -> None:
+        self._cuda = device is not None and device.type == "cuda"
+        self._current: dict[int, Any] = {}
+        self._samples: list[tuple[dict[int, Any], Any]] = []
         self._n = num_buckets
 
+    def _now(self) -> Any:
+        if not self._cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
     def reduce_scatter_submitted(self, bucket: int) -> None:
-        self._current.setdefault(bucket, time.perf_counter())
+        if bucket not in self._current:
+            self._current[bucket] = self._now()
 
     def step(self) -> None:
         """step() was called: the iteration's backward is over."""
-        now = time.perf_counter()
+        now = self._now()
         if self._current and len(self._current) == self._n:   # 0 buckets: sparse params only
-            origin = min(self._current.values())
-            self._samples.append(({b: t - origin for b, t in self._current.items()},
-                                  now - origin))
+            self._samples.append((self._current, now))
         self._current = {}
 
     @property
     def samples(self) -> int:
         return len(self._samples)
 
+    def _seconds(self, marks: dict[int, Any], end: Any) -> tuple[dict[int, float], float]:
+        if self._cuda:
+            first = next(iter(marks.values()))        # submitted first: the origin
+            for event in (*marks.values(), end):
+                event.synchronize()
+            return ({b: first.elapsed_time(e) / 1e3 for b, e in marks.items()},
+                    first.elapsed_time(end) / 1e3)
+        origin = min(marks.values())
+        return {b: t - origin for b, t in marks.items()}, end - origin
+
     def medians(self) -> tuple[list[float], float]:
-        ready = [statistics.median(s[0][b] for s in self._samples) for b in range(self._n)]
-        return ready, statistics.median(s[1] for s in self._samples)
+        samples = [self._seconds(*s) for s in self._samples]
+        ready = [statistics.median(s[0][b] for s in samples) for b in range(self._n)]
+        return ready, statistics.median(s[1] for s in samples)
 
 
 # ------------------------------------------------------------------------------ planning
@@ -192,26 +223,43 @@ def plan_gaps(ready: Sequence[float], rs_bytes: Sequence[int],
 
 
 __all__ = ["BackwardClock", "CommExecutor", "FutureWork", "LinkCost", "Plan", "chunk_columns",
-           "plan_gaps", "probe_link"]
+           "issue_mode", "plan_gaps", "probe_link"]
 
 
 # ------------------------------------------------------------------------------- driving
+def issue_mode(params: Sequence[torch.Tensor], comm: Communicator) -> Optional[str]:
+    """How backward's collectives can follow a plan here: "thread" (CPU tensors: the executor
+    thread issues them), "stream" (CUDA tensors on a stream-ordered communicator: the training
+    thread issues them, chunks on a side stream), or None (DeAR's order only: e.g. Horovod's
+    GPU waits block the host, or tensors on several kinds of device)."""
+    devices = {p.device.type for p in params}
+    if devices == {"cpu"} and comm.issue_from_any_thread:
+        return "thread"
+    if devices == {"cuda"} and comm.stream_ordered:
+        return "stream"
+    return None
+
+
 class ScheduleDriver:
     """The planned schedule inside one dear.DistributedOptimizer: measures its first
     iterations, plans at the same step on every rank, and submits the collectives in the
-    plan's order. `enabled=False` (DEAR_SCHEDULE=dear) keeps DeAR's own order. `threaded`:
-    backward's collectives go through the process's executor thread (CPU tensors on several
-    ranks), planned or not, so every optimizer's share one order."""
+    plan's order. `enabled=False` (DEAR_SCHEDULE=dear) keeps DeAR's own order. `mode`
+    (issue_mode()): "thread" sends backward's collectives through the process's executor
+    thread, planned or not, so every optimizer's share one order; "stream" issues them from
+    the training thread, the plan's chunks on a side stream; None: no plan can run."""
 
     def __init__(self, comm_of: Callable[[], Communicator], enabled: bool, plan_after: int,
-                 chunk_bytes: int, threaded: bool = True) -> None:
+                 chunk_bytes: int, mode: Optional[str] = "thread") -> None:
         self._comm_of = comm_of                 # the optimizer's (dear.diagnose may wrap it)
-        threaded = threaded and comm_of().size > 1
-        self.enabled = enabled and threaded
+        if comm_of().size == 1:
+            mode = None                         # nothing to plan
+        self.enabled = enabled and mode is not None
         self._plan_after = plan_after
         self.default_chunk_bytes = chunk_bytes  # Config's; a FusionConfig may carry its own
         self._chunk_bytes = chunk_bytes
-        self.executor: Optional[CommExecutor] = shared_executor() if threaded else None
+        self.executor: Optional[CommExecutor] = (shared_executor() if mode == "thread"
+                                                 else None)
+        self._side: Optional[torch.cuda.Stream] = None   # "stream": the chunks' stream
         self.plan: Optional[Plan] = None
         self.cost: Optional[LinkCost] = None
         self._clock: Optional[BackwardClock] = None
@@ -228,7 +276,7 @@ class ScheduleDriver:
     @property
     def searched_chunk_bytes(self) -> Optional[int]:
         """What an autotuner starts the chunk size from, or None when no plan can run here
-        (DeAR's order, one rank, GPU tensors): then the chunk size changes nothing."""
+        (DeAR's order, one rank, no issue_mode()): then the chunk size changes nothing."""
         return self.default_chunk_bytes if self.enabled else None
 
     def reset(self, buckets: Sequence[Any], chunk_bytes: Optional[int] = None) -> None:
@@ -238,7 +286,7 @@ class ScheduleDriver:
         self._chunk_bytes = self.default_chunk_bytes if chunk_bytes is None else chunk_bytes
         self._buckets = list(buckets)
         self.plan, self._steps, self._planned = None, 0, False
-        self._clock = BackwardClock(len(buckets)) if self.enabled else None
+        self._clock = BackwardClock(len(buckets), self._device) if self.enabled else None
         self._prefix = {}
 
     @property
@@ -258,15 +306,33 @@ class ScheduleDriver:
             self._clock.reduce_scatter_submitted(bucket.spec.index)
         if not self.active:
             return
-        assert self.plan is not None and self.executor is not None
+        assert self.plan is not None
         comm = self._comm
         for b, start, length in self.plan.after.get(bucket.spec.index, ()):
             target = self._buckets[b]
-            work = self.executor.submit(
-                lambda t=target, s=start, n=length: t.gather_columns(comm, s, n),
-                before=lambda t=target: t.finish_reduce_scatter(postscale))
+            if self.executor is not None:
+                work = self.executor.submit(
+                    lambda t=target, s=start, n=length: t.gather_columns(comm, s, n),
+                    before=lambda t=target: t.finish_reduce_scatter(postscale))
+            else:                               # "stream": nothing here waits on the host
+                with self._chunk_stream(target.buffer.device):
+                    target.finish_reduce_scatter(postscale)
+                    work = target.gather_columns(comm, start, length)
             target.gather_early(work)
             self._prefix[b] = start + length
+
+    @property
+    def _device(self) -> torch.device:
+        return self._buckets[0].buffer.device if self._buckets else torch.device("cpu")
+
+    def _chunk_stream(self, device: torch.device) -> ContextManager[Any]:
+        """Where the chunks' waits and averaging go: the side stream (on CPU tensors, forced
+        by tests, the same path runs on the host)."""
+        if device.type != "cuda":
+            return contextlib.nullcontext()
+        if self._side is None:
+            self._side = torch.cuda.Stream(device=device)
+        return torch.cuda.stream(self._side)
 
     def gathered_early(self) -> bool:
         return bool(self._prefix)
@@ -302,7 +368,7 @@ class ScheduleDriver:
         if (self._clock is None or self._planned or self.paused
                 or self._steps < self._plan_after):
             return                              # (paused is the same on every rank)
-        cost = probe_link(self._comm)
+        cost = probe_link(self._comm, device=self._device)
         plan = None
         if self._comm.rank == 0 and self._clock.samples:
             ready, _ = self._clock.medians()
