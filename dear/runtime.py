@@ -186,10 +186,24 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
     """Give every rank rank `root_rank`'s optimizer state and hyperparameters."""
     comm = communicator()
     _flush_all()
-    state = comm.broadcast_object(optimizer.state_dict() if comm.rank == root_rank else None,
-                                  root_rank)
+    # Sent with its tensors on the CPU: pickled CUDA tensors would be unpickled onto the root's
+    # GPU index on every rank (a CUDA context on GPU 0 for each); load_state_dict() moves each
+    # state tensor to its parameter's device.
+    state = comm.broadcast_object(_on_cpu(optimizer.state_dict()) if comm.rank == root_rank
+                                  else None, root_rank)
     if comm.rank != root_rank:
         optimizer.load_state_dict(state)
+
+
+def _on_cpu(obj: Any) -> Any:
+    """`obj` (dicts, lists and tuples of tensors and plain values) with CPU tensors."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: _on_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+        return type(obj)(_on_cpu(v) for v in obj)
+    return obj
 
 
 def allreduce(tensor: torch.Tensor, op: Any = ReduceOp.Average) -> torch.Tensor:
