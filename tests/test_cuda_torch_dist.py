@@ -9,6 +9,7 @@ import torch
 
 import dear
 from tests.distributed import free_port
+from tests.workloads import assert_trains_like_one_process
 
 pytestmark = [
     pytest.mark.cuda,
@@ -62,20 +63,5 @@ def test_wait_on_a_cuda_collective_does_not_block_the_host(torchrun_world_of_one
 
 
 def test_trains_like_one_process_on_the_gpu(torchrun_world_of_one) -> None:
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(),
-                                torch.nn.Linear(16, 2)).cuda()
-    ref = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(),
-                              torch.nn.Linear(16, 2)).cuda()
-    ref.load_state_dict(model.state_dict())
-    opt = dear.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=0.01), model=model)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01)
-    for _ in range(5):
-        x = torch.randn(32, 8, device="cuda")
-        for m, o in ((model, opt), (ref, ref_opt)):
-            o.zero_grad()
-            m(x).square().mean().backward()
-            o.step()
-    opt.synchronize()
-    for p, r in zip(model.parameters(), ref.parameters()):
-        torch.testing.assert_close(p, r, rtol=1e-5, atol=1e-6)
+    assert_trains_like_one_process(lambda params: torch.optim.AdamW(params, lr=0.01), "cuda",
+                                   steps=5)

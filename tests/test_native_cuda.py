@@ -12,6 +12,7 @@ import torch
 import dear
 from dear import native
 from tests.test_native import DTYPES, SGD_CASES, FakeComm, bits, drive, make_grads, make_params
+from tests.workloads import assert_trains_like_one_process
 
 pytestmark = [
     pytest.mark.cuda,
@@ -139,24 +140,8 @@ def test_dear_init_nccl_trains_on_one_gpu(monkeypatch) -> None:
     monkeypatch.setenv("LOCAL_RANK", "0")
     dear.init(backend="nccl")
     try:
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(),
-                                    torch.nn.Linear(8, 2)).cuda()
-        ref = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(),
-                                  torch.nn.Linear(8, 2)).cuda()
-        ref.load_state_dict(model.state_dict())
-        opt = dear.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1,
-                                                        momentum=0.9), model=model)
-        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
-        for step in range(4):
-            x = torch.randn(16, 8, device="cuda", generator=None)
-            for m, o in ((model, opt), (ref, ref_opt)):
-                o.zero_grad()
-                m(x).square().mean().backward()
-                o.step()
-        opt.synchronize()
-        for p, r in zip(model.parameters(), ref.parameters()):
-            torch.testing.assert_close(p, r, rtol=1e-5, atol=1e-6)
+        assert_trains_like_one_process(
+            lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9), "cuda")
     finally:
         dear.shutdown()
     assert os.environ["WORLD_SIZE"] == "1"

@@ -149,3 +149,26 @@ def assert_float32_close(result: dict[str, torch.Tensor], exact: dict[str, torch
     assert err <= FLOAT32_FACTOR * scale + FLOAT32_FLOOR, (
         f"{what}: {err:.3g} from the float64 reference, while independent float32 runs are "
         f"{scale:.3g} from it")
+
+
+def assert_trains_like_one_process(make_optimizer: Callable[[Any], torch.optim.Optimizer],
+                                   device: str, steps: int = 4) -> None:
+    """In a world of one (dear initialised), a small MLP trained through
+    dear.DistributedOptimizer ends where plain torch ends (for the GPU tests: the device path
+    of the deferred update against no dear at all)."""
+    import dear
+    torch.manual_seed(0)
+    nets = [torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(),
+                                torch.nn.Linear(16, 2)).to(device) for _ in range(2)]
+    nets[1].load_state_dict(nets[0].state_dict())
+    opts = [dear.DistributedOptimizer(make_optimizer(nets[0].parameters()), model=nets[0]),
+            make_optimizer(nets[1].parameters())]
+    for _ in range(steps):
+        x = torch.randn(32, 8, device=device)
+        for net, opt in zip(nets, opts):
+            opt.zero_grad()
+            net(x).square().mean().backward()
+            opt.step()
+    opts[0].synchronize()
+    for p, r in zip(*(net.parameters() for net in nets)):
+        torch.testing.assert_close(p, r, rtol=1e-5, atol=1e-6)
