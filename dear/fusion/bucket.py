@@ -68,6 +68,10 @@ class Bucket:
         # On a GPU the averaging may run on the planned schedule's side stream: a stream that
         # reads the shard later waits for this event first.
         self._averaged_event: Optional[torch.cuda.Event] = None
+        # This rank had a gradient for every parameter (read when the reduce-scatter starts):
+        # then every flag is non-zero after the all-gather, and reading them back (a host sync
+        # on a GPU, in the forward that applies the update) is skipped.
+        self._all_used_here = False
         # The reduce-scatter may be finished by the thread that issues planned all-gather
         # chunks (dear/fusion/schedule.py) or by step(): whichever comes first, once.
         self._finish_lock = threading.Lock()
@@ -146,6 +150,8 @@ class Bucket:
         """`submit` (the schedule's executor) fills the buffer and issues the collective in its
         thread, in order; without it, this thread does both now."""
         assert self.stage is Stage.IDLE and self.full, "bucket reduced twice or before it is full"
+        used = self._ready.used() if self._ready is not None else self.used
+        self._all_used_here = all(u != 0 for u in used)
 
         def issue() -> Work:
             self.fill()
@@ -229,6 +235,10 @@ class Bucket:
             self._wait("all-gather", work)
         self._gathers = []
         self._work = None
+        if self._all_used_here:                # some rank (this one) used each: no flag read
+            if self.wire is not self.buffer:
+                self.buffer.copy_(self.wire)
+            return [True] * len(self.params)
         if self._ready is not None:
             return _native.extension().unpack_bucket(self.wire, self.buffer,
                                                      self.spec.flags_offset, len(self.params))
@@ -260,3 +270,4 @@ class Bucket:
         self._gathers = []
         self._averaged = False
         self._averaged_event = None
+        self._all_used_here = False
