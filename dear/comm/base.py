@@ -129,6 +129,8 @@ class Communicator(abc.ABC):
         def place() -> None:
             output.view(self.size, -1)[:, start:start + length].copy_(
                 staging.view(self.size, length))
+            if staging.is_cuda:    # read on the waiting stream, maybe not where it was made
+                staging.record_stream(torch.cuda.current_stream(staging.device))
         return CallbackWork([work], place)
 
     @abc.abstractmethod
