@@ -302,7 +302,7 @@ class ScheduleDriver:
 
     def reduce_scatter_submitted(self, bucket: Any, postscale: float) -> None:
         """Right after bucket's reduce-scatter was submitted: the chunks the plan puts next."""
-        if self._clock is not None:
+        if self._clock is not None and not self._planned:
             self._clock.reduce_scatter_submitted(bucket.spec.index)
         if not self.active:
             return
@@ -357,8 +357,8 @@ class ScheduleDriver:
         """After step() issued its all-gathers: record the iteration's backward; plan when the
         measured iterations are there (every rank at the same step: a collective)."""
         self._prefix = {}
-        if self._clock is None:
-            return
+        if self._clock is None or self._planned:
+            return                              # measured once per layout
         self._clock.step()
         self._steps += 1
 
