@@ -49,13 +49,14 @@ def _average_grads(model: torch.nn.Module) -> None:
             p.grad /= dist.get_world_size()
 
 
-def _rank_cases(cases: list) -> list:
-    dist.init_process_group("gloo")
+def _rank_cases(cases: list, backend: str = "gloo") -> list:
+    dist.init_process_group(backend)
     rank, world = dist.get_rank(), dist.get_world_size()
     out = []
     for name, strategy, extra in cases:
         model = W.make_model(name)
         precond = KFAC(model, strategy=strategy, **{**ARGS, **extra})
+        assert precond._transport._gloo, f"{backend}: CPU factors should go point to point"
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
         grads = []
         for step in range(STEPS):
@@ -68,7 +69,7 @@ def _rank_cases(cases: list) -> list:
             opt.step()
         out.append((grads, precond.plan.strategy.value, list(precond.plan.layer_owner),
                     list(precond.plan.a_owner)))
-    if world == 2:         # the integrations, in the same ranks (each spawn costs seconds)
+    if world == 2 and backend == "gloo":   # the integrations, in the same ranks
         out.append(_with_ddp("pad"))
         out.append(_with_dear_optimizer("mem-opt"))
     return out
@@ -77,8 +78,26 @@ def _rank_cases(cases: list) -> list:
 @pytest.mark.parametrize("world", [2, 3])
 def test_every_strategy_matches_the_shard_averaged_reference(world):
     results = run_distributed(_rank_cases, world, CASES, timeout=240)
+    _check(results, CASES, world)
+    if world == 2:     # torch DDP (embedding model), then dear.DistributedOptimizer (CNN)
+        for name, got in (("embed", [r[-2] for r in results]), ("cnn", [r[-1] for r in results])):
+            want = W.reference_run(name, 2, STEPS, **ARGS)
+            for grads in got:
+                for step in range(STEPS):
+                    assert W.max_rel_diff(grads[step], want[step]) < 1e-9, (name, step)
+
+
+def test_pad_on_a_device_mapped_group():
+    """PAD's factor reduce on a "cpu:gloo,cuda:nccl"-style group (here its CPU half), which
+    dear.init() starts on GPU machines: CPU factors take the point-to-point reduce."""
+    cases = [c for c in CASES if c[1] == "pad"][:2]
+    _check(run_distributed(_rank_cases, 3, cases, "cpu:gloo", timeout=240), cases, 3)
+
+
+def _check(results: list, cases: list, world: int) -> None:
+    """Every rank's preconditioned gradients equal the shard-averaged reference's."""
     references = {}
-    for k, (name, strategy, extra) in enumerate(CASES):
+    for k, (name, strategy, extra) in enumerate(cases):
         hyper = {k: v for k, v in extra.items() if k in ("method", "factor_update_freq")}
         key = (name, tuple(sorted(hyper.items())))
         if key not in references:
@@ -96,12 +115,6 @@ def test_every_strategy_matches_the_shard_averaged_reference(world):
             assert owners == sorted(owners)
         if strategy == "comm-opt" and extra.get("network_model") is SLOW_NET:
             assert -1 in results[0][k][3], "the slow network should make small factors redundant"
-    if world == 2:     # torch DDP (embedding model), then dear.DistributedOptimizer (CNN)
-        for name, got in (("embed", [r[-2] for r in results]), ("cnn", [r[-1] for r in results])):
-            want = W.reference_run(name, 2, STEPS, **ARGS)
-            for grads in got:
-                for step in range(STEPS):
-                    assert W.max_rel_diff(grads[step], want[step]) < 1e-9, (name, step)
 
 
 def _with_dear_optimizer(strategy: str) -> list:

@@ -31,6 +31,7 @@ from torch import Tensor
 from .. import runtime
 from ..comm.base import CallbackWork, Communicator, DoneWork, Work
 from ..comm.local import LocalCommunicator
+from ..comm.torch_dist import carries_cpu_on_gloo
 from .costs import NetworkModel
 
 log = logging.getLogger("dear")
@@ -51,7 +52,9 @@ class Transport:
         self._owned: list[dist.ProcessGroup] = []
         if torch_dist:
             self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
-            self._gloo = str(dist.get_backend(group)).lower() == "gloo"
+            # CPU tensors on Gloo (also of a "cpu:gloo,cuda:nccl" group) take the
+            # point-to-point reduce below; CUDA tensors take the backend's own.
+            self._gloo = carries_cpu_on_gloo(str(dist.get_backend(group)))
             if group is None and self.size > 1:        # groups of our own: every rank, now
                 self._group = dist.new_group(group_desc="dear_kfac")
                 self._owned.append(self._group)
@@ -118,7 +121,7 @@ class Transport:
         if not self._torch:
             _log_reduce_fallback(self.name)
             return self._comm.all_reduce(tensor)  # type: ignore[union-attr]
-        if not self._gloo:
+        if not self._gloo or tensor.is_cuda:
             return CallbackWork([dist.reduce(tensor, self._peer(root), group=self._group,
                                              async_op=True)])
         self._tag = (self._tag + 1) % (1 << 20)
