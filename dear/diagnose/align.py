@@ -41,7 +41,8 @@ def current_group(comm: Optional[Any] = None) -> Group:
             out: list[Any] = [None] * dist.get_world_size()
             dist.all_gather_object(out, value)
             return out
-        gloo = str(dist.get_backend()).lower() == "gloo"
+        from ..comm.torch_dist import carries_cpu_on_gloo
+        gloo = carries_cpu_on_gloo(str(dist.get_backend()))   # CPU point to point
         return Group(dist.get_rank(), dist.get_world_size(), dist.barrier, gather, p2p=gloo)
     if comm is not None:
         return Group(comm.rank, comm.size, comm.barrier, comm.all_gather_object)
