@@ -94,7 +94,8 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
         cfg = runtime.config()
         planned = (cfg.schedule if schedule is None else schedule) == "planned"
         self._schedule = ScheduleDriver(lambda: self._comm, planned, cfg.plan_after,
-                                        cfg.chunk_bytes, issue_mode(self._params, comm))
+                                        cfg.chunk_bytes, issue_mode(self._params, comm),
+                                        cfg.plan_slack)
         # Embedding tables sent as the rows some rank used (dear/fusion/rows.py).
         self._row_sparse = resolve_row_sparse(
             cfg.row_sparse if row_sparse is None else row_sparse, named, model,

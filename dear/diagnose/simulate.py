@@ -514,7 +514,8 @@ class Simulator:
         chunk = Config().chunk_bytes if chunk is None else chunk
         plan = plan_gaps(ready, [b for _, b in buckets],
                          [0 if k in unchunked else n for k, n in enumerate(shard)],
-                         itemsize, world, link, chunk)   # as dear: no chunks of a rows table
+                         itemsize, world, link, chunk,   # as dear: no chunks of a rows table
+                         Config.from_env().plan_slack)
         early = {c[0] for cs in plan.after.values() for c in cs}
         layout = DearLayout(buckets, [part for g in layout.groups
                                       for part in ([[b] for b in g] if early & set(g) else [g])])

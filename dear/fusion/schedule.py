@@ -184,7 +184,7 @@ def chunk_columns(shard_numel: int, chunk: int) -> list[tuple[int, int]]:
 
 def plan_gaps(ready: Sequence[float], rs_bytes: Sequence[int],
               shard_numels: Sequence[int], itemsizes: Sequence[int], world: int,
-              cost: LinkCost, chunk_bytes: int, slack: float = 0.1) -> Plan:
+              cost: LinkCost, chunk_bytes: int, slack: float = 0.25) -> Plan:
     """Replay one backward on a FIFO link: reduce-scatters in reduce order (last bucket first)
     at their ready times; after each, the all-gather chunks that fit before the next bucket is
     ready (with `slack` of the gap kept free), needed-first (lowest bucket, lowest column)
@@ -249,7 +249,8 @@ class ScheduleDriver:
     the training thread, the plan's chunks on a side stream; None: no plan can run."""
 
     def __init__(self, comm_of: Callable[[], Communicator], enabled: bool, plan_after: int,
-                 chunk_bytes: int, mode: Optional[str] = "thread") -> None:
+                 chunk_bytes: int, mode: Optional[str] = "thread", slack: float = 0.25
+                 ) -> None:
         self._comm_of = comm_of                 # the optimizer's (dear.diagnose may wrap it)
         if comm_of().size == 1:
             mode = None                         # nothing to plan
@@ -257,6 +258,7 @@ class ScheduleDriver:
         self._plan_after = plan_after
         self.default_chunk_bytes = chunk_bytes  # Config's; a FusionConfig may carry its own
         self._chunk_bytes = chunk_bytes
+        self._slack = slack                     # Config.plan_slack
         self.executor: Optional[CommExecutor] = (shared_executor() if mode == "thread"
                                                  else None)
         self._side: Optional[torch.cuda.Stream] = None   # "stream": the chunks' stream
@@ -376,7 +378,7 @@ class ScheduleDriver:
                                      for b in self._buckets],
                              [b.spec.shard_numel if b.chunkable else 0 for b in self._buckets],
                              itemsizes, self._comm.size, cost,
-                             self._chunk_bytes)
+                             self._chunk_bytes, self._slack)
             log.info("dear: planned schedule: %d all-gather chunks in backward's idle link "
                      "time (%.1f ms predicted); link rs %.2f Gbit/s, ag %.2f Gbit/s",
                      plan.num_chunks, 1e3 * plan.predicted_gap_fill_s, 8e-9 * cost.rate_rs,
