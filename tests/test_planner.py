@@ -125,7 +125,7 @@ def test_default_threshold_keeps_about_eight_buckets_on_a_small_model(monkeypatc
 
 def test_plan_slack_is_read_and_checked():
     from dear.config import Config
-    assert Config.from_env({}).plan_slack == 0.25
-    assert Config.from_env({"DEAR_PLAN_SLACK": "0.1"}).plan_slack == 0.1
+    assert Config.from_env({}).plan_slack == 0.1
+    assert Config.from_env({"DEAR_PLAN_SLACK": "0.25"}).plan_slack == 0.25
     with pytest.raises(ValueError, match="plan_slack must be in"):
         Config.from_env({"DEAR_PLAN_SLACK": "1.5"})

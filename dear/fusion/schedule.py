@@ -184,7 +184,7 @@ def chunk_columns(shard_numel: int, chunk: int) -> list[tuple[int, int]]:
 
 def plan_gaps(ready: Sequence[float], rs_bytes: Sequence[int],
               shard_numels: Sequence[int], itemsizes: Sequence[int], world: int,
-              cost: LinkCost, chunk_bytes: int, slack: float = 0.25) -> Plan:
+              cost: LinkCost, chunk_bytes: int, slack: float = 0.1) -> Plan:
     """Replay one backward on a FIFO link: reduce-scatters in reduce order (last bucket first)
     at their ready times; after each, the all-gather chunks that fit before the next bucket is
     ready (with `slack` of the gap kept free), needed-first (lowest bucket, lowest column)
@@ -249,7 +249,7 @@ class ScheduleDriver:
     the training thread, the plan's chunks on a side stream; None: no plan can run."""
 
     def __init__(self, comm_of: Callable[[], Communicator], enabled: bool, plan_after: int,
-                 chunk_bytes: int, mode: Optional[str] = "thread", slack: float = 0.25
+                 chunk_bytes: int, mode: Optional[str] = "thread", slack: float = 0.1
                  ) -> None:
         self._comm_of = comm_of                 # the optimizer's (dear.diagnose may wrap it)
         if comm_of().size == 1:
