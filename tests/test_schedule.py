@@ -203,16 +203,23 @@ def test_forced_plan_same_order_everywhere_and_same_training(world: int) -> None
 def test_gpu_issue_mode_same_order_everywhere_and_same_training() -> None:
     """The planned schedule as it runs on CUDA tensors, the chunks issued by the training
     thread: forced chunks, then a measured plan after a new layout."""
-    forced = run_distributed(_planned_run, 2, True, -1, "stream", timeout=180,
-                             env={"DEAR_PLAN_AFTER": "100"})
-    measured = run_distributed(_planned_run, 2, False, 4, "stream", timeout=180,
-                               env={"DEAR_PLAN_AFTER": "2"})
-    ref = reference("adam", 2, STEPS, branch=True)
+    _check_stream_mode("cpu", {}, torch.float32, 1e-6, timeout=180)
+
+
+def _check_stream_mode(device: str, env: dict, ref_dtype: torch.dtype, tol: float,
+                       timeout: float) -> None:
+    """Forced chunks, then a measured plan after a new layout, in the "stream" mode on 2
+    ranks: the same order everywhere, the single-process reference's parameters."""
+    forced = run_distributed(_planned_run, 2, True, -1, "stream", device, timeout=timeout,
+                             env={**env, "DEAR_PLAN_AFTER": "100"})
+    measured = run_distributed(_planned_run, 2, False, 4, "stream", device, timeout=timeout,
+                               env={**env, "DEAR_PLAN_AFTER": "2"})
+    ref = reference("adam", 2, STEPS, branch=True, dtype=ref_dtype)
     scale = max(v.abs().max().item() for v in ref.values())
     for ranks in (forced, measured):
         for res in ranks:
             assert res["log"] == ranks[0]["log"], "the ranks issued different orders"
-            assert max_diff(res["params"], ref) <= 1e-6 * scale
+            assert max_diff(res["params"], ref) <= tol * scale
     assert all(res["chunks_in_backward"] > 0 for res in forced)
     assert all(res["plans"] >= 3 for res in measured)
 
@@ -223,19 +230,8 @@ def test_gpu_issue_mode_on_cuda_tensors() -> None:
     """The same on CUDA tensors, the chunks' waits and averaging on the side stream, the plan
     timed by CUDA events (two ranks share the one GPU through Gloo's CUDA collectives, which
     order streams as NCCL's do)."""
-    env = {"DEAR_PLAN_AFTER": "2", "DEAR_GLOO_COLLECTIVES": "native"}
-    forced = run_distributed(_planned_run, 2, True, -1, "stream", "cuda", timeout=240,
-                             env={**env, "DEAR_PLAN_AFTER": "100"})
-    measured = run_distributed(_planned_run, 2, False, 4, "stream", "cuda", timeout=240,
-                               env=env)
-    ref = reference("adam", 2, STEPS, branch=True, dtype=torch.float64)
-    scale = max(v.abs().max().item() for v in ref.values())
-    for ranks in (forced, measured):
-        for res in ranks:
-            assert res["log"] == ranks[0]["log"], "the ranks issued different orders"
-            assert max_diff(res["params"], ref) <= 1e-5 * scale
-    assert all(res["chunks_in_backward"] > 0 for res in forced)
-    assert all(res["plans"] >= 3 for res in measured)
+    _check_stream_mode("cuda", {"DEAR_GLOO_COLLECTIVES": "native"}, torch.float64, 1e-5,
+                       timeout=240)
 
 
 def test_measured_plan_and_a_new_layout_mid_run() -> None:
