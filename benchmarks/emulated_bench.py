@@ -255,15 +255,16 @@ def train(method: Method, model_spec: emulated.ModelSpec, warmup: int, iters: in
 
 
 def _plan_warmup(method: Method) -> int:
-    """dear's planned schedule runs DeAR's order for plan_after iterations, then plans: time it
-    only once it runs the plan (2 more iterations), not in the order it measures first."""
+    """dear's planned schedule runs DeAR's order for plan_after iterations, then plans, runs the
+    plan as many iterations and checks it against the link (maybe planning again): time it only
+    once it runs the checked plan (2 more iterations), not while it measures."""
     if method.base != "dear":
         return 0
     import dear
     cfg = dear.runtime.config()
     if method.options.get("schedule", getattr(cfg, "schedule", "dear")) != "planned":
         return 0
-    return int(method.options.get("plan_after", getattr(cfg, "plan_after", 0))) + 2
+    return 2 * int(method.options.get("plan_after", getattr(cfg, "plan_after", 0))) + 2
 
 
 def compute_only(model_spec: emulated.ModelSpec, warmup: int, iters: int, batch_size: int

@@ -142,10 +142,10 @@ class Config:
     #: bytes of an all-gather chunk in backward's idle time (DEAR_CHUNK_BYTES).
     chunk_bytes: int = 1 * _MB
     #: share of each backward gap the plan leaves free of all-gather chunks (DEAR_PLAN_SLACK):
-    #: its link costs come from an idle-link probe, and a chunk that overruns delays every later
-    #: reduce-scatter. 0.25 made BERT-Base 1-8% faster in scratch runs (2 ranks; step() waited
-    #: 50-210 ms less) but ResNet-50 on 4 ranks 3% slower in make bench's table
-    #: (1.087 -> 1.123 x T_lb), so the default stays 0.1.
+    #: its link costs are a model (a probe, scaled to the measured iterations), and a chunk that
+    #: overruns delays every later reduce-scatter. Before that scaling, 0.25 made BERT-Base 1-8%
+    #: faster in scratch runs (2 ranks; step() waited 50-210 ms less) but ResNet-50 on 4 ranks
+    #: 3% slower in make bench's table (1.087 -> 1.123 x T_lb), so the default stayed 0.1.
     plan_slack: float = 0.1
     #: embedding tables sent as the rows some rank used (dear/fusion/rows.py): "auto" (the
     #: model's dense, untied nn.Embedding tables of 1 MB or more; nothing without model=),

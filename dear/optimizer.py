@@ -369,6 +369,7 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
         self._schedule.drain()                 # what backward submitted is issued: our turn
         for bucket in reversed(buckets):
             bucket.finish_reduce_scatter(self._postscale)
+        self._schedule.reduced()
         self._reduced = True
         self._arm_hooks()
 
@@ -571,9 +572,10 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
         step() through on_step() and switch every rank at the same step."""
         cfg = runtime.config()
         model_bytes = _gradient_bytes(named)
-        # A trial must time the layout as it will run: planned, once its plan is made (a new
-        # layout measures plan_after iterations first), so those are part of the settling.
-        settle = (max(cfg.autotune_settle, cfg.plan_after + 1) if self._schedule.enabled
+        # A trial must time the layout as it will run: planned, once its plan is made and
+        # checked (a new layout measures plan_after iterations, then runs the plan as many
+        # before the check), so those are part of the settling.
+        settle = (max(cfg.autotune_settle, 2 * cfg.plan_after + 1) if self._schedule.enabled
                   else cfg.autotune_settle)
         if mode is Autotune.OFFLINE:
             if not self._overlap:

@@ -213,7 +213,7 @@ def test_offline_run_with_the_planned_schedule_searches_chunk_sizes(tmp_path) ->
     """With the planned schedule the simulated candidates carry their own chunk size (the
     planned replay), every rank confirms the same ones, and training stays exact."""
     from tests.workloads import max_diff, reference
-    steps = 30                                 # settle is plan_after + 1 = 3 per trial here
+    steps = 36                                 # settle is 2 x plan_after + 1 = 5 per trial
     ranks = run_distributed(_train, 2, "offline", str(tmp_path), 2, steps,
                             {"DEAR_SCHEDULE": "planned", "DEAR_PLAN_AFTER": "2"}, timeout=180)
     first = ranks[0]

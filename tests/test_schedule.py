@@ -20,6 +20,7 @@ import torch.nn.functional as F
 import dear
 from dear.comm.base import Communicator, DoneWork, Work
 from dear.fusion.fusion_config import FusionConfig
+from dear.fusion.plan import calibrate, replay_tail
 from dear.fusion.schedule import CommExecutor, LinkCost, Plan, chunk_columns, plan_gaps
 from tests.distributed import run_distributed
 from tests.workloads import OPTIMIZERS, batch, branch_used, make_net, max_diff, reference, state_of
@@ -42,6 +43,31 @@ def test_plan_fills_idle_gaps_and_leaves_a_busy_link_alone() -> None:
     # Link-bound: every bucket ready at once, no gap, DeAR's order.
     busy = plan_gaps([0.0, 0.0, 0.0], [1000] * 3, shard, item, world, cost, 504)
     assert busy.after == {} and busy.num_chunks == 0
+
+
+def test_replay_tail_is_a_fifo_link_in_the_plans_order() -> None:
+    cost = LinkCost(alpha_rs=0.0, rate_rs=1e6, alpha_ag=0.0, rate_ag=1e6)   # 1000 B: 1 ms
+    # Buckets 1 and 0 (1000 bytes each) ready at 0 and 2 ms. Alone: bucket 0's reduce-scatter
+    # runs from its ready time, 1 ms. With a chunk of bucket 1 after bucket 1's reduce-scatter
+    # (2 ranks x 250 float32 columns = 2000 B, 1-3 ms), bucket 0's waits for it: 3-4 ms.
+    ready, rs, items = [0.002, 0.0], [1000, 1000], [4, 4]
+    plan = Plan(after={1: ((1, 0, 250),)})
+    assert replay_tail(Plan({}), ready, rs, items, 2, cost) == pytest.approx(0.001)
+    assert replay_tail(plan, ready, rs, items, 2, cost) == pytest.approx(0.002)
+    # Twice as slow: rs(1) 0-2 ms, the chunk 2-6 ms, rs(0) 6-8 ms: 6 ms after bucket 0 is ready.
+    assert replay_tail(plan, ready, rs, items, 2, cost.slower(2.0)) == pytest.approx(0.006)
+
+
+def test_calibrate_finds_how_much_slower_the_link_was() -> None:
+    cost = LinkCost(alpha_rs=1e-4, rate_rs=1e6, alpha_ag=2e-4, rate_ag=2e6)
+    ready, rs, items = [0.004, 0.002, 0.0], [1000, 3000, 2000], [4, 4, 4]
+    plan = Plan(after={2: ((2, 0, 100), (2, 100, 150)), 1: ((1, 0, 375),)})
+
+    def tail(factor: float) -> float:
+        return replay_tail(plan, ready, rs, items, 2, cost.slower(factor))
+    for truth in (0.7, 1.0, 1.37, 3.2):
+        assert calibrate(tail(truth), tail) == pytest.approx(truth, abs=2e-3)
+    assert calibrate(0.0, tail) == 0.5 and calibrate(10.0, tail) == 4.0   # the bounds
 
 
 def test_chunk_columns_cover_the_shard_once() -> None:
@@ -142,13 +168,17 @@ def _slow_in_backward(module: torch.nn.Module, seconds: float) -> None:
     module.register_full_backward_pre_hook(lambda *_: time.sleep(seconds))
 
 
-def _planned_run(forced: bool, relayout_at: int, mode: str = "thread", device: str = "cpu"
-                 ) -> dict:
+def _planned_run(forced: bool, relayout_at: int, mode: str = "thread", device: str = "cpu",
+                 factors: tuple[float, ...] = ()) -> dict:
     """Adam on make_net() with the planned schedule; rank 1's fc1 backward is slow, the branch
     runs on some ranks only. `forced`: after every bucket's reduce-scatter, gather all of that
     bucket in 3-column chunks (the most chunks in backward any plan can have). `mode` "stream":
     the GPU's way of issuing (the training thread issues the chunks, dear/fusion/schedule.py),
-    here on CPU tensors, where the side stream is the host itself."""
+    here on CPU tensors, where the side stream is the host itself. `factors`: what rank 0's
+    link calibrations find, in turn (the plan's, then the check's), instead of measuring."""
+    if factors:
+        found = iter(factors)
+        dear.fusion.schedule.calibrate = lambda *args, **kwargs: next(found)
     if mode != "thread":
         dear.optimizer.issue_mode = lambda params, comm: mode
     if device == "cuda":                       # two ranks on one GPU: Gloo's CUDA collectives
@@ -162,7 +192,7 @@ def _planned_run(forced: bool, relayout_at: int, mode: str = "thread", device: s
         _slow_in_backward(model.fc1, 0.02)
     opt = dear.DistributedOptimizer(OPTIMIZERS["adam"](model.parameters()), model=model,
                                     fusion_threshold=1024, schedule="planned")
-    chunks_in_backward, plans = 0, 0
+    chunks_in_backward, plans, num_chunks = 0, 0, []
     for step in range(STEPS):
         if step == relayout_at:                # what the autotuner does between steps
             opt.flush_updates()
@@ -179,9 +209,10 @@ def _planned_run(forced: bool, relayout_at: int, mode: str = "thread", device: s
         opt.step()
         chunks_in_backward += sum(1 for e in recorder.log[:before] if e[0] == "ag-chunk")
         plans += opt._schedule.plan is not None
+        num_chunks.append(None if opt._schedule.plan is None else opt._schedule.plan.num_chunks)
     opt.flush_updates()
     params = {k: v.cpu() for k, v in state_of(model).items()}
-    out = {"params": params, "log": list(recorder.log), "plans": plans,
+    out = {"params": params, "log": list(recorder.log), "plans": plans, "num_chunks": num_chunks,
            "chunks_in_backward": chunks_in_backward, "buckets": len(opt._buckets)}
     dear.shutdown()
     return out
@@ -244,6 +275,24 @@ def test_measured_plan_and_a_new_layout_mid_run() -> None:
     for res in ranks:
         assert res["log"] == ranks[0]["log"]
         assert res["plans"] >= 3               # planned in the first layout and in the second
+        assert max_diff(res["params"], ref) <= 1e-6 * scale
+
+
+def test_plan_checked_against_the_link_and_made_again() -> None:
+    """After the plan has run plan_after iterations, rank 0 checks it against the tail it
+    measured and plans again where the link was off: here its first calibration finds a link
+    10^4 x slower than the probe (no chunk fits), the check one 10^8 x faster than that (so
+    every chunk fits rank 0's short gaps). The new plan reaches every rank at the same step;
+    orders and training stay exact."""
+    ranks = run_distributed(_planned_run, 2, False, -1, "thread", "cpu", (1e4, 1e-8),
+                            timeout=180, env={"DEAR_PLAN_AFTER": "2"})
+    ref = reference("adam", 2, STEPS, branch=True)
+    scale = max(v.abs().max().item() for v in ref.values())
+    seen = ranks[0]["num_chunks"]
+    assert 0 in seen and seen[-1] > 0 and seen.index(0) < seen.index(seen[-1]), seen
+    for res in ranks:
+        assert res["num_chunks"] == seen and res["log"] == ranks[0]["log"]
+        assert res["chunks_in_backward"] > 0
         assert max_diff(res["params"], ref) <= 1e-6 * scale
 
 

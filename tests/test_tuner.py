@@ -221,7 +221,7 @@ def test_saved_config_is_reloaded_and_skips_tuning(tmp_path) -> None:
 
 
 # ---------------------------------------------- the planned schedule's chunk size, re-planned
-PLANNED_STEPS = 30
+PLANNED_STEPS = 42
 
 
 def _train_planned(out_dir: str) -> dict:

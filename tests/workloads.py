@@ -110,7 +110,7 @@ def train_autotuned(autotune: object, out_dir: str, world: int, steps: int,
     import dear.fusion.tuner as tuner_module
     tuner_module.MIN_BYTES = 256
     # The tuners' own counting (settle, window) is what these tests check: DeAR's order, so a
-    # trial's settling is not stretched to the planned schedule's measuring (plan_after + 1).
+    # trial's settling is not stretched to the planned schedule's measuring (2 x plan_after + 1).
     os.environ.setdefault("DEAR_SCHEDULE", "dear")
     os.environ.update(settings, DEAR_AUTOTUNE_LOG=os.path.join(out_dir, "trials.jsonl"),
                       DEAR_AUTOTUNE_OUT=os.path.join(out_dir, "fusion.json"))

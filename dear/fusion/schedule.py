@@ -14,7 +14,10 @@ rank's own timing. It is a plan: after a few iterations in DeAR's order, every r
 link (`probe_link`, a collective at the same step everywhere), rank 0 replays the measured
 backward (when each bucket became ready, when backward ended) with a greedy simulation
 (`plan_gaps`: after each reduce-scatter, the chunks that finish before the next bucket is ready)
-and broadcasts the plan. The plan only says WHICH chunks follow WHICH reduce-scatter; WHEN is up
+and broadcasts the plan. The probe's costs are first scaled to the tail the measured iterations
+met (how long after backward's end the reduce-scatters were back), and once the plan has run
+as many iterations it is checked the same way and made again if the link was off
+(`calibrate`). The plan only says WHICH chunks follow WHICH reduce-scatter; WHEN is up
 to readiness: a chunk cannot be sent before its bucket's reduce-scatter is complete, and the
 training thread must not wait for that. So every collective of a backward pass is issued by one
 thread (`CommExecutor`, executor.py) in the order the training thread submits them; a chunk whose shard is not
@@ -32,195 +35,20 @@ CUDA events (the host runs ahead of the GPU).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
-import statistics
-import time
 from typing import Any, Callable, ContextManager, Optional, Sequence
 
 import torch
 
 from ..comm.base import Communicator, Work
-from .executor import (CommExecutor, FutureWork, close_shared, mark_planned, planned_somewhere,
-                       shared_executor)
+from .executor import CommExecutor, FutureWork, mark_planned, planned_somewhere, shared_executor
+from .plan import (BackwardClock, LinkCost, Plan, calibrate, chunk_columns, plan_gaps,
+                   probe_link, replay_tail)
 
 log = logging.getLogger("dear")
 
-
-# --------------------------------------------------------------------------- measurement
-@dataclasses.dataclass(frozen=True)
-class LinkCost:
-    """Seconds for a collective of `nbytes` (the full buffer): alpha + nbytes / rate."""
-
-    alpha_rs: float
-    rate_rs: float
-    alpha_ag: float
-    rate_ag: float
-
-    def reduce_scatter(self, nbytes: float) -> float:
-        return self.alpha_rs + nbytes / self.rate_rs
-
-    def all_gather(self, nbytes: float) -> float:
-        return self.alpha_ag + nbytes / self.rate_ag
-
-
-def _fit(small: tuple[int, float], large: tuple[int, float]) -> tuple[float, float]:
-    (b1, t1), (b2, t2) = small, large
-    rate = (b2 - b1) / max(t2 - t1, 1e-9)
-    return max(t1 - b1 / rate, 0.0), rate
-
-
-def probe_link(comm: Communicator, sizes: Sequence[int] = (1 << 16, 4 << 20),
-               repeats: int = 3, device: torch.device | str = "cpu") -> LinkCost:
-    """Time a reduce-scatter and an all-gather of two sizes (float32, on `device`), on every
-    rank at once (a collective: call it at the same step everywhere); the best of `repeats`."""
-    n = comm.size
-    cuda = torch.device(device).type == "cuda"
-    points: dict[str, list[tuple[int, float]]] = {"rs": [], "ag": []}
-    for nbytes in sizes:
-        numel = max(n, nbytes // 4 // n * n)
-        full = torch.zeros(numel, device=device)
-        shard = torch.zeros(numel // n, device=device)
-        for kind in ("rs", "ag"):
-            best = float("inf")
-            for _ in range(repeats):
-                if cuda:
-                    torch.cuda.synchronize(device)
-                comm.barrier()
-                start = time.perf_counter()
-                if kind == "rs":
-                    comm.reduce_scatter(full, shard).wait()
-                else:
-                    comm.all_gather(shard, full).wait()
-                if cuda:                         # wait() only ordered the stream
-                    torch.cuda.synchronize(device)
-                best = min(best, time.perf_counter() - start)
-            points[kind].append((numel * 4, best))
-    alpha_rs, rate_rs = _fit(*points["rs"])
-    alpha_ag, rate_ag = _fit(*points["ag"])
-    return LinkCost(alpha_rs, rate_rs, alpha_ag, rate_ag)
-
-
-class BackwardClock:
-    """When each bucket's reduce-scatter was submitted in backward and when step() came,
-    relative to the first submission, over the last few iterations (medians). On a GPU
-    (`device` cuda) the times are those of the compute stream, read from CUDA events."""
-
-    def __init__(self, num_buckets: int, device: Optional[torch.device] = None) -> None:
-        self._cuda = device is not None and device.type == "cuda"
-        self._current: dict[int, Any] = {}
-        self._samples: list[tuple[dict[int, Any], Any]] = []
-        self._n = num_buckets
-
-    def _now(self) -> Any:
-        if not self._cuda:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
-    def reduce_scatter_submitted(self, bucket: int) -> None:
-        if bucket not in self._current:
-            self._current[bucket] = self._now()
-
-    def step(self) -> None:
-        """step() was called: the iteration's backward is over."""
-        now = self._now()
-        if self._current and len(self._current) == self._n:   # 0 buckets: sparse params only
-            self._samples.append((self._current, now))
-        self._current = {}
-
-    @property
-    def samples(self) -> int:
-        return len(self._samples)
-
-    def _seconds(self, marks: dict[int, Any], end: Any) -> tuple[dict[int, float], float]:
-        if self._cuda:
-            first = next(iter(marks.values()))        # submitted first: the origin
-            for event in (*marks.values(), end):
-                event.synchronize()
-            return ({b: first.elapsed_time(e) / 1e3 for b, e in marks.items()},
-                    first.elapsed_time(end) / 1e3)
-        origin = min(marks.values())
-        return {b: t - origin for b, t in marks.items()}, end - origin
-
-    def medians(self) -> tuple[list[float], float]:
-        samples = [self._seconds(*s) for s in self._samples]
-        ready = [statistics.median(s[0][b] for s in samples) for b in range(self._n)]
-        return ready, statistics.median(s[1] for s in samples)
-
-
-# ------------------------------------------------------------------------------ planning
-Chunk = tuple[int, int, int]          # (bucket, first column, number of columns) of the shard
-
-
-@dataclasses.dataclass(frozen=True)
-class Plan:
-    """After the reduce-scatter of bucket b is submitted, submit the all-gathers `after[b]`;
-    the rest of every bucket is gathered at step() in forward order."""
-
-    after: dict[int, tuple[Chunk, ...]]
-    predicted_gap_fill_s: float = 0.0
-
-    @property
-    def num_chunks(self) -> int:
-        return sum(len(c) for c in self.after.values())
-
-
-def chunk_columns(shard_numel: int, chunk: int) -> list[tuple[int, int]]:
-    """The shard cut into the fewest pieces of at most `chunk` columns, of near-equal length
-    (no tiny tail piece paying a whole collective's latency)."""
-    if shard_numel <= 0:
-        return []                            # nothing to gather (e.g. a row-sparse table)
-    pieces = max(1, -(-shard_numel // max(1, chunk)))
-    base, extra = divmod(shard_numel, pieces)
-    out, start = [], 0
-    for k in range(pieces):
-        length = base + (k < extra)
-        out.append((start, length))
-        start += length
-    return out
-
-
-def plan_gaps(ready: Sequence[float], rs_bytes: Sequence[int],
-              shard_numels: Sequence[int], itemsizes: Sequence[int], world: int,
-              cost: LinkCost, chunk_bytes: int, slack: float = 0.1) -> Plan:
-    """Replay one backward on a FIFO link: reduce-scatters in reduce order (last bucket first)
-    at their ready times; after each, the all-gather chunks that fit before the next bucket is
-    ready (with `slack` of the gap kept free), needed-first (lowest bucket, lowest column)
-    among the buckets already reduced. Bucket 0's reduce-scatter is last; everything after it
-    waits for step()."""
-    n = len(ready)
-    order = list(range(n - 1, -1, -1))
-    link_free = 0.0
-    done: dict[int, float] = {}
-    waiting: list[Chunk] = []
-    after: dict[int, tuple[Chunk, ...]] = {}
-    filled = 0.0
-    for k, b in enumerate(order):
-        link_free = max(link_free, ready[b]) + cost.reduce_scatter(rs_bytes[b])
-        done[b] = link_free
-        columns = max(1, chunk_bytes // max(1, world * itemsizes[b]))
-        waiting.extend((b, s, length) for s, length in chunk_columns(shard_numels[b], columns))
-        waiting.sort()
-        if k == n - 1:
-            break                            # bucket 0: step() gathers the rest, needed first
-        nxt = ready[order[k + 1]]
-        budget = nxt - slack * max(0.0, nxt - ready[b])
-        chosen: list[Chunk] = []
-        while waiting:
-            c = waiting[0]
-            took = cost.all_gather(world * c[2] * itemsizes[c[0]])
-            end = max(link_free, done[c[0]]) + took
-            if end > budget:
-                break
-            chosen.append(waiting.pop(0))
-            link_free = end
-            filled += took
-        if chosen:
-            after[b] = tuple(chosen)
-    return Plan(after=after, predicted_gap_fill_s=filled)
-
+# The plan is made again only where the link it met was off the probe's by more than this.
+_REPLAN_BEYOND = 0.05
 
 __all__ = ["BackwardClock", "CommExecutor", "FutureWork", "LinkCost", "Plan", "chunk_columns",
            "issue_mode", "plan_gaps", "probe_link"]
@@ -264,12 +92,13 @@ class ScheduleDriver:
         self._side: Optional[torch.cuda.Stream] = None   # "stream": the chunks' stream
         self.plan: Optional[Plan] = None
         self.cost: Optional[LinkCost] = None
-        self._clock: Optional[BackwardClock] = None
-        self._steps = 0                         # step()s since the layout was (re)built
+        self._clock: Optional[BackwardClock] = None   # None: nothing (more) to measure
+        self._checking = False                  # a plan runs; its tail is being measured
+        self._ready: list[float] = []           # rank 0: the measured backward planned from
+        self._steps = 0                         # step()s measured by the current clock
         self._buckets: list[Any] = []
         self._prefix: dict[int, int] = {}       # columns of each bucket gathered in backward
         self.paused = False                     # e.g. dear.KFAC edits the shards before gathers
-        self._planned = False
 
     @property
     def _comm(self) -> Communicator:
@@ -287,7 +116,7 @@ class ScheduleDriver:
         broadcast keep their place in every rank's order)."""
         self._chunk_bytes = self.default_chunk_bytes if chunk_bytes is None else chunk_bytes
         self._buckets = list(buckets)
-        self.plan, self._steps, self._planned = None, 0, False
+        self.plan, self._steps, self._checking = None, 0, False
         self._clock = BackwardClock(len(buckets), self._device) if self.enabled else None
         self._prefix = {}
 
@@ -304,7 +133,7 @@ class ScheduleDriver:
 
     def reduce_scatter_submitted(self, bucket: Any, postscale: float) -> None:
         """Right after bucket's reduce-scatter was submitted: the chunks the plan puts next."""
-        if self._clock is not None and not self._planned:
+        if self._clock is not None:
             self._clock.reduce_scatter_submitted(bucket.spec.index)
         if not self.active:
             return
@@ -355,39 +184,87 @@ class ScheduleDriver:
                 left = bucket.spec.shard_numel - done
                 bucket.gathering(bucket.gather_columns(self._comm, done, left) if left else None)
 
+    def reduced(self) -> None:
+        """step() has every reduce-scatter of this iteration back (on a GPU: the current
+        stream waits for them)."""
+        if self._clock is not None:
+            self._clock.reduced()
+
     def end_step(self) -> None:
-        """After step() issued its all-gathers: record the iteration's backward; plan when the
-        measured iterations are there (every rank at the same step: a collective)."""
+        """After step() issued its all-gathers."""
         self._prefix = {}
-        if self._clock is None or self._planned:
-            return                              # measured once per layout
-        self._clock.step()
-        self._steps += 1
+        if self._clock is not None:
+            self._steps += 1
 
     def maybe_plan(self, itemsizes: Sequence[int]) -> None:
-        """At step(), with nothing in flight (before its all-gathers): probe and plan once the
-        layout has run `plan_after` iterations. Same step on every rank."""
-        if (self._clock is None or self._planned or self.paused
-                or self._steps < self._plan_after):
+        """At step(), with nothing in flight (before its all-gathers), every rank at the same
+        step (a collective): once the layout has run `plan_after` iterations, probe and plan;
+        once the plan has run as many, check it against the link it met (`_check`)."""
+        if self._clock is None or self.paused or self._steps < self._plan_after:
             return                              # (paused is the same on every rank)
+        if self._checking:
+            self._check(itemsizes)
+            return
         cost = probe_link(self._comm, device=self._device)
         plan = None
         if self._comm.rank == 0 and self._clock.samples:
-            ready, _ = self._clock.medians()
-            plan = plan_gaps(ready, [b.wire.numel() * b.wire.element_size()
-                                     for b in self._buckets],
-                             [b.spec.shard_numel if b.chunkable else 0 for b in self._buckets],
-                             itemsizes, self._comm.size, cost,
-                             self._chunk_bytes, self._slack)
+            self._ready, measured = self._clock.medians()
+            # The probe times a few MB on an idle link: a shaped link's burst or the cores'
+            # other work can put it well off. The measured iterations' tail (bucket 0's
+            # reduce-scatter, and whatever was still queued before it) is the link backward
+            # really met: scale the probe's costs to explain it.
+            factor = self._factor(Plan({}), cost, measured, itemsizes)
+            cost = cost.slower(factor)
+            plan = self._plan_for(cost, itemsizes)
             log.info("dear: planned schedule: %d all-gather chunks in backward's idle link "
-                     "time (%.1f ms predicted); link rs %.2f Gbit/s, ag %.2f Gbit/s",
+                     "time (%.1f ms predicted); link rs %.2f Gbit/s, ag %.2f Gbit/s (x%.2f "
+                     "the probe's costs: the tail of the measured iterations)",
                      plan.num_chunks, 1e3 * plan.predicted_gap_fill_s, 8e-9 * cost.rate_rs,
-                     8e-9 * cost.rate_ag)
+                     8e-9 * cost.rate_ag, factor)
         self.plan = self._comm.broadcast_object(plan, 0)
         if self.plan is not None:               # from now on every optimizer's backward
             mark_planned()                       # collectives share the executor's order
+        self.cost = cost                        # (rank 0's is the one planned with)
+        self._checking = self.plan is not None
+        self._clock = (BackwardClock(len(self._buckets), self._device) if self._checking
+                       else None)
+        self._steps = 0
+
+    def _rs_bytes(self) -> list[int]:
+        return [b.wire.numel() * b.wire.element_size() for b in self._buckets]
+
+    def _plan_for(self, cost: LinkCost, itemsizes: Sequence[int]) -> Plan:
+        return plan_gaps(self._ready, self._rs_bytes(),
+                         [b.spec.shard_numel if b.chunkable else 0 for b in self._buckets],
+                         itemsizes, self._comm.size, cost, self._chunk_bytes, self._slack)
+
+    def _factor(self, plan: Plan, cost: LinkCost, measured_tail: float,
+                itemsizes: Sequence[int]) -> float:
+        """How much slower than `cost` the link was, for `plan`'s replay to take as long as
+        the measured tail."""
+        rs_bytes, world = self._rs_bytes(), self._comm.size
+        return calibrate(measured_tail, lambda f: replay_tail(
+            plan, self._ready, rs_bytes, itemsizes, world, cost.slower(f)))
+
+    def _check(self, itemsizes: Sequence[int]) -> None:
+        """Under the plan the link may run slower still (e.g. many small chunks' per-message
+        costs), and then its chunks are still on the link when backward ends, delaying the
+        last reduce-scatters. Rank 0 compares the tail the planned iterations met with the
+        plan's replay and, if they differ, plans once more with the costs scaled by the
+        factor that explains it. Broadcast either way (a collective)."""
+        plan, cost = self.plan, self.cost
+        assert plan is not None and cost is not None and self._clock is not None
+        if self._comm.rank == 0 and self._clock.samples:
+            _, measured = self._clock.medians()
+            factor = self._factor(plan, cost, measured, itemsizes)
+            if abs(factor - 1.0) > _REPLAN_BEYOND:
+                cost = cost.slower(factor)
+                plan = self._plan_for(cost, itemsizes)
+            log.info("dear: planned schedule checked: tail %.1f ms; link costs x%.2f the "
+                     "plan's: %d chunks", 1e3 * measured, factor, plan.num_chunks)
+        self.plan = self._comm.broadcast_object(plan, 0)
         self.cost = cost
-        self._planned = True                   # plan once per layout
+        self._clock, self._checking = None, False
 
     def close(self) -> None:
         """This optimizer is done: what it submitted is issued (the thread is the process's,

@@ -1,0 +1,231 @@
+"""The planned schedule's measurements and plan: what the link costs (`probe_link`), when each
+bucket became ready in backward (`BackwardClock`), which all-gather chunks fill which gap
+(`plan_gaps`, a greedy replay of one backward on a FIFO link), and how far the plan's link model
+was from the link the planned iterations met (`replay_tail`, `calibrate`). Pure functions of
+timings, except the probe (a collective) and the clock (which reads CUDA events on a GPU); the
+driver that issues the collectives is dear/fusion/schedule.py."""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from ..comm.base import Communicator
+
+
+# --------------------------------------------------------------------------- measurement
+@dataclasses.dataclass(frozen=True)
+class LinkCost:
+    """Seconds for a collective of `nbytes` (the full buffer): alpha + nbytes / rate."""
+
+    alpha_rs: float
+    rate_rs: float
+    alpha_ag: float
+    rate_ag: float
+
+    def reduce_scatter(self, nbytes: float) -> float:
+        return self.alpha_rs + nbytes / self.rate_rs
+
+    def all_gather(self, nbytes: float) -> float:
+        return self.alpha_ag + nbytes / self.rate_ag
+
+    def slower(self, factor: float) -> "LinkCost":
+        """Every collective `factor` times as long."""
+        return LinkCost(self.alpha_rs * factor, self.rate_rs / factor,
+                        self.alpha_ag * factor, self.rate_ag / factor)
+
+
+def _fit(small: tuple[int, float], large: tuple[int, float]) -> tuple[float, float]:
+    (b1, t1), (b2, t2) = small, large
+    rate = (b2 - b1) / max(t2 - t1, 1e-9)
+    return max(t1 - b1 / rate, 0.0), rate
+
+
+def probe_link(comm: Communicator, sizes: Sequence[int] = (1 << 16, 4 << 20),
+               repeats: int = 3, device: torch.device | str = "cpu") -> LinkCost:
+    """Time a reduce-scatter and an all-gather of two sizes (float32, on `device`), on every
+    rank at once (a collective: call it at the same step everywhere); the best of `repeats`."""
+    n = comm.size
+    cuda = torch.device(device).type == "cuda"
+    points: dict[str, list[tuple[int, float]]] = {"rs": [], "ag": []}
+    for nbytes in sizes:
+        numel = max(n, nbytes // 4 // n * n)
+        full = torch.zeros(numel, device=device)
+        shard = torch.zeros(numel // n, device=device)
+        for kind in ("rs", "ag"):
+            best = float("inf")
+            for _ in range(repeats):
+                if cuda:
+                    torch.cuda.synchronize(device)
+                comm.barrier()
+                start = time.perf_counter()
+                if kind == "rs":
+                    comm.reduce_scatter(full, shard).wait()
+                else:
+                    comm.all_gather(shard, full).wait()
+                if cuda:                         # wait() only ordered the stream
+                    torch.cuda.synchronize(device)
+                best = min(best, time.perf_counter() - start)
+            points[kind].append((numel * 4, best))
+    alpha_rs, rate_rs = _fit(*points["rs"])
+    alpha_ag, rate_ag = _fit(*points["ag"])
+    return LinkCost(alpha_rs, rate_rs, alpha_ag, rate_ag)
+
+
+class BackwardClock:
+    """When each bucket's reduce-scatter was submitted in backward, and when step() had every
+    reduce-scatter back, relative to the first submission, over the measured iterations. On a
+    GPU (`device` cuda) the times are those of the compute stream, read from CUDA events."""
+
+    def __init__(self, num_buckets: int, device: Optional[torch.device] = None) -> None:
+        self._cuda = device is not None and device.type == "cuda"
+        self._current: dict[int, Any] = {}
+        self._samples: list[tuple[dict[int, Any], Any]] = []
+        self._n = num_buckets
+
+    def _now(self) -> Any:
+        if not self._cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def reduce_scatter_submitted(self, bucket: int) -> None:
+        if bucket not in self._current:
+            self._current[bucket] = self._now()
+
+    def reduced(self) -> None:
+        """step() has every reduce-scatter of the iteration back."""
+        now = self._now()
+        if self._current and len(self._current) == self._n:   # 0 buckets: sparse params only
+            self._samples.append((self._current, now))
+        self._current = {}
+
+    @property
+    def samples(self) -> int:
+        return len(self._samples)
+
+    def _seconds(self, marks: dict[int, Any], end: Any) -> tuple[dict[int, float], float]:
+        if self._cuda:
+            first = next(iter(marks.values()))        # submitted first: the origin
+            for event in (*marks.values(), end):
+                event.synchronize()
+            return ({b: first.elapsed_time(e) / 1e3 for b, e in marks.items()},
+                    first.elapsed_time(end) / 1e3)
+        origin = min(marks.values())
+        return {b: t - origin for b, t in marks.items()}, end - origin
+
+    def medians(self) -> tuple[list[float], float]:
+        """Each bucket's submission time, and the tail: how long after bucket 0's submission
+        (the last, at the end of backward) the reduce-scatters were all back."""
+        samples = [self._seconds(*s) for s in self._samples]
+        ready = [statistics.median(s[0][b] for s in samples) for b in range(self._n)]
+        return ready, statistics.median(s[1] - s[0][0] for s in samples)
+
+
+# ------------------------------------------------------------------------------ planning
+Chunk = tuple[int, int, int]          # (bucket, first column, number of columns) of the shard
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """After the reduce-scatter of bucket b is submitted, submit the all-gathers `after[b]`;
+    the rest of every bucket is gathered at step() in forward order."""
+
+    after: dict[int, tuple[Chunk, ...]]
+    predicted_gap_fill_s: float = 0.0
+
+    @property
+    def num_chunks(self) -> int:
+        return sum(len(c) for c in self.after.values())
+
+
+def chunk_columns(shard_numel: int, chunk: int) -> list[tuple[int, int]]:
+    """The shard cut into the fewest pieces of at most `chunk` columns, of near-equal length
+    (no tiny tail piece paying a whole collective's latency)."""
+    if shard_numel <= 0:
+        return []                            # nothing to gather (e.g. a row-sparse table)
+    pieces = max(1, -(-shard_numel // max(1, chunk)))
+    base, extra = divmod(shard_numel, pieces)
+    out, start = [], 0
+    for k in range(pieces):
+        length = base + (k < extra)
+        out.append((start, length))
+        start += length
+    return out
+
+
+def plan_gaps(ready: Sequence[float], rs_bytes: Sequence[int],
+              shard_numels: Sequence[int], itemsizes: Sequence[int], world: int,
+              cost: LinkCost, chunk_bytes: int, slack: float = 0.1) -> Plan:
+    """Replay one backward on a FIFO link: reduce-scatters in reduce order (last bucket first)
+    at their ready times; after each, the all-gather chunks that fit before the next bucket is
+    ready (with `slack` of the gap kept free), needed-first (lowest bucket, lowest column)
+    among the buckets already reduced. Bucket 0's reduce-scatter is last; everything after it
+    waits for step()."""
+    n = len(ready)
+    order = list(range(n - 1, -1, -1))
+    link_free = 0.0
+    done: dict[int, float] = {}
+    waiting: list[Chunk] = []
+    after: dict[int, tuple[Chunk, ...]] = {}
+    filled = 0.0
+    for k, b in enumerate(order):
+        link_free = max(link_free, ready[b]) + cost.reduce_scatter(rs_bytes[b])
+        done[b] = link_free
+        columns = max(1, chunk_bytes // max(1, world * itemsizes[b]))
+        waiting.extend((b, s, length) for s, length in chunk_columns(shard_numels[b], columns))
+        waiting.sort()
+        if k == n - 1:
+            break                            # bucket 0: step() gathers the rest, needed first
+        nxt = ready[order[k + 1]]
+        budget = nxt - slack * max(0.0, nxt - ready[b])
+        chosen: list[Chunk] = []
+        while waiting:
+            c = waiting[0]
+            took = cost.all_gather(world * c[2] * itemsizes[c[0]])
+            end = max(link_free, done[c[0]]) + took
+            if end > budget:
+                break
+            chosen.append(waiting.pop(0))
+            link_free = end
+            filled += took
+        if chosen:
+            after[b] = tuple(chosen)
+    return Plan(after=after, predicted_gap_fill_s=filled)
+
+
+def replay_tail(plan: Plan, ready: Sequence[float], rs_bytes: Sequence[int],
+                itemsizes: Sequence[int], world: int, cost: LinkCost) -> float:
+    """Seconds from bucket 0's readiness (the end of backward) until its reduce-scatter is
+    done, when the plan's collectives run in its order on a FIFO link of `cost`."""
+    link_free, done = 0.0, {}
+    for b in range(len(ready) - 1, -1, -1):
+        link_free = max(link_free, ready[b]) + cost.reduce_scatter(rs_bytes[b])
+        done[b] = link_free
+        for c, _, length in plan.after.get(b, ()):
+            link_free = max(link_free, done[c]) + cost.all_gather(world * length * itemsizes[c])
+    return done[0] - ready[0]
+
+
+def calibrate(measured_tail: float, tail: Callable[[float], float],
+              bounds: tuple[float, float] = (0.5, 4.0)) -> float:
+    """The factor f by which every link cost must change for the replay (`tail(f)`, e.g.
+    replay_tail with cost.slower(f)) to take as long as the tail the planned iterations met,
+    within `bounds`: above 1 where the link was slower than the plan assumed."""
+    low, high = bounds
+    if tail(low) >= measured_tail:
+        return low
+    if tail(high) <= measured_tail:
+        return high
+    while high - low > 1e-3:               # tail(f) grows with f: every cost does
+        mid = (low + high) / 2
+        if tail(mid) < measured_tail:
+            low = mid
+        else:
+            high = mid
+    return high
