@@ -66,8 +66,12 @@ def test_calibrate_finds_how_much_slower_the_link_was() -> None:
     def tail(factor: float) -> float:
         return replay_tail(plan, ready, rs, items, 2, cost.slower(factor))
     for truth in (0.7, 1.0, 1.37, 3.2):
-        assert calibrate(tail(truth), tail) == pytest.approx(truth, abs=2e-3)
-    assert calibrate(0.0, tail) == 0.5 and calibrate(10.0, tail) == 4.0   # the bounds
+        assert calibrate(tail(truth), tail, 0.0) == pytest.approx(truth, abs=2e-3)
+    assert calibrate(0.0, tail, 0.0) == 0.5 and calibrate(10.0, tail, 0.0) == 4.0   # bounds
+    # Within 5% of the replay's tail, or 2% of backward's duration, the model stands.
+    assert calibrate(tail(1.0) * 1.04, tail, 0.0) == 1.0
+    assert calibrate(tail(1.0) + 0.019, tail, 1.0) == 1.0
+    assert calibrate(tail(1.0) + 0.021, tail, 1.0) > 1.0
 
 
 def test_chunk_columns_cover_the_shard_once() -> None:
@@ -169,16 +173,17 @@ def _slow_in_backward(module: torch.nn.Module, seconds: float) -> None:
 
 
 def _planned_run(forced: bool, relayout_at: int, mode: str = "thread", device: str = "cpu",
-                 factors: tuple[float, ...] = ()) -> dict:
+                 check_factor: float = 0.0) -> dict:
     """Adam on make_net() with the planned schedule; rank 1's fc1 backward is slow, the branch
     runs on some ranks only. `forced`: after every bucket's reduce-scatter, gather all of that
     bucket in 3-column chunks (the most chunks in backward any plan can have). `mode` "stream":
     the GPU's way of issuing (the training thread issues the chunks, dear/fusion/schedule.py),
-    here on CPU tensors, where the side stream is the host itself. `factors`: what rank 0's
-    link calibrations find, in turn (the plan's, then the check's), instead of measuring."""
-    if factors:
-        found = iter(factors)
-        dear.fusion.schedule.calibrate = lambda *args, **kwargs: next(found)
+    here on CPU tensors, where the side stream is the host itself. `check_factor`: the probe
+    finds a link of 1 byte/s (no chunk fits) and the check a link `check_factor` x as slow."""
+    if check_factor:
+        schedule = dear.fusion.schedule
+        schedule.probe_link = lambda *args, **kwargs: LinkCost(0.0, 1.0, 0.0, 1.0)
+        schedule.ScheduleDriver._factor = lambda *args: check_factor
     if mode != "thread":
         dear.optimizer.issue_mode = lambda params, comm: mode
     if device == "cuda":                       # two ranks on one GPU: Gloo's CUDA collectives
@@ -280,11 +285,10 @@ def test_measured_plan_and_a_new_layout_mid_run() -> None:
 
 def test_plan_checked_against_the_link_and_made_again() -> None:
     """After the plan has run plan_after iterations, rank 0 checks it against the tail it
-    measured and plans again where the link was off: here its first calibration finds a link
-    10^4 x slower than the probe (no chunk fits), the check one 10^8 x faster than that (so
-    every chunk fits rank 0's short gaps). The new plan reaches every rank at the same step;
-    orders and training stay exact."""
-    ranks = run_distributed(_planned_run, 2, False, -1, "thread", "cpu", (1e4, 1e-8),
+    measured and plans again where the link was off: here the probe finds a link so slow that
+    no chunk fits, the check one 10^9 x faster (every chunk fits rank 0's short gaps). The new
+    plan reaches every rank at the same step; orders and training stay exact."""
+    ranks = run_distributed(_planned_run, 2, False, -1, "thread", "cpu", 1e-9,
                             timeout=180, env={"DEAR_PLAN_AFTER": "2"})
     ref = reference("adam", 2, STEPS, branch=True)
     scale = max(v.abs().max().item() for v in ref.values())

@@ -45,10 +45,12 @@ def _fit(small: tuple[int, float], large: tuple[int, float]) -> tuple[float, flo
     return max(t1 - b1 / rate, 0.0), rate
 
 
-def probe_link(comm: Communicator, sizes: Sequence[int] = (1 << 16, 4 << 20),
+def probe_link(comm: Communicator, sizes: Sequence[int] = (2 << 20, 12 << 20),
                repeats: int = 3, device: torch.device | str = "cpu") -> LinkCost:
     """Time a reduce-scatter and an all-gather of two sizes (float32, on `device`), on every
-    rank at once (a collective: call it at the same step everywhere); the best of `repeats`."""
+    rank at once (a collective: call it at the same step everywhere); the best of `repeats`.
+    Both sizes exceed what a shaped link lets through at once (tbf's burst: 256 KB-0.5 MB
+    here): with 64 KB and 4 MB, the burst made a 2 Gbit/s link look 25-30% faster."""
     n = comm.size
     cuda = torch.device(device).type == "cuda"
     points: dict[str, list[tuple[int, float]]] = {"rs": [], "ag": []}
@@ -212,11 +214,19 @@ def replay_tail(plan: Plan, ready: Sequence[float], rs_bytes: Sequence[int],
     return done[0] - ready[0]
 
 
-def calibrate(measured_tail: float, tail: Callable[[float], float],
+def calibrate(measured_tail: float, tail: Callable[[float], float], backward_s: float,
+              tolerance: float = 0.05, noise: float = 0.02,
               bounds: tuple[float, float] = (0.5, 4.0)) -> float:
     """The factor f by which every link cost must change for the replay (`tail(f)`, e.g.
     replay_tail with cost.slower(f)) to take as long as the tail the planned iterations met,
-    within `bounds`: above 1 where the link was slower than the plan assumed."""
+    within `bounds`: above 1 where the link was slower than the plan assumed. 1 where the
+    two are within `tolerance` of the replay's tail or `noise` x the backward's duration.
+    Why the latter: a short tail (ResNet-50's or VGG-16's, one 2 MB bucket after backward) is
+    mostly host timing; scaling every cost to explain 8 ms of it (1% of backward) once cut
+    VGG-16's plan from 46 chunks to none, and a plan without chunks has no tail to undo it."""
+    predicted = tail(1.0)
+    if abs(measured_tail - predicted) <= max(tolerance * predicted, noise * backward_s):
+        return 1.0
     low, high = bounds
     if tail(low) >= measured_tail:
         return low

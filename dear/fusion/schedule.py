@@ -14,10 +14,9 @@ rank's own timing. It is a plan: after a few iterations in DeAR's order, every r
 link (`probe_link`, a collective at the same step everywhere), rank 0 replays the measured
 backward (when each bucket became ready, when backward ended) with a greedy simulation
 (`plan_gaps`: after each reduce-scatter, the chunks that finish before the next bucket is ready)
-and broadcasts the plan. The probe's costs are first scaled to the tail the measured iterations
-met (how long after backward's end the reduce-scatters were back), and once the plan has run
-as many iterations it is checked the same way and made again if the link was off
-(`calibrate`). The plan only says WHICH chunks follow WHICH reduce-scatter; WHEN is up
+and broadcasts the plan. Once the plan has run as many iterations, rank 0 checks it against the
+tail it met (how long after backward's end the reduce-scatters were back) and plans again
+where the link was slower or faster than modelled (`calibrate`). The plan only says WHICH chunks follow WHICH reduce-scatter; WHEN is up
 to readiness: a chunk cannot be sent before its bucket's reduce-scatter is complete, and the
 training thread must not wait for that. So every collective of a backward pass is issued by one
 thread (`CommExecutor`, executor.py) in the order the training thread submits them; a chunk whose shard is not
@@ -47,8 +46,9 @@ from .plan import (BackwardClock, LinkCost, Plan, calibrate, chunk_columns, plan
 
 log = logging.getLogger("dear")
 
-# The plan is made again only where the link it met was off the probe's by more than this.
-_REPLAN_BEYOND = 0.05
+# The link probe's larger size (its smaller: a sixth), capped at what the model sends: both
+# beyond a shaped link's burst, see probe_link; a small model needs no 12 MB probe.
+_PROBE_BYTES, _PROBE_MIN_BYTES = 12 << 20, 256 << 10
 
 __all__ = ["BackwardClock", "CommExecutor", "FutureWork", "LinkCost", "Plan", "chunk_columns",
            "issue_mode", "plan_gaps", "probe_link"]
@@ -205,22 +205,16 @@ class ScheduleDriver:
         if self._checking:
             self._check(itemsizes)
             return
-        cost = probe_link(self._comm, device=self._device)
+        largest = min(_PROBE_BYTES, max(_PROBE_MIN_BYTES, sum(self._rs_bytes())))
+        cost = probe_link(self._comm, (largest // 6, largest), device=self._device)
         plan = None
         if self._comm.rank == 0 and self._clock.samples:
-            self._ready, measured = self._clock.medians()
-            # The probe times a few MB on an idle link: a shaped link's burst or the cores'
-            # other work can put it well off. The measured iterations' tail (bucket 0's
-            # reduce-scatter, and whatever was still queued before it) is the link backward
-            # really met: scale the probe's costs to explain it.
-            factor = self._factor(Plan({}), cost, measured, itemsizes)
-            cost = cost.slower(factor)
+            self._ready, _ = self._clock.medians()
             plan = self._plan_for(cost, itemsizes)
             log.info("dear: planned schedule: %d all-gather chunks in backward's idle link "
-                     "time (%.1f ms predicted); link rs %.2f Gbit/s, ag %.2f Gbit/s (x%.2f "
-                     "the probe's costs: the tail of the measured iterations)",
+                     "time (%.1f ms predicted); link rs %.2f Gbit/s, ag %.2f Gbit/s",
                      plan.num_chunks, 1e3 * plan.predicted_gap_fill_s, 8e-9 * cost.rate_rs,
-                     8e-9 * cost.rate_ag, factor)
+                     8e-9 * cost.rate_ag)
         self.plan = self._comm.broadcast_object(plan, 0)
         if self.plan is not None:               # from now on every optimizer's backward
             mark_planned()                       # collectives share the executor's order
@@ -241,23 +235,25 @@ class ScheduleDriver:
     def _factor(self, plan: Plan, cost: LinkCost, measured_tail: float,
                 itemsizes: Sequence[int]) -> float:
         """How much slower than `cost` the link was, for `plan`'s replay to take as long as
-        the measured tail."""
+        the measured tail (1: close enough, see calibrate)."""
         rs_bytes, world = self._rs_bytes(), self._comm.size
         return calibrate(measured_tail, lambda f: replay_tail(
-            plan, self._ready, rs_bytes, itemsizes, world, cost.slower(f)))
+            plan, self._ready, rs_bytes, itemsizes, world, cost.slower(f)), max(self._ready))
 
     def _check(self, itemsizes: Sequence[int]) -> None:
-        """Under the plan the link may run slower still (e.g. many small chunks' per-message
-        costs), and then its chunks are still on the link when backward ends, delaying the
-        last reduce-scatters. Rank 0 compares the tail the planned iterations met with the
-        plan's replay and, if they differ, plans once more with the costs scaled by the
-        factor that explains it. Broadcast either way (a collective)."""
+        """The probe times an idle link; under the plan the link may run slower (the chunks'
+        per-message costs on the issuing thread, the cores' other work), and then chunks are
+        still on the link when backward ends, delaying the last reduce-scatters: measured,
+        ResNet-50's tail was 40 ms where the plan predicted 7. Rank 0 compares the tail the
+        planned iterations met with the plan's replay and, if they differ, plans once more
+        with the costs scaled by the factor that explains it. Broadcast either way (a
+        collective)."""
         plan, cost = self.plan, self.cost
         assert plan is not None and cost is not None and self._clock is not None
         if self._comm.rank == 0 and self._clock.samples:
             _, measured = self._clock.medians()
             factor = self._factor(plan, cost, measured, itemsizes)
-            if abs(factor - 1.0) > _REPLAN_BEYOND:
+            if factor != 1.0:
                 cost = cost.slower(factor)
                 plan = self._plan_for(cost, itemsizes)
             log.info("dear: planned schedule checked: tail %.1f ms; link costs x%.2f the "
