@@ -85,6 +85,12 @@ class Bucket:
             self.pack = self._ready.record  # type: ignore[method-assign]
 
     @property
+    def reduce_bytes(self) -> int:
+        """What its reduce phase puts on the link, as a reduce-scatter of that many bytes (the
+        planned schedule's link model)."""
+        return self.wire.numel() * self.wire.element_size()
+
+    @property
     def full(self) -> bool:
         if self._ready is not None:
             return self._ready.full()

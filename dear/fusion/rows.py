@@ -52,6 +52,15 @@ class RowSparseBucket(Bucket):
         self._index: Optional[torch.Tensor] = None
         self._compact: Optional[torch.Tensor] = None
 
+    @property
+    def reduce_bytes(self) -> int:
+        """Two all-reduces, the marks and the rows sent last time, each as long as a
+        reduce-scatter and an all-gather of its bytes. (As the whole table, BERT-Base's
+        189 ms at 2 Gbit/s made the planned schedule's check read a 2x faster link.)"""
+        if self._dense:
+            return super().reduce_bytes
+        return 2 * self.buffer.element_size() * (self.rows + self.sent_rows * self.cols + 1)
+
     def _table(self) -> torch.Tensor:
         return self.buffer[:self.rows * self.cols].view(self.rows, self.cols)
 

@@ -225,7 +225,7 @@ class ScheduleDriver:
         self._steps = 0
 
     def _rs_bytes(self) -> list[int]:
-        return [b.wire.numel() * b.wire.element_size() for b in self._buckets]
+        return [b.reduce_bytes for b in self._buckets]
 
     def _plan_for(self, cost: LinkCost, itemsizes: Sequence[int]) -> Plan:
         return plan_gaps(self._ready, self._rs_bytes(),
