@@ -36,8 +36,9 @@ CONFIGS: dict[str, dict[str, Any]] = {
 }
 METHODS = "ddp,fsdp2,allreduce,wfbp,horovod,dear-order,dear,dear-hvd"
 # Warm-up iterations per method and round: dear's planned schedule measures 4 iterations
-# (DEAR_PLAN_AFTER) in DeAR's order before it plans, so timing starts after that.
-WARMUP = 6
+# (DEAR_PLAN_AFTER) in DeAR's order before it plans, and runs the plan 4 more before it checks
+# it (maybe planning again), so timing starts after that.
+WARMUP = 10
 # The emulated-accelerator table: under 10 minutes on the 2-core machine (2 rounds, 3 timed
 # iterations per method and round). The full study: benchmarks.emulated_bench --setups ... (README).
 EMULATED_SETUPS = "resnet50:2,vgg16:2:1gbit:4,bert_base:2:1gbit:4,resnet50:4:1gbit:2"
