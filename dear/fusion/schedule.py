@@ -16,11 +16,12 @@ backward (when each bucket became ready, when backward ended) with a greedy simu
 (`plan_gaps`: after each reduce-scatter, the chunks that finish before the next bucket is ready)
 and broadcasts the plan. Once the plan has run as many iterations, rank 0 checks it against the
 tail it met (how long after backward's end the reduce-scatters were back) and plans again
-where the link was slower or faster than modelled (`calibrate`). The plan only says WHICH chunks follow WHICH reduce-scatter; WHEN is up
-to readiness: a chunk cannot be sent before its bucket's reduce-scatter is complete, and the
-training thread must not wait for that. So every collective of a backward pass is issued by one
-thread (`CommExecutor`, executor.py) in the order the training thread submits them; a chunk whose shard is not
-averaged yet waits in that thread, never in backward. The executor is drained (everything
+where the link was slower or faster than modelled (`calibrate`). The plan only says WHICH
+chunks follow WHICH reduce-scatter; WHEN is up to readiness: a chunk cannot be sent before its
+bucket's reduce-scatter is complete, and the training thread must not wait for that. So every
+collective of a backward pass is issued by one thread (`CommExecutor`, executor.py) in the
+order the training thread submits them; a chunk whose shard is not averaged yet waits in that
+thread, never in backward. The executor is drained (everything
 submitted is issued) before anything else uses the communicator (step(), clipping, dear.allreduce),
 so main-thread collectives keep their place in the order too.
 
