@@ -95,7 +95,7 @@ def _train(skip: bool, clip: float, row_sparse: object) -> dict:
     opt.flush_updates()
     table = [b for b in opt._buckets if getattr(b, "rows", None) is not None][0]
     out = {"params": state_of(model), "sent": sent, "touched": [len(t) for t in touched],
-           "modelled": opt._schedule._rs_bytes()[table.spec.index],
+           "modelled": opt._schedule._reduce_bytes()[table.spec.index],
            "rows": (table.rows, table.cols, table.buffer.element_size())}
     dear.shutdown()
     return out

@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import statistics
-from typing import Any, Callable, Collection, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 
@@ -452,7 +452,7 @@ class Simulator:
             sizes: Callable[[tuple], int] = lambda key: (
                 buckets[key[2]][1] if key[0] == "rs" else group_bytes[key[2]])
             if schedule is Schedule.PLANNED:
-                plan, layout, sizes = self._planned(programs, layout, cost, chunk, set(tables))
+                plan, layout, sizes = self._planned(programs, layout, cost, chunk, tables)
                 programs = [_dear_program(p, layout, numel, plan) for p in profiles]
             # a table sent by rows: its own reduce-scatter time, nothing to all-gather
             fixed = {("rs", b): t for b, t in tables.items()}
@@ -486,14 +486,16 @@ class Simulator:
 
 
     def _planned(self, programs: list[list[Action]], layout: DearLayout, cost: CostModel,
-                 chunk: Optional[int] = None, unchunked: Collection[int] = ()
+                 chunk: Optional[int] = None, tables: Optional[Mapping[int, float]] = None
                  ) -> tuple[Any, DearLayout, Callable[[tuple], int]]:
         """What dear does: replay DeAR's order, take when each bucket's reduce-scatter was
         issued in the last iteration, and plan the gaps with dear's own planner, in chunks of
         `chunk` bytes (the FusionConfig's: the offline tuner searches it; None: Config's).
         Returns the plan, the layout as it then runs (step() gathers an all-gather group that
         an early chunk touched bucket by bucket, ScheduleDriver.gather_rest: one group per
-        bucket there) and each collective's bytes."""
+        bucket there) and each collective's bytes. `tables`: buckets sent by rows and their
+        seconds on the link (_row_sparse_seconds): planned with that time, as dear plans with
+        Bucket.reduce_bytes, and never chunked."""
         from ..config import Config
         from ..fusion.schedule import LinkCost, plan_gaps
         buckets, group_bytes = layout.buckets, layout.group_bytes()
@@ -512,8 +514,11 @@ class Simulator:
                     for ps, b in buckets]
         shard = [b // itemsize[k] // world for k, (_, b) in enumerate(buckets)]
         chunk = Config().chunk_bytes if chunk is None else chunk
-        plan = plan_gaps(ready, [b for _, b in buckets],
-                         [0 if k in unchunked else n for k, n in enumerate(shard)],
+        tables = tables or {}
+        reduced = [b if k not in tables else (tables[k] - link.alpha_rs) * link.rate_rs
+                   for k, (_, b) in enumerate(buckets)]
+        plan = plan_gaps(ready, reduced,
+                         [0 if k in tables else n for k, n in enumerate(shard)],
                          itemsize, world, link, chunk,   # as dear: no chunks of a rows table
                          Config.from_env().plan_slack)
         early = {c[0] for cs in plan.after.values() for c in cs}

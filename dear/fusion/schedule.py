@@ -206,7 +206,7 @@ class ScheduleDriver:
         if self._checking:
             self._check(itemsizes)
             return
-        largest = min(_PROBE_BYTES, max(_PROBE_MIN_BYTES, sum(self._rs_bytes())))
+        largest = min(_PROBE_BYTES, max(_PROBE_MIN_BYTES, sum(self._reduce_bytes())))
         cost = probe_link(self._comm, (largest // 6, largest), device=self._device)
         plan = None
         if self._comm.rank == 0 and self._clock.samples:
@@ -225,11 +225,11 @@ class ScheduleDriver:
                        else None)
         self._steps = 0
 
-    def _rs_bytes(self) -> list[int]:
+    def _reduce_bytes(self) -> list[int]:
         return [b.reduce_bytes for b in self._buckets]
 
     def _plan_for(self, cost: LinkCost, itemsizes: Sequence[int]) -> Plan:
-        return plan_gaps(self._ready, self._rs_bytes(),
+        return plan_gaps(self._ready, self._reduce_bytes(),
                          [b.spec.shard_numel if b.chunkable else 0 for b in self._buckets],
                          itemsizes, self._comm.size, cost, self._chunk_bytes, self._slack)
 
@@ -237,7 +237,7 @@ class ScheduleDriver:
                 itemsizes: Sequence[int]) -> float:
         """How much slower than `cost` the link was, for `plan`'s replay to take as long as
         the measured tail (1: close enough, see calibrate)."""
-        rs_bytes, world = self._rs_bytes(), self._comm.size
+        rs_bytes, world = self._reduce_bytes(), self._comm.size
         return calibrate(measured_tail, lambda f: replay_tail(
             plan, self._ready, rs_bytes, itemsizes, world, cost.slower(f)), max(self._ready))
 
