@@ -34,15 +34,31 @@ def test_plan_fills_idle_gaps_and_leaves_a_busy_link_alone() -> None:
     # 3 buckets of 1000 bytes, 2 ranks, float32 shards of 125 elements; chunks of <= 63 columns
     shard, item, world = [125] * 3, [4] * 3, 2
     # Buckets 2, 1, 0 ready at 0, 10 ms, 20 ms: each reduce-scatter takes 1 ms, so after
-    # bucket 2's there are 9 ms idle: both chunks of bucket 2 (0.5 ms each) fit.
+    # bucket 2's there are 9 ms idle: both pieces of bucket 2 (0.5 ms each) fit, and being
+    # consecutive columns of one bucket in one gap they are one collective.
     plan = plan_gaps([0.020, 0.010, 0.0], [1000] * 3, shard, item, world, cost, 504)
-    assert plan.after[2] == ((2, 0, 63), (2, 63, 62))
-    # after bucket 1's: bucket 1's chunks; after bucket 0's nothing (step() gathers the rest)
-    assert plan.after[1] == ((1, 0, 63), (1, 63, 62)) and 0 not in plan.after
+    assert plan.after[2] == ((2, 0, 125),)
+    # after bucket 1's: bucket 1's; after bucket 0's nothing (step() gathers the rest)
+    assert plan.after[1] == ((1, 0, 125),) and 0 not in plan.after
     assert plan.predicted_gap_fill_s == pytest.approx(4 * 0.504e-3, rel=0.01)
     # Link-bound: every bucket ready at once, no gap, DeAR's order.
     busy = plan_gaps([0.0, 0.0, 0.0], [1000] * 3, shard, item, world, cost, 504)
     assert busy.after == {} and busy.num_chunks == 0
+
+
+def test_plan_pays_one_alpha_for_consecutive_pieces() -> None:
+    """With a per-collective cost (alpha: a message per ring step), two pieces of one bucket
+    sent as one collective fit a gap that two collectives would overrun."""
+    cost = LinkCost(alpha_rs=0.0, rate_rs=1e6, alpha_ag=1e-3, rate_ag=1e6)
+    shard, item, world = [125] * 2, [4] * 2, 2
+    # Bucket 1's reduce-scatter 0-1 ms, bucket 0 ready at 3.6 ms: 2.6 ms for its pieces
+    # (504 and 496 B): 1 + 0.504 + 0.496 = 2.0 ms as one collective, 3.0 ms as two.
+    plan = plan_gaps([0.0036, 0.0], [1000] * 2, shard, item, world, cost, 504, slack=0.0)
+    assert plan.after == {1: ((1, 0, 125),)}
+    assert plan.predicted_gap_fill_s == pytest.approx(2e-3)
+    # A gap too short for the first piece and its alpha leaves the bucket to step().
+    short = plan_gaps([0.0025, 0.0], [1000] * 2, shard, item, world, cost, 504, slack=0.0)
+    assert short.after == {}
 
 
 def test_replay_tail_is_a_fifo_link_in_the_plans_order() -> None:
