@@ -459,6 +459,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     if not cmd:
         p.error("no command given (put it after --)")
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # clean up as on Ctrl-C
+    # Also where SIGINT came in ignored (a script's background job: bash ignores it there, and
+    # Python then installs no handler): `kill -INT` must still remove what this run made.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         with EmulatedCluster(args.nproc, args.bandwidth, args.latency, not args.no_shaping,
                              not args.no_pin, args.horovod) as cluster:
