@@ -193,15 +193,15 @@ def plan_gaps(ready: Sequence[float], rs_bytes: Sequence[int],
             # A piece right after the previous one of its bucket joins that collective: one
             # alpha for the run, and at 8 ranks 7 messages instead of 7 per piece (VGG-16 x8:
             # 1.09 -> 1.04 x T_lb in a same-run comparison).
-            last = chosen[-1] if chosen else None
-            joins = last is not None and last[0] == c[0] and last[1] + last[2] == c[1]
+            last = chosen[-1] if chosen else (-1, 0, 0)     # (bucket -1: joins nothing)
+            joins = last[0] == c[0] and last[1] + last[2] == c[1]
             took = (cost.all_gather(world * c[2] * itemsizes[c[0]])
                     - (cost.alpha_ag if joins else 0.0))
             end = max(link_free, done[c[0]]) + took
             if end > budget:
                 break
             waiting.pop(0)
-            if last is not None and joins:
+            if joins:
                 chosen[-1] = (c[0], last[1], last[2] + c[2])
             else:
                 chosen.append(c)
