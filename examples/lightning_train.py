@@ -71,7 +71,7 @@ def main() -> None:
     trainer.fit(model, data(1024, 1), data(256, 2),
                 ckpt_path=last if args.resume and os.path.exists(last) else None)
     if trainer.is_global_zero:
-        checksum = sum(float(p.double().sum()) for p in model.parameters())
+        checksum = sum(float(p.detach().double().sum()) for p in model.parameters())
         acc = trainer.callback_metrics.get("val_acc")
         print(f"strategy={args.strategy}: {trainer.global_step} steps, "
               + (f"val_acc {float(acc):.3f}, " if acc is not None else "")
