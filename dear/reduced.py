@@ -19,7 +19,7 @@ from . import amp, clip
 
 
 class ReducedGradientMixin:
-    """Methods of dear.DistributedOptimizer; they use its bucket state (see dear/optimizer.py:
+    """Methods of dear.DistributedOptimizer; they use its bucket state (see dear/deferred.py:
     `_finish_reduce`, `_end_iteration`, `_buckets`, `_comm`, `_synchronized`, `_params`)."""
 
     # GradScaler.step() then calls step(grad_scaler=scaler) and leaves the inf check to the

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import inspect
 import sys
-from typing import Iterable, Optional
+from typing import Any, Iterable, Optional
 
 import torch
 
@@ -175,3 +175,22 @@ def horovod_groups(num_groups: int, groups: object) -> object:
         if groups is None:
             return num_groups
     return groups
+
+
+def explicit_groups(groups: Any, index: dict[torch.nn.Parameter, int]) -> Any:
+    """`groups=` as parameter indices (`index`: parameter -> its position), checked; None and
+    Horovod's int (N groups of consecutive parameters) pass through."""
+    if groups is None or isinstance(groups, int):
+        if isinstance(groups, int) and groups < 1:
+            raise ValueError(f"groups must be >= 1 or a list of parameter lists, got {groups}")
+        return groups
+    out = []
+    for group in groups:
+        try:
+            out.append([index[p] for p in group])
+        except KeyError:
+            raise ValueError("groups holds a parameter that the optimizer does not train "
+                             "(or that has requires_grad=False)") from None
+    if len({i for g in out for i in g}) != sum(len(g) for g in out):
+        raise ValueError("a parameter appears in more than one of groups")
+    return out

@@ -201,7 +201,7 @@ def _planned_run(forced: bool, relayout_at: int, mode: str = "thread", device: s
         schedule.probe_link = lambda *args, **kwargs: LinkCost(0.0, 1.0, 0.0, 1.0)
         schedule.ScheduleDriver._factor = lambda *args: check_factor
     if mode != "thread":
-        dear.optimizer.issue_mode = lambda params, comm: mode
+        dear.deferred.issue_mode = lambda params, comm: mode
     if device == "cuda":                       # two ranks on one GPU: Gloo's CUDA collectives
         dist.init_process_group("gloo")
     dear.init()

@@ -1,0 +1,654 @@
+"""The DeAR schedule around any torch optimizer: the class `dear.DistributedOptimizer` mixes
+into the wrapped optimizer's own class (dear/optimizer.py builds it).
+
+Life of one gradient (read top to bottom):
+  1. backward: a post-accumulate-grad hook copies it into its bucket (`Bucket.pack`); when the
+     bucket is full and every bucket before it in reduce order has started, its reduce-scatter
+     starts (`_launch_ready`), so every rank issues reduce-scatters in the same order.
+  2. `step()`: finishes the reduce-scatters, averages each shard, starts the all-gathers in
+     forward order, and returns: the update is now pending.
+  3. next forward: a forward pre-hook on each module waits for the all-gathers of the buckets
+     holding that module's parameters and runs the WRAPPED optimizer's own update on those
+     parameters only (`_apply`), just before the module reads them.
+`flush_updates()` applies whatever is still pending; it runs before state_dict(),
+load_state_dict(), dear.shutdown() and an eval-mode forward, so nobody reads half-updated
+parameters. `synchronize()` / `skip_synchronize()` keep Horovod's meaning for loops that edit the
+averaged gradients (K-FAC, clipping) before the update.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import warnings
+import weakref
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+
+from . import amp, native, runtime
+from .comm.base import ReduceOp
+from .compression import Compressor
+from .config import Autotune
+from .fusion.autotune import make_autotuner
+from .fusion.bucket import Bucket, Stage
+from .fusion.fusion_config import FusionConfig
+from .fusion.layout import GatherGroup, build_layout
+from .fusion.rows import RowSparseBucket, resolve_row_sparse
+from .fusion.schedule import ScheduleDriver, issue_mode
+from .reduced import ReducedGradientMixin
+from .validation import explicit_groups, refuse_construction
+
+log = logging.getLogger("dear")
+
+
+class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
+    """Mixed into the wrapped optimizer's own class (dear/optimizer.py's `DistributedOptimizer`);
+    GradScaler and clip_grad_norm_ support come from `ReducedGradientMixin` (dear/reduced.py).
+    One class on purpose, like Horovod's: the life of a gradient above reads top to bottom."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        refuse_construction(self)              # e.g. hvd.DistributedOptimizer(dear's optimizer)
+
+    def _dear_setup(self, named: list[tuple[str, torch.nn.Parameter]],
+                    model: Optional[torch.nn.Module], backward_passes_per_step: int,
+                    op: ReduceOp, gradient_predivide_factor: float,
+                    fusion: FusionConfig, overlap_allgather: bool,
+                    compression: Compressor, groups: Any, sparse_as_dense: bool,
+                    autotune: Autotune, schedule: Optional[str] = None,
+                    row_sparse: Any = None) -> None:
+        comm = runtime.communicator()
+        self._comm = comm
+        step = super(_DistributedOptimizer, type(self)).step
+        # The wrapped class's step minus its profiling/step-hook layer: step hooks run once, in
+        # our step(), not once per bucket. The inner layer keeps torch's no_grad handling.
+        self._inner_step = step.__wrapped__ if getattr(step, "hooked", False) else step
+        self._names = [n for n, _ in named]
+        self._params = [p for _, p in named]
+        self._index = {p: i for i, p in enumerate(self._params)}
+        self._passes_needed = backward_passes_per_step
+        self._passes = [0] * len(self._params)
+        self._prescale = 1.0 / gradient_predivide_factor
+        self._postscale = (gradient_predivide_factor / comm.size
+                           if op is ReduceOp.Average else 1.0)
+        self._fusion = fusion
+        self._model = model
+        self._compression = compression
+        self._sparse_as_dense = sparse_as_dense
+        self._groups = explicit_groups(groups, self._index)
+        self._overlap = overlap_allgather and model is not None
+        if overlap_allgather and model is None:
+            log.info("dear: no model= given, so all-gathers complete inside step(); pass "
+                     "model= to overlap them with the next forward pass")
+        self._buckets: Optional[list[Bucket]] = None
+        self._gather_groups: list[GatherGroup] = []
+        self._order: list[int] = []            # rank 0's parameter order, for re-layouts
+        # Which collective goes on the link when (dear/fusion/schedule.py): DeAR's order, or a
+        # plan that also fills backward's idle link time with all-gather chunks.
+        cfg = runtime.config()
+        planned = (cfg.schedule if schedule is None else schedule) == "planned"
+        self._schedule = ScheduleDriver(lambda: self._comm, planned, cfg.plan_after,
+                                        cfg.chunk_bytes, issue_mode(self._params, comm),
+                                        cfg.plan_slack)
+        # Embedding tables sent as the rows some rank used (dear/fusion/rows.py).
+        self._row_sparse = resolve_row_sparse(
+            cfg.row_sparse if row_sparse is None else row_sparse, named, model,
+            explicit=row_sparse is not None)
+        if self._row_sparse:
+            log.info("dear: sent as the rows some rank used (row_sparse; DEAR_ROW_SPARSE=off "
+                     "sends them whole): %s", ", ".join(self._names[i]
+                                                       for i in sorted(self._row_sparse)))
+        self._autotuner = (make_autotuner(self, named, autotune, cfg, self._comm, self._fusion,
+                                          self._schedule, overlap=self._overlap,
+                                          passes_per_step=backward_passes_per_step)
+                           if autotune else None)
+        # clip / unscale factors that must reach chunks gathered before step(): applied to the
+        # gathered gradients instead of the shards (the same multiplications, the same bits)
+        self._deferred: list[torch.Tensor] = []
+        self._deferred_at_step: list[torch.Tensor] = []
+        self._provisional = False              # plan built before any forward: thrown away
+        self._where: list[tuple[Bucket, int]] = []
+        self._next_launch = 0                  # position in reduce order (last bucket first)
+        self._num_pending = 0                  # buckets whose update waits to be applied
+        self._forward_order: list[int] = []    # parameters in first-execution order
+        self._forward_seen: set[int] = set()
+        self._grad_order: list[int] = []       # parameters in first-gradient order
+        self._triggers: dict[torch.nn.Module, list[Bucket]] = {}
+        self._grads_since_step = False         # a backward ran since the last step()
+        # What each gradient the Python hook took was (weakly) and its version: an edit of .grad
+        # after dear took it would be silently ignored, so step() refuses it (native buckets keep
+        # the same record in C++: GradReady.first_edited).
+        self._taken: dict[int, tuple[Optional[weakref.ref], int]] = {}
+        self._synchronized = False             # synchronize() put averaged gradients in .grad
+        self._skip_sync = False
+        self._reduced = False                  # clip_grad_norm_ finished the reduce-scatters
+        self._amp_found_inf: Optional[torch.Tensor] = None  # shards unscaled; agreed found-inf
+        self._clipped_scaled = False           # clipped without knowing of a GradScaler
+        # dear.KFAC's eigenbasis path (dear/kfac/overlap.py): it edits buckets before the
+        # reduce-scatter and after the all-gather, and needs `_ties` kept in one bucket each.
+        self._transform: Any = None
+        self._ties: list[list[int]] = []
+        self._relayout_wanted = False          # new ties: re-plan when nothing is in flight
+        self._preconditioner_synced = False    # dear.KFAC called synchronize() for this step
+        self._hooks: list[Any] = []
+        # Parameters' hooks live where the garbage collector cannot follow them: they hold the
+        # optimizer weakly, or a dropped optimizer would keep itself and the model alive forever.
+        on_grad = _weak_method(self._on_grad)
+        # Native path: a C++ hook per parameter records gradients without a Python frame and
+        # falls back to _on_grad whenever _arm_hooks() says the iteration is not a plain one.
+        ext = native.extension() if native.enabled() else None
+        self._hook_switch = ext.HookSwitch() if ext is not None else None
+        self._native_hooks: list[Any] = []
+        for i, p in enumerate(self._params):
+            if ext is not None:
+                hook = ext.GradHook(self._hook_switch, i, self._names[i], on_grad,
+                                    _weak_method(self._launch_ready))
+                self._native_hooks.append(hook)
+            else:
+                hook = functools.partial(on_grad, i)
+            self._hooks.append(p.register_post_accumulate_grad_hook(hook))
+        if model is not None:
+            self._hook_model(model)
+        weakref.finalize(self, _remove_hooks, self._hooks)
+        runtime.register_optimizer(self)
+
+    # ----------------------------------------------------------------- backward: pack & reduce
+    def _on_grad(self, i: int, param: torch.nn.Parameter) -> None:
+        if self._reduced:
+            raise RuntimeError(
+                f"gradient of {self._names[i]} arrived after optimizer.clip_grad_norm_() had "
+                "reduced this iteration's gradients; call clip_grad_norm_ after the last "
+                "backward and before step(), never after step()")
+        self._passes[i] += 1
+        if self._passes[i] < self._passes_needed:
+            return
+        if self._passes[i] > self._passes_needed:
+            raise RuntimeError(
+                f"gradient of {self._names[i]} was computed {self._passes[i]} times before "
+                f"step(), but backward_passes_per_step={self._passes_needed}; call step() "
+                "after each backward or raise backward_passes_per_step")
+        self._grads_since_step = True
+        grad = param.grad
+        self._taken[i] = (None, -1) if grad is None else (weakref.ref(grad), grad._version)
+        if self._buckets is None:              # first iteration: the plan is built in step()
+            self._grad_order.append(i)
+            return
+        bucket, j = self._where[i]
+        if bucket.stage is Stage.GATHERING:    # its module did not run in this forward
+            self._apply(bucket)
+        bucket.pack(j, param.grad)
+        if bucket.full:
+            self._launch_ready()
+
+    def _arm_hooks(self) -> None:
+        """Let the C++ hooks take gradients only in a plain iteration: buckets built for good,
+        one backward pass per step, nothing reduced early (clip_grad_norm_). Buckets with a
+        pending update send their gradients to _on_grad themselves (GradReady.pending)."""
+        if self._hook_switch is not None:
+            self._hook_switch.fast = (self._buckets is not None and not self._provisional
+                                      and not self._reduced and self._passes_needed == 1)
+
+    def _bind_hooks(self) -> None:
+        for i, hook in enumerate(self._native_hooks):
+            ready = self._where[i][0]._ready if self._buckets is not None else None
+            if ready is None:
+                hook.unbind()
+            else:
+                hook.bind(ready, self._where[i][1])
+        self._arm_hooks()
+
+    @property
+    def _had_gradients(self) -> bool:
+        """A backward ran since the last step() (through either kind of hook)."""
+        return self._grads_since_step or bool(self._hook_switch and self._hook_switch.any)
+
+    def _launch_ready(self) -> None:
+        buckets = self._buckets
+        assert buckets is not None
+        while self._next_launch < len(buckets):
+            bucket = buckets[len(buckets) - 1 - self._next_launch]
+            # A bucket whose module skipped this forward still holds last step's pending update
+            # (and last step's "full"): it waits for step(), which applies it first.
+            if bucket.stage is not Stage.IDLE or not bucket.full:
+                return
+            if isinstance(bucket, RowSparseBucket):   # a Tracer's replay models dense buckets
+                bucket.send_dense = self._schedule.paused
+            if self._transform is not None:     # it rotates the packed gradients
+                bucket.fill()
+                self._transform.before_reduce(bucket)
+            bucket.start_reduce_scatter(self._comm, self._prescale, self._schedule.submitter())
+            self._schedule.reduce_scatter_submitted(bucket, self._postscale)
+            self._next_launch += 1
+
+    # ----------------------------------------------------------------------- step: all-gather
+    @torch.optim.Optimizer.profile_hook_step
+    def step(self, closure: Optional[Callable[[], float]] = None,  # type: ignore[override]
+             grad_scaler: Optional[Any] = None) -> None:
+        """Finish averaging and start the all-gathers; the update lands in the next forward.
+        `scaler.step(optimizer)` passes its GradScaler as `grad_scaler` (see dear/amp.py)."""
+        if closure is not None:
+            raise ValueError("dear.DistributedOptimizer.step() does not take a closure: the "
+                             "update is applied later, in the next forward pass")
+        amp.check_contract(self, grad_scaler)
+        original = self._dear_original()
+        if original is not None:               # an LR scheduler made before wrapping checks it
+            original._opt_called = True
+        if not self._synchronized and self._had_gradients:
+            if grad_scaler is not None and amp.unscaled_by_user(grad_scaler, self):
+                self._abandon_iteration()
+                raise RuntimeError(
+                    "scaler.unscale_(optimizer) does not work with dear.DistributedOptimizer: "
+                    "dear took the local gradients during backward, so unscale_ changes nothing "
+                    "that is reduced and the step would be unscaled twice. Drop "
+                    "scaler.unscale_(optimizer); to clip, call optimizer.clip_grad_norm_("
+                    "max_norm, grad_scaler=scaler) instead, or use Horovod's pattern: "
+                    "optimizer.synchronize(); scaler.unscale_(optimizer); <clip>; with "
+                    "optimizer.skip_synchronize(): scaler.step(optimizer)")
+            self._refuse_edited_grads()
+        elif not self._synchronized and self._zero_grads_only():
+            # Horovod's broadcast_optimizer_state: on ranks whose state is empty it sets every
+            # .grad to zeros and calls step() (rank 0 does not). Averaging zeros gives zeros, so
+            # the wrapped optimizer's own step is the same update, with no collective to hang.
+            self.flush_updates()
+            self._inner_step(self)
+            return
+        if self._synchronized:                 # Horovod loop: .grad already holds the average
+            if not self._skip_sync and not self._preconditioner_synced:
+                warnings.warn("optimizer.step() after optimizer.synchronize() without "
+                              "optimizer.skip_synchronize(): the gradients are already "
+                              "averaged and are applied as they are")
+            self._synchronized = self._preconditioner_synced = False
+            if grad_scaler is None or not amp.unscale_averaged_grads(grad_scaler, self):
+                self._inner_step(self)
+            if self._relayout_wanted:          # nothing is in flight after a synchronized step
+                self._relayout_wanted = False
+                self._relayout(self._fusion)
+            return
+        if self._skip_sync:
+            raise RuntimeError("step() inside skip_synchronize() needs optimizer.synchronize() "
+                               "after backward, as in Horovod")
+        self._communicate(grad_scaler)
+        if self._sparse is not None:           # their update is applied now (dear/sparse.py)
+            self._sparse.apply(self, grad_scaler)
+        if not self._overlap or self._provisional:
+            self.flush_updates()
+        self._discard_provisional_plan()
+        if self._autotuner is not None and self._buckets is not None:
+            switch = self._autotuner.on_step()
+            if switch is not None:             # same step() on every rank
+                self.flush_updates()           # no bucket may be in flight while re-planned
+                self._relayout(switch)
+
+    def _zero_grads_only(self) -> bool:
+        """Every .grad is None or all zeros (no backward ran since the last step())."""
+        return all(p.grad is None or (not p.grad.is_sparse and not p.grad.any())
+                   for p in self._params)
+
+    def _edited_parameter(self) -> Optional[int]:
+        """A parameter whose .grad changed since dear took it this iteration, or None."""
+        for i, (ref, version) in self._taken.items():
+            grad = self._params[i].grad
+            if ref is None:
+                if grad is not None:
+                    return i
+            elif grad is None or grad is not ref() or grad._version != version:
+                return i
+        for bucket in self._buckets or ():
+            if bucket._ready is not None and bucket.stage is not Stage.GATHERING:
+                j = bucket._ready.first_edited(bucket.params)
+                if j >= 0:
+                    return bucket.spec.params[j]
+        return None
+
+    def _refuse_edited_grads(self) -> None:
+        """Refuse, the same way in every iteration, an edit of .grad made after backward handed
+        it to dear: the reduce-scatter already took the old values."""
+        i = self._edited_parameter()
+        if i is None:
+            return
+        self._abandon_iteration()
+        raise RuntimeError(
+            f"dear: the gradient of {self._names[i]} was changed after backward handed it to "
+            "dear.DistributedOptimizer (edited in place, replaced or set to None), e.g. by "
+            "torch.nn.utils.clip_grad_norm_ or scaler.unscale_(optimizer). dear reduces each "
+            "gradient as soon as backward produces it, so the change would be silently "
+            "ignored; this step was dropped on this rank. To clip, call "
+            "optimizer.clip_grad_norm_(max_norm) (with a GradScaler: "
+            "optimizer.clip_grad_norm_(max_norm, grad_scaler=scaler), without "
+            "scaler.unscale_); to edit the averaged gradients in any other way, use Horovod's "
+            "pattern: optimizer.synchronize(); <edit .grad>; with "
+            "optimizer.skip_synchronize(): optimizer.step()")
+
+    def _abandon_iteration(self) -> None:
+        """Drop this iteration's gradients: finish the reduce-scatters already issued (every
+        rank issued the same ones), reset the buckets; parameters and pending updates are kept."""
+        for bucket in self._buckets or ():
+            if bucket.stage is not Stage.GATHERING:   # a pending update of the last step stays
+                bucket.drop()
+        self._schedule.drain()
+        if self._buckets is None:
+            self._grad_order = []
+        self._end_iteration()
+
+    def _communicate(self, grad_scaler: Optional[Any] = None) -> None:
+        """Finish averaging, run GradScaler's check on the reduced shards, and start the
+        all-gathers in forward order; a step the scaler skips gathers nothing, on every rank."""
+        self._finish_reduce()
+        if self._buffer_sync is not None:      # dear/buffers.py: DDP's broadcast_buffers
+            self._buffer_sync()
+        if self._sparse is not None:           # dear/sparse.py: Embedding(sparse=True) weights
+            self._sparse.reduce(self._prescale, self._postscale)
+        buckets = self._buckets
+        assert buckets is not None
+        if grad_scaler is None or not self._amp_skips(grad_scaler):
+            self._schedule.maybe_plan([b.wire.element_size() for b in buckets])
+            self._schedule.gather_rest(self._gather_groups)   # forward order: 0 needed first
+            # The update runs later, after e.g. an LR scheduler has moved on: it must use the
+            # hyperparameters that were in force when step() was called.
+            self._hyper_at_step = [_hyperparameters(g) for g in self.param_groups]
+            self._deferred_at_step = self._deferred
+            self._num_pending = len(buckets)
+        self._schedule.end_step()
+        self._end_iteration()
+
+    def _finish_reduce(self) -> None:
+        """Finish the reduce-scatters and average each shard, once per iteration."""
+        if self._reduced:
+            return
+        if self._buckets is None:
+            self._build_buckets()
+        buckets = self._buckets
+        assert buckets is not None
+        self.flush_updates()                   # buffers are about to be reused
+        for bucket in buckets:
+            bucket.pack_missing()              # unused parameters count as zero
+        self._launch_ready()
+        self._schedule.drain()                 # what backward submitted is issued: our turn
+        for bucket in reversed(buckets):
+            bucket.finish_reduce_scatter(self._postscale)
+        self._schedule.reduced()
+        self._reduced = True
+        self._arm_hooks()
+
+    def _end_iteration(self) -> None:
+        for bucket in self._buckets or ():
+            if bucket.stage is Stage.REDUCING:  # a skipped step: nothing to gather or apply
+                bucket.drop()
+        self._reduced, self._amp_found_inf, self._clipped_scaled = False, None, False
+        self._deferred = []
+        self._next_launch = 0
+        self._passes = [0] * len(self._params)
+        self._grads_since_step = False
+        self._taken = {}
+        if self._hook_switch is not None:
+            self._hook_switch.any = False
+        self._arm_hooks()
+
+    def flush_updates(self) -> None:
+        """Apply every pending update now. Issues no collective, so it is safe on one rank alone
+        (e.g. rank 0 saving a checkpoint); state_dict(), eval forwards and shutdown call it."""
+        if not self._num_pending or self._buckets is None:
+            return
+        for bucket in self._buckets:
+            if bucket.stage is Stage.GATHERING:
+                self._apply(bucket)
+
+    def _shutdown(self) -> None:
+        """dear.shutdown(): apply what is pending; an offline autotune still tracing detaches
+        its tracer (its hooks would otherwise stay on the model)."""
+        self.flush_updates()
+        self._schedule.close()
+        if self._autotuner is not None:
+            self._autotuner.close()
+
+    def synchronize(self) -> None:
+        """Horovod's meaning. After backward: finish averaging now and put the averaged gradients
+        in .grad (then `with optimizer.skip_synchronize(): optimizer.step()`), e.g. to clip or
+        precondition them. After step(): apply the pending updates. Call it on every rank."""
+        if self._num_pending or not self._had_gradients:
+            self.flush_updates()
+            return
+        self._refuse_edited_grads()
+        self._communicate()
+        if self._sparse is not None:           # averaged sparse gradients in .grad, as Horovod
+            self._sparse.to_grad()
+        assert self._buckets is not None
+        for bucket in self._buckets:
+            used = self._finish_all_gather(bucket)
+            self._apply_deferred(bucket)
+            for p, view, u in zip(bucket.params, bucket.grad_views, used):
+                if u and p.grad is None:
+                    p.grad = view.clone()
+                elif u:
+                    p.grad.copy_(view)
+            bucket.reset()
+        self._num_pending = 0
+        self._synchronized = True
+        self._discard_provisional_plan()
+
+    def _synchronize_for_preconditioner(self) -> None:
+        """dear.KFAC on a step that preconditions .grad: synchronize(), and the step() that
+        follows applies .grad as after Horovod's skip_synchronize(), without a warning."""
+        if self._had_gradients and not self._synchronized:
+            self.synchronize()
+            self._preconditioner_synced = self._synchronized
+
+    def _attach_transform(self, transform: Any, ties: list[list[int]]) -> None:
+        """dear.KFAC's eigenbasis path; with buckets already planned, `ties` take effect at the
+        next synchronized step() (dear.KFAC synchronizes until the layout fits)."""
+        self._transform, self._ties = transform, ties
+        self._schedule.paused = True           # it edits the shards between the collectives
+        self._relayout_wanted = self._buckets is not None and not transform.layout_fits()
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """Horovod's: step() inside applies the gradients synchronize() averaged."""
+        self._skip_sync = True
+        try:
+            yield
+        finally:
+            self._skip_sync = False
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        """Horovod's: reduce after `passes` backward passes from the next step on; call it
+        between step() and the next backward, on every rank."""
+        if passes < 1:
+            raise ValueError(f"backward_passes_per_step must be >= 1, got {passes}")
+        if self._had_gradients or any(self._passes):
+            raise RuntimeError("set_backward_passes_per_step() between backward and step(): "
+                               "call it after step(), before the next backward")
+        self._passes_needed = passes
+        self._arm_hooks()
+
+    # ---------------------------------------------------------------- next forward: the update
+    def _apply(self, bucket: Bucket) -> None:
+        """Run the wrapped optimizer's update on this bucket's parameters only, with the averaged
+        gradient as .grad (a view into the gathered buffer); the user's .grad is put back."""
+        used = self._finish_all_gather(bucket)
+        self._apply_deferred(bucket)
+        saved = native.swap_grads(bucket.params, [view if u else None for view, u
+                                                  in zip(bucket.grad_views, used)])
+        groups = self.param_groups
+        originals = [dict(g) for g in groups]
+        try:
+            for g, members, hyper in zip(groups, self._group_members(bucket),
+                                         self._hyper_at_step):
+                g.update(hyper)
+                g["params"] = members
+            self._base_step()
+        finally:
+            for g, original in zip(groups, originals):
+                g.update(original)
+            native.swap_grads(bucket.params, saved)
+            bucket.reset()
+            self._num_pending -= 1
+
+    def _gathered_early(self) -> bool:
+        """Some bucket already holds gathered gradients before step() (chunks of the planned
+        schedule, row-sparse tables): scale factors of step() are deferred to the update."""
+        return self._schedule.gathered_early() or any(
+            isinstance(b, RowSparseBucket) for b in self._buckets or ())
+
+    def _apply_deferred(self, bucket: Bucket) -> None:
+        """Unscale / clip factors of step() that chunks gathered in backward missed."""
+        grads = bucket.buffer[:bucket.spec.flags_offset]
+        for factor in self._deferred_at_step:
+            grads.mul_(factor.to(grads.dtype))
+
+    def _finish_all_gather(self, bucket: Bucket) -> list[bool]:
+        """The averaged gradients in the bucket's buffer (dear.KFAC's rotation undone); which
+        parameters any rank produced a gradient for."""
+        used = bucket.finish_all_gather()
+        if self._transform is not None:
+            self._transform.after_gather(bucket)
+        return used
+
+    def _group_members(self, bucket: Bucket) -> list[list[torch.nn.Parameter]]:
+        members = getattr(bucket, "group_members", None)
+        if members is None:
+            owner = {p: gi for gi, g in enumerate(self.param_groups) for p in g["params"]}
+            members = [[] for _ in self.param_groups]
+            for p in bucket.params:
+                members[owner[p]].append(p)
+            bucket.group_members = members  # type: ignore[attr-defined]
+        return members
+
+    def _base_step(self) -> None:
+        self._inner_step(self)
+
+    # ------------------------------------------------------------------- plan (first step)
+    def _build_buckets(self) -> None:
+        order = self._forward_order if self._overlap else list(reversed(self._grad_order))
+        order = list(dict.fromkeys(order))
+        seen = set(order)
+        unseen = [i for i in range(len(self._params)) if i not in seen]
+        # Parameters no module claimed in the forward (used directly by a parent, e.g. BERT's
+        # token_type.weight[0]) are applied before the root's forward: put them in bucket 0,
+        # which is reduced last anyway. At the end they would be in the first bucket to
+        # reduce, and since their gradient can come last, no reduce-scatter could start
+        # before backward ends.
+        order = unseen + order if self._overlap else order + unseen
+        # A step before any forward (e.g. Horovod's broadcast_optimizer_state initialising the
+        # state) has no execution order yet: it runs synchronously on a throwaway plan.
+        provisional = self._overlap and not self._forward_order
+        # Ranks may have run different branches: everyone adopts rank 0's decision.
+        order, self._provisional = self._comm.broadcast_object((order, provisional), 0)
+        self._order = order
+        self._relayout(self._fusion)
+        for i, p in enumerate(self._params):
+            if self._passes[i] > 0 or p.grad is not None:
+                bucket, j = self._where[i]
+                bucket.pack(j, p.grad)
+
+    def _relayout(self, fusion: FusionConfig) -> None:
+        """(Re)build buckets and all-gather groups from rank 0's order; nothing may be in
+        flight. Deterministic given the order, so every rank builds the same layout."""
+        explicit = self._groups
+        order = self._order
+        if isinstance(explicit, int):          # Horovod: N groups of consecutive parameters
+            size = -(-len(order) // explicit)
+            explicit = [order[k:k + size] for k in range(0, len(order), size)]
+        row_sparse = self._row_sparse if self._transform is None else ()  # K-FAC rotates rows
+        layout = build_layout(self._params, order, fusion, self._comm.size, explicit,
+                              self._compression, self._sparse_as_dense, self._ties,
+                              row_sparse, self._comm.rank)
+        self._fusion = fusion
+        self._layout = layout
+        self._buckets, self._where = layout.buckets, layout.where
+        self._gather_groups = layout.gather_groups
+        self._triggers = {}
+        self._schedule.reset(layout.buckets, fusion.chunk_bytes)   # re-planned with its chunks
+        if self._model is not None:
+            self._map_triggers(self._model)
+        self._bind_hooks()
+        log.info("dear: %s (%s)", layout.describe(), fusion.describe())
+
+    def _discard_provisional_plan(self) -> None:
+        if self._provisional:
+            self._buckets, self._where, self._triggers = None, [], {}
+            self._gather_groups = []
+            self._grad_order = []
+            self._bind_hooks()
+
+    # ------------------------------------------------------------------------- module hooks
+    def _hook_model(self, model: torch.nn.Module) -> None:
+        for module in model.modules():
+            if module is model or any(p in self._index for p in module.parameters(recurse=False)):
+                self._hooks.append(module.register_forward_pre_hook(_eager(self._pre_forward)))
+        self._hooks.append(model.register_state_dict_pre_hook(
+            lambda *args, **kwargs: self.flush_updates()))
+        self._hooks.append(model.register_load_state_dict_pre_hook(
+            lambda *args, **kwargs: self.flush_updates()))
+
+    def _pre_forward(self, module: torch.nn.Module, args: Any) -> None:
+        tuner = self._autotuner
+        if tuner is not None and tuner.samples_per_iteration is None and module is self._model:
+            first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+            tuner.samples_per_iteration = 0 if first is None else first.shape[0] * self._comm.size
+        if module is self._model and not module.training:
+            self.flush_updates()               # evaluation reads every parameter
+        elif self._num_pending:
+            for bucket in self._triggers.get(module, ()):
+                if bucket.stage is Stage.GATHERING:
+                    self._apply(bucket)
+        elif self._buckets is None:            # first iteration: learn the execution order
+            for p in module.parameters(recurse=False):
+                i = self._index.get(p)
+                if i is not None and i not in self._forward_seen:
+                    self._forward_seen.add(i)
+                    self._forward_order.append(i)
+
+    def _map_triggers(self, model: torch.nn.Module) -> None:
+        """Each module applies the pending buckets holding its parameters; parameters whose
+        module never ran (used directly by a parent) are applied before the root's forward."""
+        assert self._buckets is not None
+        for module in model.modules():
+            mine = [self._where[self._index[p]][0] for p in module.parameters(recurse=False)
+                    if p in self._index]
+            if mine:
+                self._triggers[module] = list(dict.fromkeys(mine))
+        unseen = [self._where[i][0] for i in range(len(self._params))
+                  if i not in self._forward_seen]
+        if unseen:
+            self._triggers[model] = list(dict.fromkeys(self._triggers.get(model, []) + unseen))
+
+    # --------------------------------------------------------------------- checkpointing
+    def state_dict(self) -> dict[str, Any]:
+        self.flush_updates()
+        return super().state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.flush_updates()
+        super().load_state_dict(state_dict)
+        for bucket in self._buckets or ():
+            bucket.group_members = None  # type: ignore[attr-defined]
+
+
+def _weak_method(method: Callable[..., Any]) -> Callable[..., Any]:
+    """`method` called through a weak reference to its object: a no-op once it is collected."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: Any) -> Any:
+        bound = ref()
+        return None if bound is None else bound(*args)
+    return call
+
+
+def _eager(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """`hook` run eagerly under torch.compile: it waits for all-gathers and runs the wrapped
+    optimizer's update, which dynamo cannot trace; the compiled graph breaks around it."""
+    return torch.compiler.disable(hook, recursive=True)
+
+
+def _remove_hooks(handles: list[Any]) -> None:
+    for handle in handles:
+        handle.remove()
+
+
+def _hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
+    return {k: v.clone() if isinstance(v, torch.Tensor) else v
+            for k, v in group.items() if k != "params"}
+
+
+_DistributedOptimizer.step.hooked = True  # type: ignore[attr-defined]  # torch must not re-wrap
