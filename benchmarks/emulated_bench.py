@@ -531,8 +531,9 @@ def run_setup(setup: str, args: argparse.Namespace, shaping: bool,
                 code = cluster.run(cmd, timeout=args.timeout)
             if code == 0:
                 break
-            # Seen once in ~10 runs: Horovod's second hvd.init() in a process aborted on a Gloo
-            # "connection refused" (benchmarks.train re-initialises it the same way).
+            # Horovod's second hvd.init() in a process used to abort on a Gloo "connection
+            # refused" (its rendezvous server's bug, fixed in benchmarks/cluster.py); one more
+            # try for whatever else fails once.
             print(f"emulated: {setup} failed (exit {code})"
                   + ("; trying once more" if attempt == 1 and code != 124 else ""),
                   file=sys.stderr, flush=True)

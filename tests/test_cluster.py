@@ -332,6 +332,48 @@ def test_horovod_runs_across_the_namespaces(tmp_path: Path, owned: Launchers) ->
     assert leftovers(proc.pid) == []
 
 
+def test_horovod_rendezvous_clears_each_scope_when_its_ranks_finish() -> None:
+    """Horovod 0.28's server, when one scope's last rank finishes, clears the finished lists of
+    every scope: a scope then in progress keeps its keys, and the next hvd.init() reads stale
+    addresses ("Connection refused"; at 8 ranks on every second init). The cluster's server
+    must clear the completed scope's keys whatever order the scopes finish in."""
+    pytest.importorskip("horovod.torch", reason="Horovod is not installed")
+    import urllib.error
+    import urllib.request
+    server = subprocess.Popen([sys.executable, "-c",
+                               cluster.rendezvous_script("rank0:1,rank1:1,rank2:1", 3)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(server.stdout.readline())  # type: ignore[union-attr]
+
+        def call(method: str, path: str, body: bytes = b"") -> int:
+            req = urllib.request.Request(f"http://127.0.0.1:{port}/{path}", data=body or None,
+                                         method=method)
+            try:
+                with urllib.request.urlopen(req, timeout=10) as resp:
+                    return resp.status
+            except urllib.error.HTTPError as err:
+                return err.code
+
+        for rank in range(3):                      # what each rank's Gloo store writes
+            assert call("PUT", f"global/rank_{rank}", b"address") == 200
+        call("DELETE", "global/0")
+        call("DELETE", "global/1")
+        call("DELETE", "local_rank0/0")            # a 1-rank scope completes in between
+        assert call("GET", "global/rank_2") == 200  # global not finished yet: keys kept
+        call("DELETE", "global/2")
+        assert [call("GET", f"global/rank_{r}") for r in range(3)] == [404] * 3
+        # the next init's round: the same scope completes again, and is cleared again
+        for rank in range(3):
+            call("PUT", f"global/rank_{rank}", b"new address")
+        for rank in range(3):
+            call("DELETE", f"global/{rank}")
+        assert call("GET", "global/rank_0") == 404
+    finally:
+        server.stdin.close()                       # type: ignore[union-attr]
+        server.wait(timeout=10)
+
+
 @pytest.mark.root
 @needs_root
 def test_cleanup_removes_what_a_killed_launcher_left(tmp_path: Path, owned: Launchers) -> None:
