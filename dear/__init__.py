@@ -17,7 +17,7 @@ Sum = ReduceOp.Sum
 __version__ = "0.1.0"
 
 __all__ = [
-    "Average", "Compression", "atomic_save", "DistributedOptimizer", "KFAC", "ReduceOp", "Sum", "allreduce", "broadcast_optimizer_state",
-    "broadcast_parameters", "diagnose", "init", "join", "native_available", "is_initialized", "local_rank",
-    "rank", "shutdown", "size",
+    "Average", "Compression", "DistributedOptimizer", "KFAC", "ReduceOp", "Sum", "allreduce",
+    "atomic_save", "broadcast_optimizer_state", "broadcast_parameters", "diagnose", "init",
+    "is_initialized", "join", "local_rank", "native_available", "rank", "shutdown", "size",
 ]

@@ -72,8 +72,11 @@ def _horovod_is_initialized() -> bool:
         return False
 
 
+NamedParameters = Iterable[tuple[str, torch.nn.Parameter]]
+
+
 def DistributedOptimizer(optimizer: torch.optim.Optimizer,
-                         named_parameters: Optional[Iterable[tuple[str, torch.nn.Parameter]]] = None,
+                         named_parameters: Optional[NamedParameters] = None,
                          compression: Any = Compression.none,
                          backward_passes_per_step: int = 1, op: Any = ReduceOp.Average,
                          gradient_predivide_factor: float = 1.0, num_groups: int = 0,

@@ -13,8 +13,8 @@ never obtained by blocking the training loop:
   `sys.getswitchinterval()` (5 ms) of completion in the worst case and well under a millisecond
   when the training thread is inside torch kernels, which release the GIL (measured on 2 Gloo
   ranks, benchmarks/results/diagnose_precision.md: median lag 0.4 ms while the training thread
-  runs torch kernels, 5.5 ms while it runs pure Python, message latency included). One watcher serves
-  collectives in issue order, so a collective that finishes before an earlier one is stamped
+  runs torch kernels, 5.5 ms while it runs pure Python, message latency included). One watcher
+  serves collectives in issue order, so a collective that finishes before an earlier one is stamped
   when the earlier one finishes (Gloo carries them over one connection in order anyway).
 - torch collectives with a future (all_reduce; NCCL): a done-callback stamps the time (runs on
   the backend's thread; same GIL bound; on CUDA it fires when the watchdog sees the kernel end).

@@ -16,8 +16,8 @@ on the few layouts the simulator ranks best, which also guards against its error
    removed, every rank's collectives are all-gathered to fit the network (a collective lasts
    from the last rank's issue), and rank 0 builds the simulator from its own trace, in memory
    (the optimizer's parameter order; the PLANNED schedule with each candidate's chunk size
-   where the optimizer can run a plan, else DEAR), runs FusionTuner on predicted times and broadcasts the plan: the current layout plus the `confirm` best
-   predicted distinct layouts;
+   where the optimizer can run a plan, else DEAR), runs FusionTuner on predicted times and
+   broadcasts the plan: the current layout plus the `confirm` best predicted distinct layouts;
 3. confirm: each planned layout is timed for `settle + window` iterations as the online tuner
    times a trial (rank 0 decides, broadcast, every rank switches at the same step()); the
    fastest measured is kept and saved with fusion_config.save.

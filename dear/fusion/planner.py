@@ -117,8 +117,10 @@ def plan_buckets(params: Sequence[torch.Tensor], order: Sequence[int], threshold
         flags_offset = cursor
         specs.append(BucketSpec(
             index=b, params=tuple(members), offsets=tuple(offsets), numels=tuple(numels),
-            flags_offset=flags_offset, padded_numel=_padded(flags_offset + len(members), world_size),
-            dtype=params[members[0]].dtype, device=params[members[0]].device, world_size=world_size))
+            flags_offset=flags_offset,
+            padded_numel=_padded(flags_offset + len(members), world_size),
+            dtype=params[members[0]].dtype, device=params[members[0]].device,
+            world_size=world_size))
     return specs
 
 
