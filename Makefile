@@ -4,8 +4,9 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check -q
 TORCH  ?= torch==2.13.0
+LINTED := dear benchmarks tests examples tools setup.py
 
-.PHONY: setup horovod demo test bench kfac-bench autotune clean
+.PHONY: setup horovod demo test lint bench kfac-bench autotune clean
 
 setup: $(VENV)/.installed
 
@@ -29,6 +30,10 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -q -rs tests
+
+# pycodestyle + pyflakes (pyproject.toml's [tool.ruff]); tests/test_lint.py runs the same.
+lint: setup
+	$(PY) -m ruff check $(LINTED)
 
 # DeAR vs DDP/FSDP2/Horovod/WFBP on an emulated cluster (root for network namespaces).
 bench: setup

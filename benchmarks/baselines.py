@@ -79,7 +79,8 @@ class WFBP:
         spec = self.specs[b]
         self.buffers[b][spec.offsets[j]:spec.offsets[j] + spec.numels[j]].copy_(p.grad.view(-1))
         self.filled[b] += 1
-        while self.next < len(self.specs) and self.filled[self.next] == len(self.specs[self.next].params):
+        while (self.next < len(self.specs)
+               and self.filled[self.next] == len(self.specs[self.next].params)):
             self.works[self.next] = communicator().all_reduce(self.buffers[self.next])
             self.next += 1
 
@@ -96,7 +97,8 @@ class WFBP:
             self.buffers[b].div_(size)
             for j, i in enumerate(spec.params):
                 p = self.params[i]
-                p.grad = self.buffers[b][spec.offsets[j]:spec.offsets[j] + spec.numels[j]].view_as(p).clone()
+                start = spec.offsets[j]
+                p.grad = self.buffers[b][start:start + spec.numels[j]].view_as(p).clone()
         self.filled = [0] * len(self.specs)
         self.works = [None] * len(self.specs)
         self.next = 0

@@ -136,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     limits = "\n".join(
         f"- {model}: T_compute {rep['t_compute_s'] * 1e3:.0f} ms, T_comm "
         f"{min(rep['t_comm_s'].values()) * 1e3:.0f} ms (all_reduce "
-        f"{rep['t_comm_s']['all_reduce'] * 1e3:.0f}, dear rs+ag {rep['t_comm_s']['rs_ag'] * 1e3:.0f})"
+        f"{rep['t_comm_s']['all_reduce'] * 1e3:.0f}, dear rs+ag "
+        f"{rep['t_comm_s']['rs_ag'] * 1e3:.0f})"
         f", link bound {rep['link_bound_s'] * 1e3 if rep['link_bound_s'] else float('nan'):.0f} ms,"
         f" measured link {(rep['bandwidth_measured_bps'] or 0) / 1e9:.2f} Gbit/s"
         for model, rep in reports.items())

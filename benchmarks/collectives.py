@@ -276,7 +276,8 @@ def report(args: argparse.Namespace, world: int, data: dict, load: tuple) -> Non
                             "sum); gloo_all_reduce: Gloo's all-reduce on the data plane's group. "
                             if horovod else
                             "dear_*_1group: dear's exchange on one Gloo group (no twin group), "
-                            "for comparison. ") + "Ideal ratio 0.5, target <= 0.6. The machine may be shared with "
+                            "for comparison. ")
+             + "Ideal ratio 0.5, target <= 0.6. The machine may be shared with "
              "other work (see the load average): timings are noisy, compare ratios from one "
              "run.\n\n" + "\n".join(f"- {v}" for v in verdicts))
     results.write(args.name, "Collectives: reduce-scatter and all-gather vs all-reduce",

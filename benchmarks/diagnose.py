@@ -369,12 +369,14 @@ def paper(args: argparse.Namespace) -> int:
     notes = (f"Compute profiles traced on this CPU ({traces}), each scaled so one iteration's "
              f"compute is {targets} s (assumed for the paper's GPUs); ideal ring collectives at "
              f"the link rate with {PAPER_LATENCY_S} s per ring step; DeAR's fusion threshold "
-             f"{'the best predicted of %s MB' % (TUNE_MB,) if args.tune else args.fusion_threshold or '25 MB'}"
-             f", DDP's and WFBP's 25 MB"
-             f"{'; parameters no module claims first in DeAR forward order' if args.unclaimed_first else ''}"
-             f". The DeAR paper (ANCHORS.md) reports "
-             f"up to 83% speedup over the best baseline on 64 GPUs with 10 Gb/s Ethernet and up "
-             f"to 15% with 100 Gb/s InfiniBand.")
+             + (f"the best predicted of {TUNE_MB} MB" if args.tune
+                else str(args.fusion_threshold or "25 MB"))
+             + ", DDP's and WFBP's 25 MB"
+             + ("; parameters no module claims first in DeAR forward order"
+                if args.unclaimed_first else "")
+             + ". The DeAR paper (ANCHORS.md) reports "
+             "up to 83% speedup over the best baseline on 64 GPUs with 10 Gb/s Ethernet and up "
+             "to 15% with 100 Gb/s InfiniBand.")
     print(table)
     print(notes)
     results.write(args.name or "diagnose_paper", "dear.diagnose: DeAR vs DDP vs WFBP at scale "

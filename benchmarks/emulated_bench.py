@@ -579,11 +579,14 @@ def table(reports: list[dict[str, Any]]) -> tuple[str, str]:
             + (f" (word embedding: only the rows of {rep['tokens']} tokens per rank are "
                "non-zero, as in a fine-tune)" if rep.get("tokens") else "")
             + f"; T_compute {rep['t_compute_s'] * 1e3:.0f} ms (emulated forward "
-            f"{rep['emulated_forward_s'] * 1e3:.0f} + backward {rep['emulated_backward_s'] * 1e3:.0f}"
+            f"{rep['emulated_forward_s'] * 1e3:.0f} + backward "
+            f"{rep['emulated_backward_s'] * 1e3:.0f}"
             f"); T_comm {rep['t_comm_s'] * 1e3:.0f} ms (all_reduce "
-            f"{rep['comm_s']['all_reduce'] * 1e3:.0f}, dear rs+ag {rep['comm_s']['rs_ag'] * 1e3:.0f})"
+            f"{rep['comm_s']['all_reduce'] * 1e3:.0f}, dear rs+ag "
+            f"{rep['comm_s']['rs_ag'] * 1e3:.0f})"
             f"; T_lb {rep['t_lb_s'] * 1e3:.0f} ms; bounds x T_lb: DeAR "
-            f"{rep['dear_bound_s'] / rep['t_lb_s']:.2f}, DDP {rep['ddp_bound_s'] / rep['t_lb_s']:.2f}"
+            f"{rep['dear_bound_s'] / rep['t_lb_s']:.2f}, DDP "
+            f"{rep['ddp_bound_s'] / rep['t_lb_s']:.2f}"
             + (f", dependency {rep['dep_bound_s'] / rep['t_lb_s']:.2f}" if "dep_bound_s" in rep
                else "")
             + f"; link {rep.get('bandwidth_requested') or 'loopback'}"

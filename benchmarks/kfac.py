@@ -31,6 +31,7 @@ Timing: mean over whole inverse intervals (a median would skip the inverse steps
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import subprocess
@@ -134,9 +135,7 @@ def convergence(argv: list[str]) -> int:
                     kfac = train_digits(arch, True, lr, batch, seed=seed, damping=0.03)
                     data.append({"arch": arch, "batch": batch, "lr": lr, "seed": seed,
                                  "sgd": sgd, "kfac": kfac})
-                    fmt = lambda r: (f"{r['epochs']} ({r['seconds']:.2f} s)"
-                                     if r["epochs"] else "not in 30")
-                    rows.append([arch, batch, lr, seed, fmt(sgd), fmt(kfac)])
+                    rows.append([arch, batch, lr, seed, _epochs(sgd), _epochs(kfac)])
                     print(rows[-1], flush=True)
     table = results.markdown_table(
         ["model", "batch", "lr (cosine, 30 epochs)", "seed", "SGD: epochs to 97% (wall)",
@@ -148,18 +147,22 @@ def convergence(argv: list[str]) -> int:
     return 0
 
 
+def _epochs(run: dict[str, Any]) -> str:
+    return f"{run['epochs']} ({run['seconds']:.2f} s)" if run["epochs"] else "not in 30"
+
+
 # ----------------------------------------------------------------- iteration time
 
 def bench_model(name: str) -> tuple[Callable[[], nn.Module], Callable[[int, int], Any]]:
     """CPU-sized ResNet-50 layout (width 16) and BERT (4 layers, hidden 256)."""
     if name == "resnet":
-        make = lambda: bench_models.ResNet([3, 4, 6, 3], num_classes=100, width=16)
+        make = functools.partial(bench_models.ResNet, [3, 4, 6, 3], num_classes=100, width=16)
         sample = bench_models._images(32, 100)
         batch = 16
     elif name == "bert":
         cfg = bench_models.BertConfig(vocab_size=4096, hidden=256, layers=4, heads=4, ffn=1024,
                                       max_positions=128, num_labels=2, dropout=0.0)
-        make = lambda: bench_models.Bert(cfg)
+        make = functools.partial(bench_models.Bert, cfg)
         sample = bench_models._tokens(64, cfg.vocab_size, 2)
         batch = 8
     else:

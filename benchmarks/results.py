@@ -23,7 +23,8 @@ def machine() -> dict[str, Any]:
 
 
 def command() -> str:
-    """The command as a user would type it again: `python -m benchmarks.x ...` from the repo root."""
+    """The command as a user would type it again: `python -m benchmarks.x ...` from the repo
+    root."""
     argv = list(sys.argv)
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     script = os.path.abspath(argv[0]) if argv else ""

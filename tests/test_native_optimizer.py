@@ -4,8 +4,8 @@ Each rank trains the same models twice, once per bucket path (dear.init(native=T
 one torch.distributed group), with per-parameter, several and one bucket, fp16 compression and
 a branch some ranks skip. Both runs must match single-process training on the global batch and
 be bit-identical to each other, and from the second step on the C++ gradient hooks (not the
-Python ones) must have taken the gradients. (The whole tests/test_optimizer.py suite also passes with
-DEAR_NATIVE=0; see the report of issue 8.)
+Python ones) must have taken the gradients. (The whole tests/test_optimizer.py suite also passes
+with DEAR_NATIVE=0; see the report of issue 8.)
 """
 
 from __future__ import annotations

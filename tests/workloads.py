@@ -44,7 +44,8 @@ def make_net(frozen: bool = False) -> Net:
 def batch(step: int, world: int, rank: Optional[int] = None, per_rank: int = PER_RANK
           ) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 + step)
-    x, y = torch.randn(per_rank * world, 24, generator=g), torch.randn(per_rank * world, 4, generator=g)
+    x = torch.randn(per_rank * world, 24, generator=g)
+    y = torch.randn(per_rank * world, 4, generator=g)
     if rank is None:
         return x, y
     return x[rank * per_rank:(rank + 1) * per_rank], y[rank * per_rank:(rank + 1) * per_rank]

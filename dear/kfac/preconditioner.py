@@ -25,7 +25,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -336,7 +336,9 @@ class KFAC:
                 self._cost, self._cost_calibrated))
         plan = self._transport.broadcast_object(plan, 0)      # rank 0 decides for everyone
         back = {layer: k for k, layer in enumerate(plan_order)}   # positions -> layer indices
-        pick = lambda owners: tuple(owners[back[i]] for i in range(len(self.layers)))
+
+        def pick(owners: Sequence[int]) -> tuple[int, ...]:
+            return tuple(owners[back[i]] for i in range(len(self.layers)))
         self.plan = Plan(plan.strategy, pick(plan.a_owner), pick(plan.g_owner),
                          pick(plan.layer_owner), plan.reduce_to_owner, plan.estimates,
                          plan.columns)
