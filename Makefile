@@ -31,9 +31,11 @@ demo: setup
 test: setup
 	$(PY) -m pytest -q -rs tests
 
-# pycodestyle + pyflakes (pyproject.toml's [tool.ruff]); tests/test_lint.py runs the same.
+# pycodestyle + pyflakes (pyproject.toml's [tool.ruff]) and mypy on dear/ (it ships py.typed);
+# tests/test_lint.py runs the same.
 lint: setup
 	$(PY) -m ruff check $(LINTED)
+	$(PY) -m mypy dear
 
 # DeAR vs DDP/FSDP2/Horovod/WFBP on an emulated cluster (root for network namespaces).
 bench: setup

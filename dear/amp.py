@@ -73,14 +73,14 @@ def agree(comm: Communicator, found: torch.Tensor) -> torch.Tensor:
     return gather_small(comm, found.view(1), "the inf/NaN check (GradScaler)").sum()
 
 
-def record(scaler: Any, optimizer: torch.optim.Optimizer, found: torch.Tensor) -> None:
+def record(scaler: Any, optimizer: Any, found: torch.Tensor) -> None:
     """Make `scaler.update()` see the agreed found-inf (it sums these per-device tensors)."""
     per_device = scaler._found_inf_per_device(optimizer)
     per_device.clear()
     per_device[found.device] = found.float()
 
 
-def unscaled_by_user(scaler: Any, optimizer: torch.optim.Optimizer) -> bool:
+def unscaled_by_user(scaler: Any, optimizer: Any) -> bool:
     """Whether the user called scaler.unscale_(optimizer) in this iteration."""
     return scaler._per_optimizer_states[id(optimizer)]["stage"] is OptState.UNSCALED
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import os
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Callable, ClassVar, Mapping, Optional, Union
 
 _MB = 1024 * 1024
 
@@ -152,7 +152,7 @@ class Config:
     #: "off", or comma-separated parameter names (DEAR_ROW_SPARSE).
     row_sparse: str = "auto"
 
-    _ENV = {
+    _ENV: ClassVar[dict[str, tuple[str, Callable[[str], Any]]]] = {
         "fusion_threshold": ("DEAR_FUSION_THRESHOLD", _parse_bytes),
         "autotune": ("DEAR_AUTOTUNE", parse_autotune),
         "autotune_trials": ("DEAR_AUTOTUNE_TRIALS", int),

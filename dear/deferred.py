@@ -28,6 +28,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 
 from . import amp, native, runtime
+from .buffers import BufferBroadcast
 from .comm.base import ReduceOp
 from .compression import Compressor
 from .config import Autotune
@@ -38,6 +39,7 @@ from .fusion.layout import GatherGroup, build_layout
 from .fusion.rows import RowSparseBucket, resolve_row_sparse
 from .fusion.schedule import ScheduleDriver, issue_mode
 from .reduced import ReducedGradientMixin
+from .sparse import SparseGradients
 from .validation import explicit_groups, refuse_construction
 
 log = logging.getLogger("dear")
@@ -47,6 +49,11 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
     """Mixed into the wrapped optimizer's own class (dear/optimizer.py's `DistributedOptimizer`);
     GradScaler and clip_grad_norm_ support come from `ReducedGradientMixin` (dear/reduced.py).
     One class on purpose, like Horovod's: the life of a gradient above reads top to bottom."""
+
+    # Set by DistributedOptimizer() before _dear_setup (they need the wrapped instance).
+    _dear_original: Callable[[], Any]          # a weakref to the user's original optimizer
+    _buffer_sync: Optional[BufferBroadcast]    # dear/buffers.py
+    _sparse: Optional[SparseGradients]         # dear/sparse.py
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         refuse_construction(self)              # e.g. hvd.DistributedOptimizer(dear's optimizer)
@@ -63,7 +70,7 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
         step = super(_DistributedOptimizer, type(self)).step
         # The wrapped class's step minus its profiling/step-hook layer: step hooks run once, in
         # our step(), not once per bucket. The inner layer keeps torch's no_grad handling.
-        self._inner_step = step.__wrapped__ if getattr(step, "hooked", False) else step
+        self._inner_step = getattr(step, "__wrapped__") if getattr(step, "hooked", False) else step
         self._names = [n for n, _ in named]
         self._params = [p for _, p in named]
         self._index = {p: i for i, p in enumerate(self._params)}
@@ -292,7 +299,7 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
             if ref is None:
                 if grad is not None:
                     return i
-            elif grad is None or grad is not ref() or grad._version != version:
+            elif grad is None or grad._version != version or grad is not ref():
                 return i
         for bucket in self._buckets or ():
             if bucket._ready is not None and bucket.stage is not Stage.GATHERING:
@@ -418,9 +425,11 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
             used = self._finish_all_gather(bucket)
             self._apply_deferred(bucket)
             for p, view, u in zip(bucket.params, bucket.grad_views, used):
-                if u and p.grad is None:
+                if not u:
+                    continue
+                if p.grad is None:
                     p.grad = view.clone()
-                elif u:
+                else:
                     p.grad.copy_(view)
             bucket.reset()
         self._num_pending = 0

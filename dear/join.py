@@ -60,18 +60,19 @@ class join:  # noqa: N801 (used like a function: `with dear.join(optimizer):`)
         """`optimizer`: what dear.DistributedOptimizer returned, or a list of them in the order
         the loop steps them (e.g. SparseAdam for embeddings, then Adam). `model`: the module
         whose forward starts an iteration (default: the first optimizer's model=)."""
-        opts = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+        opts: list[Any] = (list(optimizer) if isinstance(optimizer, (list, tuple))
+                           else [optimizer])
         if not opts or not all(hasattr(o, "_dear_setup") for o in opts):
             raise TypeError("dear.join() takes the optimizer(s) dear.DistributedOptimizer "
                             "returned")
-        model = model if model is not None else next(
-            (o._model for o in opts if o._model is not None), None)  # type: ignore[attr-defined]
+        if model is None:
+            model = next((o._model for o in opts if o._model is not None), None)
         if model is None:
             raise ValueError("dear.join() needs the model, whose forward starts each iteration: "
                              "pass model= to dear.DistributedOptimizer or to dear.join()")
-        self._opts: list[Any] = opts
+        self._opts = opts
         self._model = model
-        self._comm = opts[0]._comm  # type: ignore[attr-defined]
+        self._comm = opts[0]._comm
         self._enabled = enable and self._comm.size > 1
         self._hooks: list[Any] = []
         self._armed = True                     # the next training forward starts an iteration

@@ -159,14 +159,12 @@ def _agree_through_mpi(placement: Placement) -> Placement:
     try:
         from mpi4py import MPI
     except ImportError:
-        MPI = None
-    if MPI is None:
         if placement.local_size != placement.size:
             raise RuntimeError(
                 f"dear.init(): launched by {placement.launcher} over several hosts without "
                 "MASTER_ADDR/MASTER_PORT and without mpi4py to agree on them: export "
                 "MASTER_ADDR=<first host> MASTER_PORT=<free port> to every rank (mpirun -x), "
-                "or pip install mpi4py")
+                "or pip install mpi4py") from None
         return dataclasses.replace(placement, master_addr=placement.master_addr or "127.0.0.1",
                                    master_port=placement.master_port or DEFAULT_PORT)
     comm = MPI.COMM_WORLD

@@ -135,7 +135,7 @@ class DeARStrategy(DDPStrategy):
         runtime.broadcast_parameters(module.state_dict(), root_rank=0)
         self.model = _Forward(module)
 
-    def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
+    def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:  # type: ignore[override]
         return _Forward(model)
 
     # ---------------------------------------------------------------------- optimizers
@@ -185,9 +185,11 @@ class DeARStrategy(DDPStrategy):
 
         def clip_gradients(optimizer: Any, clip_val: Union[int, float, None] = 0.0,
                            gradient_clip_algorithm: Any = None) -> None:
-            opt = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+            opt: Any = (optimizer._optimizer if isinstance(optimizer, LightningOptimizer)
+                        else optimizer)
             if not hasattr(opt, "flush_updates"):   # not dear's: Lightning's own clipping
-                return original(optimizer, clip_val, gradient_clip_algorithm)
+                return original(optimizer, clip_val,  # type: ignore[arg-type]
+                                gradient_clip_algorithm)
             if clip_val is None or clip_val <= 0:
                 return None
             algorithm = str(getattr(gradient_clip_algorithm, "value", gradient_clip_algorithm)
@@ -287,8 +289,8 @@ def _count_steps(optimizer: torch.optim.Optimizer) -> None:
 
     @functools.wraps(step)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        opt = ref()
-        opt._opt_called = True                 # type: ignore[union-attr]
+        opt: Any = ref()
+        opt._opt_called = True
         return step(opt, *args, **kwargs)
 
     wrapper._wrapped_by_lr_sched = True        # type: ignore[attr-defined]

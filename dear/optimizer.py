@@ -136,7 +136,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     sparse_ids = sparse_parameters(named, model)   # kept out of the dense buckets
     sparse_named = [(n, p) for n, p in named if id(p) in sparse_ids]
     named = [(n, p) for n, p in named if id(p) not in sparse_ids]
-    cls = type(optimizer.__class__.__name__, (_DistributedOptimizer, optimizer.__class__), {})
+    cls: Any = type(type(optimizer).__name__, (_DistributedOptimizer, type(optimizer)), {})
     wrapped = cls.__new__(cls)
     wrapped.__dict__.update(optimizer.__dict__)
     # An LR scheduler made before wrapping patched `step` on the optimizer's instance, bound to

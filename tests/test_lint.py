@@ -1,5 +1,6 @@
-"""The code passes ruff's pycodestyle and pyflakes checks (pyproject.toml), as `make lint` runs
-them: an unused import or an undefined name left by a refactor fails here, not in a user's run."""
+"""The code passes ruff's pycodestyle and pyflakes checks and dear/ passes mypy (pyproject.toml),
+as `make lint` runs them: an unused import, an undefined name or a wrong type left by a refactor
+fails here, not in a user's run (dear ships py.typed: users' type checkers read these hints)."""
 
 from __future__ import annotations
 
@@ -20,4 +21,13 @@ def test_ruff_finds_nothing() -> None:
         pytest.skip("ruff is not installed (pip install -e '.[dev]')")
     out = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", *LINTED],
                          cwd=ROOT, capture_output=True, text=True, timeout=100)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+@pytest.mark.timeout(300)
+def test_mypy_finds_nothing_in_dear() -> None:
+    if importlib.util.find_spec("mypy") is None:
+        pytest.skip("mypy is not installed (pip install -e '.[dev]')")
+    out = subprocess.run([sys.executable, "-m", "mypy", "--no-incremental", "dear"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=280)
     assert out.returncode == 0, out.stdout + out.stderr

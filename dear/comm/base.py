@@ -59,7 +59,7 @@ class DoneWork(Work):
 class CallbackWork(Work):
     """Waits on inner handles, then runs a finishing step (e.g. a local reduction) once."""
 
-    def __init__(self, inner: list[Any], finish: Optional[Callable[[], None]] = None,
+    def __init__(self, inner: list[Any], finish: Optional[Callable[[], object]] = None,
                  timeout: Optional[float] = None) -> None:
         self._inner = inner
         self._finish = finish

@@ -79,7 +79,7 @@ def reachable_address(iface: Optional[str]) -> tuple[str, str]:
 
 def _group(store: Any, name: str, rank: int, size: int, iface: Optional[str],
            timeout: datetime.timedelta) -> Any:
-    options = dist.ProcessGroupGloo._Options()
+    options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
     options._timeout = timeout
     options._devices = [dist.ProcessGroupGloo.create_device(interface=iface) if iface
                         else dist.ProcessGroupGloo.create_default_device()]

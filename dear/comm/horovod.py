@@ -62,7 +62,7 @@ class DataPlane(enum.Enum):
 
 
 class HorovodWork(Work):
-    def __init__(self, handle: Any, finish: Optional[Callable[[Any], None]] = None,
+    def __init__(self, handle: Any, finish: Optional[Callable[[Any], object]] = None,
                  timeout: float = 300.0) -> None:
         self._handle = handle
         self._finish = finish

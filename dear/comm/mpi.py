@@ -161,7 +161,7 @@ class MPICommunicator(Communicator):
                                "restart the job")
 
     def _issue(self, what: str, start: Callable[[], Any], keep: tuple,
-               finish: Optional[Callable[[], None]] = None) -> Work:
+               finish: Optional[Callable[[], object]] = None) -> Work:
         return MPIWork([self._start(what, start, keep)], finish)
 
     def _start(self, what: str, start: Callable[[], Any], keep: tuple) -> MPIRequest:

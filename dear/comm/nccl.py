@@ -171,7 +171,7 @@ class NcclCommunicator(Communicator):
         self._device = torch.device("cuda", torch.cuda.current_device())
         self._counter = 0
         if rank == 0:
-            self._store.set("unique_id", impl_cls.unique_id())
+            self._store.set("unique_id", impl_cls.unique_id())  # type: ignore[arg-type]
         uid = self._store.get("unique_id")
         self._impl: Any = impl_cls(rank, size, uid, self._device)
         self.implementation = implementation
@@ -233,13 +233,13 @@ class NcclCommunicator(Communicator):
             raise ValueError(f"root rank {root} does not exist in a world of size {self._size}")
         key = self._key()
         if self._rank == root:
-            self._store.set(key, pickle.dumps(obj))
+            self._store.set(key, pickle.dumps(obj))  # type: ignore[arg-type]  # bytes: fine
             return obj
         return pickle.loads(self._store.get(key))
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         key = self._key()
-        self._store.set(f"{key}/{self._rank}", pickle.dumps(obj))
+        self._store.set(f"{key}/{self._rank}", pickle.dumps(obj))  # type: ignore[arg-type]
         return [obj if r == self._rank else pickle.loads(self._store.get(f"{key}/{r}"))
                 for r in range(self._size)]
 

@@ -158,7 +158,8 @@ def _timeout_of(group: Optional[dist.ProcessGroup]) -> Optional[datetime.timedel
     as fast as the group it doubles; None (torch's default) if torch hides it."""
     try:
         pg = group if group is not None else dist.group.WORLD
-        return pg._get_backend(torch.device("cpu")).options._timeout
+        backend = pg._get_backend(torch.device("cpu"))  # type: ignore[union-attr]
+        return backend.options._timeout
     except (AttributeError, RuntimeError):
         return None
 

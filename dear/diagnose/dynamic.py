@@ -56,7 +56,8 @@ def horovod_buckets(profiles: Sequence[Profile], param_bytes: Sequence[int],
     i = 0
     while i < len(pending):
         pick = max(link_free, ready[pending[i]]) + cycle_s
-        group, size = [], 0
+        group: list[int] = []
+        size = 0
         while i < len(pending) and ready[pending[i]] <= pick:
             b = param_bytes[pending[i]]
             if group and size + b > threshold:

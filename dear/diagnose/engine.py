@@ -28,21 +28,22 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-from typing import Callable, Hashable, Sequence
+from typing import Callable, Sequence
 
 from .intervals import Interval, union
 
 Action = tuple
+Key = tuple                 # a collective: (kind, iteration, bucket or group, ...)
 
 
 @dataclasses.dataclass
 class Replay:
     compute: list[list[tuple[float, float, str]]]     # per rank: (start, end, label)
-    waits: list[list[tuple[float, float, Hashable]]]  # per rank: blocked intervals
+    waits: list[list[tuple[float, float, Key]]]       # per rank: blocked intervals
     marks: list[list[tuple[str, float]]]              # per rank
-    issued: list[dict[Hashable, float]]               # per rank: key -> issue time
-    comm: dict[Hashable, tuple[float, float]]         # key -> (start, end) on the link
-    order: list[Hashable]                             # keys in link order
+    issued: list[dict[Key, float]]                    # per rank: key -> issue time
+    comm: dict[Key, tuple[float, float]]              # key -> (start, end) on the link
+    order: list[Key]                                  # keys in link order
 
     def mark_times(self, label: str) -> list[list[float]]:
         return [[t for name, t in marks if name == label] for marks in self.marks]
@@ -69,7 +70,7 @@ def stretched(start: float, work: float, busy: Sequence[Interval], contention: f
     return t + left - start
 
 
-def replay_contended(programs: Sequence[Sequence[Action]], cost: Callable[[Hashable], float],
+def replay_contended(programs: Sequence[Sequence[Action]], cost: Callable[[Key], float],
                      contention: float = 0.0, passes: int = 8, slots: int = 1) -> Replay:
     """`replay` with compute slowed while the link is busy: replayed with the previous pass's
     busy intervals until they stop moving (a few passes)."""
@@ -129,12 +130,12 @@ class _SharedLink:
         return self._times
 
 
-def replay(programs: Sequence[Sequence[Action]], cost: Callable[[Hashable], float],
+def replay(programs: Sequence[Sequence[Action]], cost: Callable[[Key], float],
            contention: float = 0.0, busy: Sequence[Interval] = (), slots: int = 1) -> Replay:
     if slots < 1:
         raise ValueError(f"slots must be >= 1, got {slots}")
     ranks = len(programs)
-    order: list[Hashable] = [a[1] for a in programs[0] if a[0] == "issue"]
+    order: list[Key] = [a[1] for a in programs[0] if a[0] == "issue"]
     position = {key: c for c, key in enumerate(order)}
     if len(position) != len(order):
         raise ValueError("a collective key is issued twice in rank 0's program")

@@ -209,7 +209,7 @@ def build_model(trace: Trace, iterations: Optional[Sequence[int]] = None,
     shape = profiles[0].structure()
     kept = [k for k in range(len(chosen))
             if all(per_it[k].structure() == shape for per_it in per_rank)]
-    iterations = [[per_it[k] for per_it in per_rank] for k in kept]
+    per_iteration = [[per_it[k] for per_it in per_rank] for k in kept]
     meta = trace.meta
     params = meta.get("params", [])
     if not params:
@@ -225,7 +225,7 @@ def build_model(trace: Trace, iterations: Optional[Sequence[int]] = None,
                  schedule=str(meta.get("schedule", "unknown")),
                  buckets=[list(b) for b in meta.get("buckets", [])],
                  fusion_threshold=meta.get("fusion_threshold"),
-                 world_size=trace.world_size, profiles=profiles, iterations=iterations,
+                 world_size=trace.world_size, profiles=profiles, iterations=per_iteration,
                  gather_groups=[list(g) for g in meta.get("gather_groups", [])],
                  fusion=meta.get("fusion"), iteration_ids=[chosen[k] for k in kept],
                  backend=meta.get("backend"))

@@ -183,8 +183,8 @@ def format_report(rep: Report) -> str:
             f"{b['kind']} bucket {b['bucket']} {_ms(b['seconds'])} ms for "
             f"{b['bytes'] / 2**20:.1f} MB ({b['gbit_per_s'] or 0:.2f} Gbit/s of buffer)"
             for b in rep.buckets)]
-    if len(rep.rank_compute) > 1:
-        slow = rep.slowest_rank
+    slow = rep.slowest_rank
+    if len(rep.rank_compute) > 1 and slow is not None:
         others = statistics.median(rep.rank_compute.values())
         lines += ["", f"Slowest rank: {slow} (compute {_ms(rep.rank_compute[slow])} ms per "
                       f"iteration; median over ranks {_ms(others)} ms)"]

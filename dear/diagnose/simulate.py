@@ -397,8 +397,8 @@ def _measure(result: Replay, schedule: Schedule, n: int, nbuckets: int) -> Predi
         exposed = subtract(comm, compute)
         idle = subtract(subtract([(lo, hi)], compute), comm)
         rows.append((hi - lo, total(compute), total(union(comm)), total(exposed), total(idle)))
-    avg = [sum(col) / len(rows) for col in zip(*rows)]
-    return Prediction(schedule, n, *avg, buckets=nbuckets)
+    iteration, compute_s, comm_s, exposed_s, idle_s = (sum(col) / len(rows) for col in zip(*rows))
+    return Prediction(schedule, n, iteration, compute_s, comm_s, exposed_s, idle_s, nbuckets)
 
 
 def fit_contention(overlapped: "Trace | str", clean: "Trace | str") -> float:

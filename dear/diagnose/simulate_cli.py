@@ -66,8 +66,8 @@ def _simulate(args: argparse.Namespace) -> int:
     for n in worlds:
         for schedule in schedules:
             dear_like = schedule in (Schedule.DEAR, Schedule.PLANNED)
-            layout = dict(fusion=fusion) if fusion is not None and dear_like \
-                else dict(fusion_threshold=args.fusion_threshold)
+            layout: dict[str, Any] = (dict(fusion=fusion) if fusion is not None and dear_like
+                                      else dict(fusion_threshold=args.fusion_threshold))
             if dear_like and tables:
                 layout["row_sparse"] = tables
             p = sim.predict(schedule, **layout,

@@ -183,13 +183,14 @@ class Tracer:
         proxy = self._proxy
         if proxy is None:
             return
+        inner = proxy.inner
         if getattr(self.optimizer, "_comm", None) is proxy:
-            self.optimizer._comm = proxy.inner
+            self.optimizer._comm = inner
         schedule = getattr(self.optimizer, "_schedule", None)
         if schedule is not None:
             schedule.paused = getattr(self, "_schedule_was_paused", False)
         if runtime._state.comm is proxy:
-            runtime._state.comm = proxy.inner
+            runtime._state.comm = inner
 
     # ------------------------------------------------------------------------- iterations
     def _set_count(self, count: int, t_ns: int) -> None:
@@ -218,7 +219,7 @@ class Tracer:
             self._hook_ddp(model)
 
     def _hook_ddp(self, ddp: torch.nn.parallel.DistributedDataParallel) -> None:
-        slot = getattr(ddp, "_dear_trace_slot", None)
+        slot: Any = getattr(ddp, "_dear_trace_slot", None)
         if slot is None:
             if getattr(ddp, "_comm_hooks", None):
                 log.warning("dear.diagnose: this DDP model has its own comm hook; its "

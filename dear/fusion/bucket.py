@@ -246,8 +246,10 @@ class Bucket:
                 self.buffer.copy_(self.wire)
             return [True] * len(self.params)
         if self._ready is not None:
-            return _native.extension().unpack_bucket(self.wire, self.buffer,
-                                                     self.spec.flags_offset, len(self.params))
+            ext = _native.extension()          # loaded: it made self._ready
+            assert ext is not None
+            return ext.unpack_bucket(self.wire, self.buffer, self.spec.flags_offset,
+                                     len(self.params))
         if self.wire is not self.buffer:
             self.buffer.copy_(self.wire)
         return (self.flags != 0).tolist()

@@ -117,7 +117,7 @@ def load(path: str, fingerprint: str) -> FusionConfig:
             f"fusion config {path} was tuned for another model (fingerprint "
             f"{payload.get('model_fingerprint')!r}, this model's is {fingerprint!r}: parameter "
             f"names, shapes or dtypes differ); {hint}")
-    raw = payload.get("config")
+    raw: Any = payload.get("config")
     try:                                       # files from before chunk_bytes: None, the default
         return FusionConfig(int(raw["rs_threshold"]), int(raw["ag_threshold"]),
                             _optional_int(raw.get("first_bucket")),

@@ -161,7 +161,7 @@ def chunk_columns(shard_numel: int, chunk: int) -> list[tuple[int, int]]:
     return out
 
 
-def plan_gaps(ready: Sequence[float], rs_bytes: Sequence[int],
+def plan_gaps(ready: Sequence[float], rs_bytes: Sequence[float],
               shard_numels: Sequence[int], itemsizes: Sequence[int], world: int,
               cost: LinkCost, chunk_bytes: int, slack: float = 0.1) -> Plan:
     """Replay one backward on a FIFO link: reduce-scatters in reduce order (last bucket first)

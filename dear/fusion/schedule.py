@@ -35,6 +35,7 @@ CUDA events (the host runs ahead of the GPU).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from typing import Any, Callable, ContextManager, Optional, Sequence
 
@@ -144,8 +145,8 @@ class ScheduleDriver:
             target = self._buckets[b]
             if self.executor is not None:
                 work = self.executor.submit(
-                    lambda t=target, s=start, n=length: t.gather_columns(comm, s, n),
-                    before=lambda t=target: t.finish_reduce_scatter(postscale))
+                    functools.partial(target.gather_columns, comm, start, length),
+                    before=functools.partial(target.finish_reduce_scatter, postscale))
             else:                               # "stream": nothing here waits on the host
                 with self._chunk_stream(target.buffer.device):
                     target.finish_reduce_scatter(postscale)

@@ -209,6 +209,11 @@ class TrialDriver:
         if comm.rank == 0 and log_path:
             open(log_path, "w").close()        # a fresh log per run
 
+    def on_step(self) -> Optional[FusionConfig]:
+        """Called by the optimizer's step() on every rank: the config to switch to now, the
+        same on every rank, or None."""
+        raise NotImplementedError
+
     def close(self) -> None:
         """Training ends (dear.shutdown()): release what tuning holds; nothing by default."""
 

@@ -14,7 +14,8 @@ same layout (dear/kfac/linalg.py), so replicas stay bitwise equal.
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -40,8 +41,8 @@ class Distribution:
             return
         device = layers[0].device
         cap = max(1, cap_bytes // layers[0].inv_dtype.itemsize)
-        dec_items: list[tuple[Hashable, int, int]] = []
-        grad_items: list[tuple[Hashable, int, int]] = []
+        dec_items: list[tuple[tuple[Any, ...], int, int]] = []    # (key, size, root)
+        grad_items: list[tuple[tuple[Any, ...], int, int]] = []
         dec_transport = grad_transport = transport
         columns = plan.columns
         if plan.strategy is Strategy.HYBRID_OPT:
@@ -62,12 +63,12 @@ class Distribution:
             root = self.column(i) if columns else plan.layer_owner[i]
             grad_items.append(((i,), s.layer.a_dim * s.layer.g_dim, root))
         if dec_items:
-            self.decs = BroadcastExchange(dec_items, [self.layers[k[1]].inv_dtype for k, _, _ in
-                                                      dec_items],  # type: ignore[index]
+            self.decs = BroadcastExchange(dec_items, [self.layers[k[1]].inv_dtype
+                                                      for k, _, _ in dec_items],
                                           dec_transport, cap, device)
         if grad_items:
-            self.grads = BroadcastExchange(grad_items, [self.layers[k[0]].inv_dtype for k, _, _
-                                                        in grad_items],  # type: ignore[index]
+            self.grads = BroadcastExchange(grad_items, [self.layers[k[0]].inv_dtype
+                                                        for k, _, _ in grad_items],
                                            grad_transport, cap, device)
 
     def column(self, i: int) -> int:
