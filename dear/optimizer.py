@@ -31,10 +31,6 @@ from .validation import (check_not_wrapped, check_optimizer, check_process_set,
 log = logging.getLogger("dear")
 
 
-def _gradient_bytes(named: list[tuple[str, torch.nn.Parameter]]) -> int:
-    return sum(p.numel() * p.element_size() for _, p in named)
-
-
 def _fusion_settings(named: list[tuple[str, torch.nn.Parameter]],
                      fusion_threshold: Optional[int], autotune: Optional[Autotune],
                      fusion_config: Any, groups: Any) -> tuple[FusionConfig, Autotune]:
@@ -54,7 +50,7 @@ def _fusion_settings(named: list[tuple[str, torch.nn.Parameter]],
         return loaded, Autotune.OFF
     threshold = cfg.fusion_threshold if fusion_threshold is None else fusion_threshold
     if threshold is None:
-        threshold = auto_threshold(_gradient_bytes(named))
+        threshold = auto_threshold(fusion_file.gradient_bytes(named))
     if tune and groups is not None:
         raise ValueError(f"autotune={tune.value!r} tunes the bucket layout, but groups= fixes "
                          "it; pass one or the other")

@@ -23,7 +23,7 @@ def make_autotuner(optimizer: torch.optim.Optimizer,
                    comm: Communicator, fusion: FusionConfig, schedule: Any, *,
                    overlap: bool, passes_per_step: int) -> TrialDriver:
     """`schedule`: the optimizer's ScheduleDriver (dear/fusion/schedule.py)."""
-    model_bytes = sum(p.numel() * p.element_size() for _, p in named)
+    model_bytes = fusion_config.gradient_bytes(named)
     fingerprint = fusion_config.model_fingerprint(named)
     # A trial must time the layout as it will run: planned, once its plan is made and checked
     # (a new layout measures plan_after iterations, then runs the plan as many before the

@@ -81,6 +81,11 @@ def model_fingerprint(named: Sequence[tuple[str, torch.Tensor]]) -> str:
     return digest.hexdigest()[:16]
 
 
+def gradient_bytes(named: Sequence[tuple[str, torch.Tensor]]) -> int:
+    """Bytes of gradient the trained parameters produce per iteration: what sizes a layout."""
+    return sum(p.numel() * p.element_size() for _, p in named)
+
+
 def save(path: str, config: FusionConfig, fingerprint: str, **info: Any) -> None:
     """Write atomically (temp file + rename): a crash never leaves half a file behind."""
     payload = {"format": FORMAT, "model_fingerprint": fingerprint,
