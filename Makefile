@@ -4,7 +4,6 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check -q
 TORCH  ?= torch==2.13.0
-LINTED := dear benchmarks tests examples tools setup.py
 
 .PHONY: setup horovod demo test lint bench kfac-bench autotune clean
 
@@ -34,8 +33,8 @@ test: setup
 # pycodestyle + pyflakes (pyproject.toml's [tool.ruff]) and mypy on dear/ (it ships py.typed);
 # tests/test_lint.py runs the same.
 lint: setup
-	$(PY) -m ruff check $(LINTED)
-	$(PY) -m mypy dear
+	$(PY) -m ruff check
+	$(PY) -m mypy
 
 # DeAR vs DDP/FSDP2/Horovod/WFBP on an emulated cluster (root for network namespaces).
 bench: setup

@@ -12,14 +12,13 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-LINTED = ["dear", "benchmarks", "tests", "examples", "tools", "setup.py"]
 
 
 @pytest.mark.timeout(120)
 def test_ruff_finds_nothing() -> None:
     if importlib.util.find_spec("ruff") is None:
         pytest.skip("ruff is not installed (pip install -e '.[dev]')")
-    out = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", *LINTED],
+    out = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache"],
                          cwd=ROOT, capture_output=True, text=True, timeout=100)
     assert out.returncode == 0, out.stdout + out.stderr
 
@@ -28,6 +27,6 @@ def test_ruff_finds_nothing() -> None:
 def test_mypy_finds_nothing_in_dear() -> None:
     if importlib.util.find_spec("mypy") is None:
         pytest.skip("mypy is not installed (pip install -e '.[dev]')")
-    out = subprocess.run([sys.executable, "-m", "mypy", "--no-incremental", "dear"],
+    out = subprocess.run([sys.executable, "-m", "mypy", "--no-incremental"],
                          cwd=ROOT, capture_output=True, text=True, timeout=280)
     assert out.returncode == 0, out.stdout + out.stderr
