@@ -126,7 +126,7 @@ def check_can_shape() -> Optional[str]:
 # hvd.init() in the same processes reads the last init's addresses: Gloo "connect ...:
 # Connection refused". At 8 ranks (1-rank local scopes finish first) the second init failed in
 # 3 runs of 3 (hvd.init(), one allreduce, hvd.shutdown(), repeated); with only the completed
-# scope cleared, 6 inits in a row succeeded. Tested in tests/test_cluster_horovod.py.
+# scope cleared, 6 inits in a row succeeded. Tested in tests/test_cluster.py.
 _RENDEZVOUS_SERVER = """\
 import sys
 from horovod.runner.common.util.hosts import get_host_assignments, parse_hosts
