@@ -140,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{rep['t_comm_s']['rs_ag'] * 1e3:.0f})"
         f", link bound {rep['link_bound_s'] * 1e3 if rep['link_bound_s'] else float('nan'):.0f} ms,"
         f" measured link {(rep['bandwidth_measured_bps'] or 0) / 1e9:.2f} Gbit/s"
+        + (f", TCP {rep['congestion']}" if rep.get("congestion") else "")
         for model, rep in reports.items())
     print(table)
     print(limits)

@@ -23,6 +23,16 @@ random under every setting when ranks post isend before irecv (likely: the peer'
 queue behind 50 MB of data on the pair's one TCP connection), 0.418-0.443 s in 10 of 10 with
 irecv first. Gloo all_reduce of 100 MB: 0.84-0.87 s (line rate), up to 1.1 s on a busy machine.
 
+TCP congestion control: a new namespace starts with the host's default, on these machines BBR,
+whose periodic probing (every 10 s per connection) stalled one link in three iterations by about
+100 ms: ResNet-50 x4, 1 Gbit/s, 12 iterations a method, DDP 1583-1705 ms (4 of 12 about 100 ms
+slow), DeAR 1315-1551 ms (3 of 12); in the same setting with reno in the ranks' namespaces DDP
+1581-1591 ms, DeAR 1298-1312 ms, none slow, and the same bandwidth (T_comm 1287 vs 1291 ms). A
+datacenter link has no such stalls (TCP there is loss-based: cubic, Linux's default, or DCTCP;
+NCCL over RDMA uses none), so each rank's namespace runs cubic where the host lets a namespace
+choose it (net.ipv4.tcp_allowed_congestion_control), else reno; --congestion names another, and
+`system` keeps the host's.
+
 Each namespace is a "host": LOCAL_RANK=0, LOCAL_WORLD_SIZE=1, GLOO_SOCKET_IFNAME=its veth.
 --no-shaping runs the same ranks on 127.0.0.1 (one host, LOCAL_RANK=RANK), no root needed.
 Names carry the launcher's pid and a random tag; the subnet, a random 10.x.y.0/24, exists only
@@ -98,6 +108,32 @@ class ClusterError(RuntimeError):
     pass
 
 
+LOSS_BASED = ("cubic", "reno")  # what `auto` picks, in order (why: the module's docstring)
+_ALLOWED = "/proc/sys/net/ipv4/tcp_allowed_congestion_control"
+
+
+def pick_congestion(requested: str = "auto") -> Optional[str]:
+    """The TCP congestion control for each rank's namespace, or None to keep the host's.
+
+    A namespace other than the host's may only choose what net.ipv4.tcp_allowed_congestion_control
+    lists (the kernel refuses the rest with EPERM)."""
+    if requested == "system":
+        return None
+    try:
+        with open(_ALLOWED) as fh:
+            allowed = fh.read().split()
+    except OSError:
+        allowed = []
+    if requested == "auto":
+        return next((cc for cc in LOSS_BASED if cc in allowed), None)
+    if requested not in allowed:
+        raise ClusterError(
+            f"congestion control {requested!r} cannot be set in a network namespace here: "
+            f"net.ipv4.tcp_allowed_congestion_control lists {' '.join(allowed) or 'nothing'}; "
+            "add it there (sysctl -w, as root) or choose one of those, or 'system'")
+    return requested
+
+
 def _run(args: list[str]) -> str:
     proc = subprocess.run(args, capture_output=True, text=True, timeout=30)
     if proc.returncode:
@@ -168,13 +204,15 @@ class EmulatedCluster:
 
     def __init__(self, nproc: int, bandwidth: str | float = "1gbit", latency: str | float = 0,
                  shaping: bool = True, pin: bool = True, horovod: bool = False,
-                 shape: Optional[Shape] = None) -> None:
+                 shape: Optional[Shape] = None, congestion: str = "auto") -> None:
         if not 1 <= nproc <= 250:
             raise ValueError("nproc must be in 1..250 (one /24 subnet)")
         self.nproc, self.shaping, self.pin, self.horovod = nproc, shaping, pin, horovod
         rate = parse_rate(bandwidth) if isinstance(bandwidth, str) else float(bandwidth)
         delay = parse_time(latency) if isinstance(latency, str) else float(latency)
         self.shape = shape or Shape(rate, delay)
+        self.congestion_requested = congestion
+        self.congestion: Optional[str] = None  # set by up(): what the ranks' namespaces run
         self.tag = f"{os.getpid():06x}{random.getrandbits(16):04x}"
         self.subnet = f"10.{random.randrange(256)}.{random.randrange(256)}"
         self.namespaces: list[str] = []
@@ -208,6 +246,7 @@ class EmulatedCluster:
             return
         if why := check_can_shape():
             raise ClusterError(why)
+        self.congestion = pick_congestion(self.congestion_requested)
         sw, bridge = f"{PREFIX}{self.tag}-sw", f"b{self.tag}"
         self._add_ns(sw)
         _run(["ip", "-n", sw, "link", "add", bridge, "type", "bridge"])
@@ -223,6 +262,9 @@ class EmulatedCluster:
             _run(["ip", "-n", ns, "addr", "add", f"{self.addr(rank)}/24", "dev", dev])
             _run(["ip", "-n", ns, "link", "set", dev, "up"])
             _run(["ip", "-n", ns, "link", "set", "lo", "up"])
+            if self.congestion:
+                _run(["ip", "netns", "exec", ns, "sh", "-c", "echo " + self.congestion
+                      + " > /proc/sys/net/ipv4/tcp_congestion_control"])
             for cmd in self.shape.commands(dev):
                 _run(["ip", "netns", "exec", ns, "tc", *cmd])
             for cmd in download.commands(port):
@@ -321,6 +363,7 @@ class EmulatedCluster:
             env["DEAR_CLUSTER_BANDWIDTH_REQUESTED"] = f"{self.shape.rate_bps:.0f}"
             env["DEAR_CLUSTER_LINKS"] = ";".join(
                 f"{ns},{dev},{delay:g}" for ns, dev, delay in self.links())
+            env["DEAR_CLUSTER_CONGESTION"] = self.congestion or "system"
         if self.measured_bps:
             env["DEAR_CLUSTER_BANDWIDTH_MEASURED"] = f"{self.measured_bps:.0f}"
         if self.pin:
@@ -481,6 +524,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--no-pin", action="store_true", help="do not pin rank i to core i")
     p.add_argument("--horovod", action="store_true", help="run a Horovod rendezvous server")
     p.add_argument("--no-measure", action="store_true", help="skip the link measurement")
+    p.add_argument("--congestion", default="auto",
+                   help="TCP congestion control in the ranks' namespaces: auto (cubic, else "
+                        "reno), a name, or system (the host's default)")
     p.add_argument("--timeout", type=float, default=0, help="kill the ranks after S seconds")
     p.add_argument("--cleanup", action="store_true", help="remove leftovers of dead launchers")
     p.add_argument("command", nargs=argparse.REMAINDER)
@@ -500,11 +546,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         with EmulatedCluster(args.nproc, args.bandwidth, args.latency, not args.no_shaping,
-                             not args.no_pin, args.horovod) as cluster:
+                             not args.no_pin, args.horovod,
+                             congestion=args.congestion) as cluster:
             if cluster.shaping and args.nproc >= 2 and not args.no_measure:
                 one_way, both = cluster.measure_bandwidth(), cluster.measure_bandwidth(
                     both_ways=True)
-                print(f"cluster: {args.nproc} ranks; bandwidth requested "
+                print(f"cluster: {args.nproc} ranks, TCP congestion control "
+                      f"{cluster.congestion or 'system'}; bandwidth requested "
                       f"{cluster.shape.rate_bps / 1e9:.3g} Gbit/s, measured (TCP) "
                       f"{one_way / 1e9:.3g} one way, {both / 1e9:.3g} both ways at once",
                       file=sys.stderr, flush=True)

@@ -435,6 +435,9 @@ def summarize(gathered: list[dict[str, Any]], methods: list[Method],
         cpu = statistics.mean(run["cpu_s"] / args.iters for runs in per_rank for run in runs)
         res = {
             "median_s": ph["total"], "q1_s": q[0], "q3_s": q[2],
+            # per round, each timed iteration's slowest rank: stalls show here, not in medians
+            "iters_s": [[max(ts) for ts in zip(*(runs[k]["times"]["total"] for runs in per_rank))]
+                        for k in range(len(per_rank[0]))],
             "row_sparse": _rows_sent(runs0),
             "forward_s": ph["forward"], "backward_s": ph["backward"], "step_s": ph["step"],
             "forward_wait_s": ph["forward"] - base["forward"],
@@ -523,12 +526,14 @@ def run_setup(setup: str, args: argparse.Namespace, shaping: bool,
     cmd += list(worker_args)
     try:
         for attempt in (1, 2):
-            with EmulatedCluster(nproc, bandwidth, shaping=shaping, horovod=use_hvd) as cluster:
+            with EmulatedCluster(nproc, bandwidth, shaping=shaping, horovod=use_hvd,
+                                 congestion=args.congestion) as cluster:
                 measured = cluster.measure_bandwidth() if shaping and nproc >= 2 else None
                 if measured:
                     print(f"emulated: {model} x{nproc}: link requested {bandwidth}, measured "
                           f"{measured / 1e9:.3f} Gbit/s", file=sys.stderr, flush=True)
                 code = cluster.run(cmd, timeout=args.timeout)
+                congestion = cluster.congestion or "system"
             if code == 0:
                 break
             # Horovod's second hvd.init() in a process used to abort on a Gloo "connection
@@ -546,6 +551,7 @@ def run_setup(setup: str, args: argparse.Namespace, shaping: bool,
     finally:
         os.remove(out)
     report.update(setup=setup, bandwidth_requested=bandwidth if shaping else None,
+                  congestion=congestion if shaping else None,
                   shaping=shaping, loadavg_before=load_before, loadavg_after=os.getloadavg())
     return report
 
@@ -556,7 +562,8 @@ def table(reports: list[dict[str, Any]]) -> tuple[str, str]:
         where = f"{rep['model']} x{rep['ranks']}" + (f" (1/{rep['scale']})" if rep["scale"] > 1
                                                      else "")
         for label, r in rep["methods"].items():
-            rows.append([where, label, round(r["median_s"] * 1e3), round(r["ratio_lb"], 3),
+            rows.append([where, label, round(r["median_s"] * 1e3),
+                         round((r["q3_s"] - r["q1_s"]) * 1e3), round(r["ratio_lb"], 3),
                          round(r["ratio_dep"], 3) if "ratio_dep" in r else "-",
                          round(r["ratio_ddp"], 3) if r.get("ratio_ddp") else "-",
                          round(r["forward_wait_s"] * 1e3), round(r["backward_extra_s"] * 1e3),
@@ -564,7 +571,8 @@ def table(reports: list[dict[str, Any]]) -> tuple[str, str]:
                          round(r["ranks_cores"], 2), round(r["machine_busy_cores"], 2),
                          ("ok" if r.get("loss_matches_ddp", True) else "DIFFERS")
                          + ("" if r["rounds_agree"] else ", rounds differ")])
-    headers = ["setup", "method", "iter (ms)", "x T_lb", "x dep bound", "x DDP", "fwd wait (ms)",
+    headers = ["setup", "method", "iter (ms)", "IQR (ms)", "x T_lb", "x dep bound", "x DDP",
+               "fwd wait (ms)",
                "bwd extra (ms)", "step wait (ms)", "CPU s/iter/rank", "ranks' cores",
                "busy cores",
                "loss vs DDP"]
@@ -591,6 +599,7 @@ def table(reports: list[dict[str, Any]]) -> tuple[str, str]:
                else "")
             + f"; link {rep.get('bandwidth_requested') or 'loopback'}"
             + (f", measured {link / 1e9:.3f} Gbit/s" if link else "")
+            + (f", TCP {rep['congestion']}" if rep.get("congestion") else "")
             + f"; load average before/after {rep['loadavg_before'][0]:.2f}/"
             f"{rep['loadavg_after'][0]:.2f}" + _overshoot(rep))
     return results.markdown_table(headers, rows), "\n".join(notes)
@@ -672,6 +681,9 @@ def parse_args(argv: Optional[list[str]] = None,
                         "non-zero only in the rows they look up (0: dense)")
     p.add_argument("--name", default="emulated", help="results/<name>.{json,md,png}")
     p.add_argument("--no-shaping", action="store_true", help="loopback, no root needed")
+    p.add_argument("--congestion", default="auto",
+                   help="TCP congestion control of the ranks: auto (loss-based; why: "
+                        "benchmarks/cluster.py), a name, or system")
     p.add_argument("--timeout", type=float, default=1200.0, help="per setup, seconds")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", default="", help=argparse.SUPPRESS)

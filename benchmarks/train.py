@@ -269,7 +269,9 @@ def run(args: argparse.Namespace) -> int:
             results.write(args.name, f"{args.model}: DeAR vs baselines", {
                 "args": vars(args), "t_compute_s": t_compute, "t_comm_s": comm,
                 "link_bound_s": link_bound, "t_lb_s": t_lb,
-                "bandwidth_measured_bps": measured_bw or None, "methods": report}, table, limits)
+                "bandwidth_measured_bps": measured_bw or None,
+                "congestion": os.environ.get("DEAR_CLUSTER_CONGESTION"), "methods": report},
+                table, limits)
     return 0
 
 

@@ -36,6 +36,8 @@ info = {k: v for k, v in os.environ.items()
         or k in ("RANK", "WORLD_SIZE")}
 info["affinity"] = sorted(os.sched_getaffinity(0))
 info["ifaces"] = sorted(name for _, name in socket.if_nameindex())
+with open("/proc/sys/net/ipv4/tcp_congestion_control") as f:
+    info["congestion"] = f.read().strip()
 dist.init_process_group("gloo", timeout=timedelta(seconds=20))
 t = torch.tensor([float(dist.get_rank() + 1)])
 dist.all_reduce(t)
@@ -152,6 +154,22 @@ def test_parsing_and_tc_commands() -> None:
     assert max(len(c.ifname(249)), len(f"v{c.tag}s249"), len(f"b{c.tag}")) <= 15
 
 
+def test_congestion_control_is_loss_based_where_a_namespace_may_choose_one(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    allowed = tmp_path / "allowed"
+    monkeypatch.setattr(cluster, "_ALLOWED", str(allowed))
+    for listed, auto in (("reno cubic bbr", "cubic"), ("reno bbr", "reno"), ("bbr", None)):
+        allowed.write_text(listed + "\n")
+        assert cluster.pick_congestion("auto") == auto, listed
+        assert cluster.pick_congestion("system") is None
+        assert cluster.pick_congestion("bbr") == "bbr"
+    with pytest.raises(cluster.ClusterError,
+                       match="net.ipv4.tcp_allowed_congestion_control lists bbr;.*'system'"):
+        cluster.pick_congestion("cubic")
+    monkeypatch.setattr(cluster, "_ALLOWED", str(tmp_path / "missing"))
+    assert cluster.pick_congestion("auto") is None
+
+
 def test_clear_message_without_root_or_tools(monkeypatch: pytest.MonkeyPatch,
                                              owned: Launchers) -> None:
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
@@ -193,6 +211,12 @@ def test_ranks_see_their_host_and_everything_is_removed(tmp_path: Path, owned: L
     assert code == 0, out
     assert "requested 1 Gbit/s, measured" in out, out
     infos = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    expected_cc = cluster.pick_congestion("auto")
+    if expected_cc is None:  # no loss-based one allowed here: the host's default stays
+        expected_cc = Path("/proc/sys/net/ipv4/tcp_congestion_control").read_text().strip()
+        assert infos[0]["DEAR_CLUSTER_CONGESTION"] == "system"
+        infos = [dict(info, DEAR_CLUSTER_CONGESTION=expected_cc) for info in infos]
+    assert f"TCP congestion control {infos[0]['DEAR_CLUSTER_CONGESTION']}" in out, out
     master = infos[0]["MASTER_ADDR"]
     assert master.startswith("10.") and master.endswith(".1")
     for rank, info in enumerate(infos):
@@ -206,6 +230,7 @@ def test_ranks_see_their_host_and_everything_is_removed(tmp_path: Path, owned: L
         assert 0.6e9 < float(info["DEAR_CLUSTER_BANDWIDTH_MEASURED"]) < 1.05e9
         assert info["OMP_NUM_THREADS"] == "1" and len(info["affinity"]) == 1
         assert info["sum"] == 3.0  # Gloo all_reduce across the two namespaces
+        assert info["congestion"] == info["DEAR_CLUSTER_CONGESTION"] == expected_cc
     if len(os.sched_getaffinity(0)) > 1:
         assert infos[0]["affinity"] != infos[1]["affinity"]
     assert leftovers(proc.pid) == []
