@@ -215,8 +215,12 @@ def train(method: Method, model_spec: emulated.ModelSpec, warmup: int, iters: in
     setup = time.perf_counter() - started
     for step in range(warmup + iters):
         x, y = emulated.make_batch(step, rank, batch_size)
-        if step == warmup:
+        if step == max(warmup - 1, 0):
+            # Ranks start the timed iterations together; one iteration early, since a barrier
+            # waits for dear's pending all-gathers, which the first timed forward would then
+            # not wait for (it was 100-300 ms faster than the rest when the barrier was here).
             dist.barrier()
+        if step == warmup:
             cpu0, busy0, wall0 = time.process_time(), _busy_jiffies(), time.perf_counter()
         t0 = time.perf_counter()
         opt.zero_grad()
