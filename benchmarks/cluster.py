@@ -24,14 +24,15 @@ queue behind 50 MB of data on the pair's one TCP connection), 0.418-0.443 s in 1
 irecv first. Gloo all_reduce of 100 MB: 0.84-0.87 s (line rate), up to 1.1 s on a busy machine.
 
 TCP congestion control: a new namespace starts with the host's default, on these machines BBR,
-whose periodic probing (every 10 s per connection) stalled one link in three iterations by about
-100 ms: ResNet-50 x4, 1 Gbit/s, 12 iterations a method, DDP 1583-1705 ms (4 of 12 about 100 ms
-slow), DeAR 1315-1551 ms (3 of 12); in the same setting with reno in the ranks' namespaces DDP
-1581-1591 ms, DeAR 1298-1312 ms, none slow, and the same bandwidth (T_comm 1287 vs 1291 ms). A
-datacenter link has no such stalls (TCP there is loss-based: cubic, Linux's default, or DCTCP;
-NCCL over RDMA uses none), so each rank's namespace runs cubic where the host lets a namespace
-choose it (net.ipv4.tcp_allowed_congestion_control), else reno; --congestion names another, and
-`system` keeps the host's.
+whose periodic probing (its RTT probe runs every 10 s per connection) stalls a link for 100-150
+ms every few seconds. ResNet-50 x4, 1 Gbit/s, 16 iterations of each of 4 methods
+(results/ab_congestion_{system,auto}.md): with BBR 16 of 64 iterations 100-154 ms slower than
+their method's fastest (IQR up to 122 ms, DDP included); with reno in the ranks' namespaces 0 of
+64 (IQR 3-6 ms), at the same bandwidth (0.95-0.96 Gbit/s measured). A datacenter link has no
+such stalls (TCP there is loss-based: cubic, Linux's default, or DCTCP; NCCL over RDMA uses
+none), so each rank's namespace runs cubic where the host lets a namespace choose it
+(net.ipv4.tcp_allowed_congestion_control), else reno; --congestion names another, and `system`
+keeps the host's.
 
 Each namespace is a "host": LOCAL_RANK=0, LOCAL_WORLD_SIZE=1, GLOO_SOCKET_IFNAME=its veth.
 --no-shaping runs the same ranks on 127.0.0.1 (one host, LOCAL_RANK=RANK), no root needed.
