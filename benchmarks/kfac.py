@@ -203,7 +203,7 @@ def _time_method(method: str, inv_freq: int, make: Callable[[], nn.Module],
     times, pre_times, losses, phases = [], [], [], []
     for step in range(warmup + iters):
         x, y = batch(step, rank)
-        if step == warmup:
+        if step == max(warmup - 1, 0):  # one early: a barrier waits for deferred all-gathers
             dist.barrier()
         start = time.perf_counter()
         opt.zero_grad()
