@@ -51,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
     with --overhead-rounds, alternating untraced and traced blocks of --iters iterations."""
     import dear
     from benchmarks import baselines
-    from benchmarks.train import make_sgd, slowest_median, time_steps, workload
+    from benchmarks.train import make_sgd, slowest_median, time_steps, warm_up, workload
     from dear import diagnose
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -64,9 +64,7 @@ def run(args: argparse.Namespace) -> int:
     step = 0
     for method in args.methods.split(","):
         net, opt = baselines.prepare(method, build(), make_sgd, blocks)
-        time_steps(net, opt, batch, loss_fn, args.warmup, step)
-        step += args.warmup
-        dist.barrier()
+        step = warm_up(net, opt, batch, loss_fn, args.warmup, step)
         plain, traced = [], []
         for round_ in range(max(args.overhead_rounds, 1)):
             plain += time_steps(net, opt, batch, loss_fn, args.iters, step)

@@ -38,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
     import dear
     from benchmarks import baselines
     from benchmarks.cluster import parse_rate, set_bandwidth
-    from benchmarks.train import make_sgd, slowest_median, time_steps, workload
+    from benchmarks.train import make_sgd, slowest_median, time_steps, warm_up, workload
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     dear.init(backend="torch")
@@ -59,9 +59,7 @@ def run(args: argparse.Namespace) -> int:
             measured[bw] = {}
             for method in methods:
                 net, opt = prepared[method]
-                time_steps(net, opt, batch, loss_fn, args.warmup, step)
-                step += args.warmup
-                dist.barrier()
+                step = warm_up(net, opt, batch, loss_fn, args.warmup, step)
                 times = time_steps(net, opt, batch, loss_fn, args.iters, step)
                 step += args.iters
                 measured[bw][method] = slowest_median(times)

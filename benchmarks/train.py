@@ -133,6 +133,17 @@ def time_steps(model: torch.nn.Module, opt: Any, batch: Callable, loss_fn: Calla
     return times
 
 
+def warm_up(model: torch.nn.Module, opt: Any, batch: Callable, loss_fn: Callable, steps: int,
+            start: int = 0) -> int:
+    """`steps` untimed iterations from batch `start`, the ranks aligned by a barrier before the
+    last one: a barrier waits for dear's pending all-gathers, so one right before the timed
+    iterations would spare the first timed forward its wait. Returns the next batch."""
+    time_steps(model, opt, batch, loss_fn, max(steps - 1, 0), start)
+    dist.barrier()
+    time_steps(model, opt, batch, loss_fn, min(steps, 1), start + max(steps - 1, 0))
+    return start + steps
+
+
 def slowest_median(times: list[float]) -> float:
     """Ranks' medians differ slightly; the slowest rank sets the pace."""
     t = torch.tensor([statistics.median(times)])
