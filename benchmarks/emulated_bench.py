@@ -204,6 +204,8 @@ def train(method: Method, model_spec: emulated.ModelSpec, warmup: int, iters: in
     forward / backward / step), losses, CPU use over the timed iterations, final parameters
     (update="full" only: to compare methods' numbers). plan_warmup: dear's planned schedule
     warms up until it runs its plan (losses still start at step 0: comparable with DDP's)."""
+    from benchmarks.train import barrier_before_timing
+
     rank, started = dist.get_rank(), time.perf_counter()
     warmup = max(warmup, _plan_warmup(method)) if plan_warmup else warmup
     model = emulated.EmulatedModel(model_spec)
@@ -215,11 +217,7 @@ def train(method: Method, model_spec: emulated.ModelSpec, warmup: int, iters: in
     setup = time.perf_counter() - started
     for step in range(warmup + iters):
         x, y = emulated.make_batch(step, rank, batch_size)
-        if step == max(warmup - 1, 0):
-            # Ranks start the timed iterations together; one iteration early, since a barrier
-            # waits for dear's pending all-gathers, which the first timed forward would then
-            # not wait for (it was 100-300 ms faster than the rest when the barrier was here).
-            dist.barrier()
+        barrier_before_timing(step, warmup)
         if step == warmup:
             cpu0, busy0, wall0 = time.process_time(), _busy_jiffies(), time.perf_counter()
         t0 = time.perf_counter()

@@ -184,6 +184,7 @@ def _launcher_note() -> str:
 def _time_method(method: str, inv_freq: int, make: Callable[[], nn.Module],
                  batch: Callable[[int, int], Any], warmup: int, intervals: int) -> dict[str, Any]:
     import dear
+    from benchmarks.train import barrier_before_timing
     from dear.kfac import KFAC
     rank = dist.get_rank()
     torch.manual_seed(0)
@@ -203,8 +204,7 @@ def _time_method(method: str, inv_freq: int, make: Callable[[], nn.Module],
     times, pre_times, losses, phases = [], [], [], []
     for step in range(warmup + iters):
         x, y = batch(step, rank)
-        if step == max(warmup - 1, 0):  # one early: a barrier waits for deferred all-gathers
-            dist.barrier()
+        barrier_before_timing(step, warmup)
         start = time.perf_counter()
         opt.zero_grad()
         loss = F.cross_entropy(model(x), y)

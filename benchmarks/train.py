@@ -80,10 +80,7 @@ def run_method(method: str, args: argparse.Namespace, build: Callable, blocks: C
     times, losses = [], []
     for step in range(args.warmup + args.iters):
         x, y = batch(step, rank)
-        if step == max(args.warmup - 1, 0):
-            # ranks start the timed iterations together; one iteration early, as a barrier
-            # waits for dear's pending all-gathers (the first timed forward would not)
-            dist.barrier()
+        barrier_before_timing(step, args.warmup)
         start = time.perf_counter()
         opt.zero_grad()
         loss = loss_fn(net(x), y)
@@ -133,11 +130,18 @@ def time_steps(model: torch.nn.Module, opt: Any, batch: Callable, loss_fn: Calla
     return times
 
 
+def barrier_before_timing(step: int, warmup: int) -> None:
+    """A barrier at the last warm-up iteration, so the ranks start the timed iterations together.
+    Not at the first timed one: a barrier waits for dear's pending all-gathers, which would spare
+    that iteration's forward its wait (it was 100-300 ms faster than the rest)."""
+    if step == max(warmup - 1, 0):
+        dist.barrier()
+
+
 def warm_up(model: torch.nn.Module, opt: Any, batch: Callable, loss_fn: Callable, steps: int,
             start: int = 0) -> int:
-    """`steps` untimed iterations from batch `start`, the ranks aligned by a barrier before the
-    last one: a barrier waits for dear's pending all-gathers, so one right before the timed
-    iterations would spare the first timed forward its wait. Returns the next batch."""
+    """`steps` untimed iterations from batch `start`, with barrier_before_timing's barrier
+    before the last one. Returns the next batch."""
     time_steps(model, opt, batch, loss_fn, max(steps - 1, 0), start)
     dist.barrier()
     time_steps(model, opt, batch, loss_fn, min(steps, 1), start + max(steps - 1, 0))
