@@ -151,6 +151,10 @@ class Config:
     #: model's dense, untied nn.Embedding tables of 1 MB or more; nothing without model=),
     #: "off", or comma-separated parameter names (DEAR_ROW_SPARSE).
     row_sparse: str = "auto"
+    #: each parameter's .grad is a view of its bucket's buffer: no copy, no second copy of the
+    #: gradients in memory (DDP's gradient_as_bucket_view; dear/fusion/views.py)
+    #: (DEAR_GRADIENT_AS_BUCKET_VIEW).
+    gradient_as_bucket_view: bool = False
 
     _ENV: ClassVar[dict[str, tuple[str, Callable[[str], Any]]]] = {
         "fusion_threshold": ("DEAR_FUSION_THRESHOLD", _parse_bytes),
@@ -169,6 +173,7 @@ class Config:
         "chunk_bytes": ("DEAR_CHUNK_BYTES", _parse_bytes),
         "plan_slack": ("DEAR_PLAN_SLACK", float),
         "row_sparse": ("DEAR_ROW_SPARSE", str),
+        "gradient_as_bucket_view": ("DEAR_GRADIENT_AS_BUCKET_VIEW", _parse_bool),
         "timeout": ("DEAR_TIMEOUT", float),
         "trace": ("DEAR_TRACE", str),
         "trace_iterations": ("DEAR_TRACE_ITERATIONS", str),

@@ -38,6 +38,7 @@ from .fusion.fusion_config import FusionConfig
 from .fusion.layout import GatherGroup, build_layout
 from .fusion.rows import RowSparseBucket, resolve_row_sparse
 from .fusion.schedule import ScheduleDriver, issue_mode
+from .fusion.views import GradientViews
 from .reduced import ReducedGradientMixin
 from .sparse import SparseGradients
 from .validation import explicit_groups, refuse_construction
@@ -64,7 +65,7 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
                     fusion: FusionConfig, overlap_allgather: bool,
                     compression: Compressor, groups: Any, sparse_as_dense: bool,
                     autotune: Autotune, schedule: Optional[str] = None,
-                    row_sparse: Any = None) -> None:
+                    row_sparse: Any = None, gradient_as_bucket_view: bool = False) -> None:
         comm = runtime.communicator()
         self._comm = comm
         step = super(_DistributedOptimizer, type(self)).step
@@ -89,6 +90,8 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
             log.info("dear: no model= given, so all-gathers complete inside step(); pass "
                      "model= to overlap them with the next forward pass")
         self._buckets: Optional[list[Bucket]] = None
+        # gradient_as_bucket_view: .grad lives in the bucket buffers (dear/fusion/views.py)
+        self._views = GradientViews() if gradient_as_bucket_view else None
         self._gather_groups: list[GatherGroup] = []
         self._order: list[int] = []            # rank 0's parameter order, for re-layouts
         # Which collective goes on the link when (dear/fusion/schedule.py): DeAR's order, or a
@@ -176,15 +179,28 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
                 f"step(), but backward_passes_per_step={self._passes_needed}; call step() "
                 "after each backward or raise backward_passes_per_step")
         self._grads_since_step = True
-        grad = param.grad
-        self._taken[i] = (None, -1) if grad is None else (weakref.ref(grad), grad._version)
         if self._buckets is None:              # first iteration: the plan is built in step()
+            grad = param.grad
+            self._taken[i] = (None, -1) if grad is None else (weakref.ref(grad), grad._version)
             self._grad_order.append(i)
             return
         bucket, j = self._where[i]
         if bucket.stage is Stage.GATHERING:    # its module did not run in this forward
+            if bucket.exposes_views and param.grad is bucket.user_views[j]:
+                raise RuntimeError(
+                    f"dear: backward wrote the gradient of {self._names[i]} into its bucket "
+                    "while the bucket's update was still pending (gradient_as_bucket_view): "
+                    "its module did not run and the model's own forward did not end (a "
+                    "submodule called directly?). Call optimizer.flush_updates() before such a "
+                    "forward, or wrap without gradient_as_bucket_view")
             self._apply(bucket)
-        bucket.pack(j, param.grad)
+        if self._views is not None and self._views.owns(param):
+            grad = self._views.adopt(param)    # a view: its bucket's version is checked instead
+            self._taken[i] = (None if grad is None else weakref.ref(grad), _VIEW)
+        else:
+            grad = param.grad
+            self._taken[i] = (None, -1) if grad is None else (weakref.ref(grad), grad._version)
+        bucket.pack(j, grad)
         if bucket.full:
             self._launch_ready()
 
@@ -299,8 +315,13 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
             if ref is None:
                 if grad is not None:
                     return i
-            elif grad is None or grad._version != version or grad is not ref():
+            elif grad is None or (version != _VIEW and grad._version != version) \
+                    or grad is not ref():
                 return i
+        if self._views is not None and self._buckets is not None:
+            edited = self._views.edited(self._buckets)
+            if edited is not None:
+                return edited
         for bucket in self._buckets or ():
             if bucket._ready is not None and bucket.stage is not Stage.GATHERING:
                 j = bucket._ready.first_edited(bucket.params)
@@ -369,6 +390,10 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
         assert buckets is not None
         self.flush_updates()                   # buffers are about to be reused
         for bucket in buckets:
+            if self._views is not None:        # zero_grad(set_to_none=True): no gradient
+                for j, p in enumerate(bucket.params):
+                    if bucket.exposes_views and not bucket.packed[j] and self._views.absent(p):
+                        bucket.pack(j, None)
             bucket.pack_missing()              # unused parameters count as zero
         self._launch_ready()
         self._schedule.drain()                 # what backward submitted is issued: our turn
@@ -426,10 +451,12 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
             self._apply_deferred(bucket)
             for p, view, u in zip(bucket.params, bucket.grad_views, used):
                 if not u:
+                    if self._views is not None and self._views.owns(p):
+                        p.grad = None          # as single-process training: no gradient
                     continue
                 if p.grad is None:
                     p.grad = view.clone()
-                else:
+                elif p.grad.data_ptr() != view.data_ptr():   # a view of the buffer: in place
                     p.grad.copy_(view)
             bucket.reset()
         self._num_pending = 0
@@ -446,6 +473,7 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
     def _attach_transform(self, transform: Any, ties: list[list[int]]) -> None:
         """dear.KFAC's eigenbasis path; with buckets already planned, `ties` take effect at the
         next synchronized step() (dear.KFAC synchronizes until the layout fits)."""
+        assert self._views is None, "dear.KFAC preconditions after synchronize() with views"
         self._transform, self._ties = transform, ties
         self._schedule.paused = True           # it edits the shards between the collectives
         self._relayout_wanted = self._buckets is not None and not transform.layout_fits()
@@ -490,6 +518,7 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
             for g, original in zip(groups, originals):
                 g.update(original)
             native.swap_grads(bucket.params, saved)
+            bucket.zero_pending_views()        # zero_grad() while it was pending
             bucket.reset()
             self._num_pending -= 1
 
@@ -561,11 +590,19 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
         row_sparse = self._row_sparse if self._transform is None else ()  # K-FAC rotates rows
         layout = build_layout(self._params, order, fusion, self._comm.size, explicit,
                               self._compression, self._sparse_as_dense, self._ties,
-                              row_sparse, self._comm.rank)
+                              row_sparse, self._comm.rank, views=self._views is not None)
         self._fusion = fusion
         self._layout = layout
         self._buckets, self._where = layout.buckets, layout.where
         self._gather_groups = layout.gather_groups
+        if self._views is not None:            # .grad moves into the new buffers
+            self._views.attach(layout.buckets)
+            for i in self._taken:              # taken before the buckets existed
+                p = self._params[i]
+                if self._views.owns(p) and p.grad is not None:
+                    self._taken[i] = (weakref.ref(p.grad), _VIEW)
+                    bucket = self._where[i][0]
+                    bucket.taken_version = bucket.user_version()
         self._triggers = {}
         self._schedule.reset(layout.buckets, fusion.chunk_bytes)   # re-planned with its chunks
         if self._model is not None:
@@ -585,6 +622,10 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
         for module in model.modules():
             if module is model or any(p in self._index for p in module.parameters(recurse=False)):
                 self._hooks.append(module.register_forward_pre_hook(_eager(self._pre_forward)))
+        if self._views is not None:
+            # Backward writes into the buffers at once: an update still pending when the
+            # forward ends (its module did not run) must read them first.
+            self._hooks.append(model.register_forward_hook(_eager(self._after_forward)))
         self._hooks.append(model.register_state_dict_pre_hook(
             lambda *args, **kwargs: self.flush_updates()))
         self._hooks.append(model.register_load_state_dict_pre_hook(
@@ -608,6 +649,10 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
                     self._forward_seen.add(i)
                     self._forward_order.append(i)
 
+    def _after_forward(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if self._num_pending:
+            self.flush_updates()
+
     def _map_triggers(self, model: torch.nn.Module) -> None:
         """Each module applies the pending buckets holding its parameters; parameters whose
         module never ran (used directly by a parent) are applied before the root's forward."""
@@ -622,6 +667,33 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
         if unseen:
             self._triggers[model] = list(dict.fromkeys(self._triggers.get(model, []) + unseen))
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """torch's, except that with gradient_as_bucket_view the views are zeroed in place (once
+        a pending update has read them); see dear/fusion/views.py."""
+        views = self._views
+        if views is None or self._buckets is None:
+            super().zero_grad(set_to_none)
+            return
+        if self._had_gradients:
+            raise RuntimeError(
+                "optimizer.zero_grad() between backward and step() with "
+                "gradient_as_bucket_view=True: the gradients are in the bucket buffers that "
+                "this iteration's reduce-scatters are sending. Call zero_grad() before the "
+                "forward pass or after step()")
+        for group in self.param_groups:
+            for p in group["params"]:
+                if views.owns(p):
+                    views.zero_grad(p, set_to_none)
+                elif p.grad is not None:       # torch's own rule
+                    if set_to_none:
+                        p.grad = None
+                    else:
+                        if p.grad.grad_fn is not None:
+                            p.grad.detach_()
+                        else:
+                            p.grad.requires_grad_(False)
+                        p.grad.zero_()
+
     # --------------------------------------------------------------------- checkpointing
     def state_dict(self) -> dict[str, Any]:
         self.flush_updates()
@@ -632,6 +704,9 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
         super().load_state_dict(state_dict)
         for bucket in self._buckets or ():
             bucket.group_members = None  # type: ignore[attr-defined]
+
+
+_VIEW = -2      # _taken's version of a gradient view: its bucket's version is checked instead
 
 
 def _weak_method(method: Callable[..., Any]) -> Callable[..., Any]:

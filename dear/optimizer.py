@@ -84,7 +84,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          autotune: Optional[Union[bool, str]] = None,
                          fusion_config: Optional[Any] = None,
                          schedule: Optional[str] = None,
-                         row_sparse: Union[bool, str, Sequence[str], None] = None
+                         row_sparse: Union[bool, str, Sequence[str], None] = None,
+                         gradient_as_bucket_view: Optional[bool] = None
                          ) -> torch.optim.Optimizer:
     """Wrap `optimizer` so its gradients are averaged with DeAR's decoupled all-reduce.
 
@@ -103,6 +104,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     dear/fusion/rows.py): True / "auto" (the model's dense nn.Embedding tables of 1 MB or
     more that no other module shares), parameter names, or False (None: DEAR_ROW_SPARSE,
     default "auto": on for such tables when model= is given).
+    `gradient_as_bucket_view`: DDP's: each .grad is a view of its bucket's buffer, so backward
+    writes the gradients straight where the reduce-scatter reads them (no copy, no second copy
+    in memory); .grad is then never None and holds the averaged gradient after the update
+    (None: DEAR_GRADIENT_AS_BUCKET_VIEW, default False; dear/fusion/views.py).
     """
     if schedule is not None and schedule not in ("planned", "dear"):
         raise ValueError(f"schedule must be 'planned' or 'dear', got {schedule!r}")
@@ -146,7 +151,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     fusion, tune = _fusion_settings(named, fusion_threshold, mode, fusion_config, groups)
     wrapped._dear_setup(named, model, backward_passes_per_step, op, gradient_predivide_factor,
                         fusion, overlap_allgather, compressor, groups, sparse_as_dense, tune,
-                        schedule, row_sparse)
+                        schedule, row_sparse,
+                        bool(runtime.config().gradient_as_bucket_view
+                             if gradient_as_bucket_view is None else gradient_as_bucket_view))
     if getattr(runtime.config(), "trace", ""):  # DEAR_TRACE=dir: dear.diagnose records the run
         from .diagnose.trace import attach_from_config
         attach_from_config(wrapped, model)

@@ -10,7 +10,8 @@ Backward's hooks only take references to the gradients (`pack`); they are copied
 buffer right before the reduce-scatter is issued (`fill`), by whichever thread issues it. Under
 the planned schedule that is the collective executor (dear/fusion/schedule.py), so the copy of
 every gradient runs beside backward instead of lengthening it, as a GPU's copy on a side
-stream would.
+stream would. With gradient_as_bucket_view (dear/fusion/views.py) the gradients already live in
+the buffer (`user_views`) and there is nothing to copy.
 """
 
 from __future__ import annotations
@@ -36,10 +37,11 @@ class Bucket:
     """Buffers and state of one bucket. Not thread-safe: driven by the optimizer's hooks."""
 
     chunkable = True             # its all-gather may be cut into column chunks (schedule.py)
+    views_supported = True       # .grad may be a view of the buffer (dear/fusion/views.py)
 
     def __init__(self, spec: BucketSpec, params: Sequence[torch.nn.Parameter],
                  wire_dtype: Optional[torch.dtype] = None, sparse_as_dense: bool = False,
-                 native: Optional[bool] = None) -> None:
+                 native: Optional[bool] = None, views: bool = False) -> None:
         self.spec = spec
         self.sparse_as_dense = sparse_as_dense
         self.params = list(params)
@@ -53,6 +55,18 @@ class Bucket:
         self.grad_views = [self.buffer[o:o + n].view(p.shape)
                            for o, n, p in zip(spec.offsets, spec.numels, self.params)]
         self.flags = self.buffer[spec.flags_offset:spec.flags_offset + len(self.params)]
+        # gradient_as_bucket_view: the parameters' .grad are `user_views`, views of an alias of
+        # the buffer with its own version counter (Tensor.data), so only autograd's and the
+        # user's writes move it; `taken_version` is where it stood when backward handed over the
+        # last gradient, `zero_after_update` the views zero_grad() zeroes once the pending update
+        # has read them.
+        self.exposes_views = views and self.views_supported
+        self.user_views: list[torch.Tensor] = []
+        self._user: Optional[torch.Tensor] = None
+        self.taken_version: Optional[int] = None
+        self.zero_after_update: set[int] = set()
+        if self.exposes_views:
+            native = False                 # the C++ hooks keep per-parameter versions
         self.packed = [False] * len(self.params)
         self.used = [0.0] * len(self.params)
         self._held: list[Optional[torch.Tensor]] = [None] * len(self.params)
@@ -83,6 +97,25 @@ class Bucket:
                        if use_native else None)
         if self._ready is not None:        # the hooks call C++ directly: no Python frame
             self.pack = self._ready.record  # type: ignore[method-assign]
+
+    def expose_views(self) -> list[torch.Tensor]:
+        """The views the parameters' .grad point at (gradient_as_bucket_view)."""
+        assert self.exposes_views
+        if self._user is None:
+            self._user = self.buffer.data      # same memory, its own version counter
+            self.user_views = [self._user[o:o + n].view(p.shape) for o, n, p
+                               in zip(self.spec.offsets, self.spec.numels, self.params)]
+        return self.user_views
+
+    def user_version(self) -> int:
+        assert self._user is not None
+        return self._user._version
+
+    def zero_pending_views(self) -> None:
+        """Zero what zero_grad() asked for while the update was pending (after it ran)."""
+        for j in self.zero_after_update:
+            self.grad_views[j].zero_()
+        self.zero_after_update = set()
 
     @property
     def reduce_bytes(self) -> int:
@@ -131,10 +164,11 @@ class Bucket:
         if self._ready is not None:
             self._ready.pack()                 # C++, without the GIL
         else:
-            for view, grad in zip(self.grad_views, self._held):
+            mine: Sequence[Optional[torch.Tensor]] = self.user_views or [None] * len(self.params)
+            for view, grad, own in zip(self.grad_views, self._held, mine):
                 if grad is None:
                     view.zero_()
-                else:
+                elif grad is not own:          # a view of this buffer is already in place
                     view.copy_(grad)
             self._held = [None] * len(self.params)
             self.flags.copy_(torch.tensor(self.used, dtype=self.flags.dtype))
@@ -279,3 +313,4 @@ class Bucket:
         self._averaged = False
         self._averaged_event = None
         self._all_used_here = False
+        self.taken_version = None

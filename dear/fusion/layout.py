@@ -56,16 +56,17 @@ def build_layout(params: Sequence[torch.nn.Parameter], order: Sequence[int],
                  fusion: FusionConfig, world_size: int,
                  explicit: Optional[Sequence[Sequence[int]]], compression: Compressor,
                  sparse_as_dense: bool, tied: Sequence[Sequence[int]] = (),
-                 row_sparse: Collection[int] = (), rank: int = 0) -> Layout:
+                 row_sparse: Collection[int] = (), rank: int = 0, views: bool = False) -> Layout:
     """`row_sparse`: parameters (2-D, no wire compression) sent as their used rows
-    (dear/fusion/rows.py); `rank`: this process's, for their shards."""
+    (dear/fusion/rows.py); `rank`: this process's, for their shards; `views`: .grad may be a
+    view of the dense buckets' buffers (gradient_as_bucket_view, dear/fusion/views.py)."""
     row_sparse = {i for i in row_sparse if params[i].dim() == 2
                   and compression.wire_dtype(params[i].dtype) in (None, params[i].dtype)}
     specs, plan = plan_layout(params, order, fusion, world_size, explicit, tied, row_sparse)
     buckets = [RowSparseBucket(s, [params[s.params[0]]], rank, sparse_as_dense)
                if len(s.params) == 1 and s.params[0] in row_sparse
                else Bucket(s, [params[i] for i in s.params], compression.wire_dtype(s.dtype),
-                           sparse_as_dense) for s in specs]
+                           sparse_as_dense, views=views) for s in specs]
     where: list[tuple[Bucket, int]] = [None] * len(params)  # type: ignore[list-item]
     for bucket in buckets:
         for j, i in enumerate(bucket.spec.params):

@@ -38,6 +38,7 @@ class RowSparseBucket(Bucket):
     """A bucket holding exactly one 2-D parameter (rows x columns), sent as its used rows."""
 
     chunkable = False            # no all-gather: the planned schedule leaves it alone
+    views_supported = False      # its buffer is rebuilt from the rows: .grad stays its own
 
     def __init__(self, spec: BucketSpec, params: Sequence[torch.nn.Parameter], rank: int,
                  sparse_as_dense: bool = False, native: Optional[bool] = None) -> None:

@@ -283,6 +283,8 @@ class DearLink:
         why = None
         if len(optimizers) > 1:
             why = "the layers are split between several dear optimizers"
+        elif opt._views is not None:
+            why = "gradient_as_bucket_view=True (the rotation would rewrite .grad in place)"
         elif opt._synchronized:
             why = "the loop calls optimizer.synchronize() itself (Horovod's K-FAC loop)"
         elif not self._eigen_everywhere:
