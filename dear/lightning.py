@@ -99,7 +99,7 @@ class DeARStrategy(DDPStrategy):
                  autotune: Optional[Union[bool, str]] = None, fusion_config: Any = None,
                  compression: Any = Compression.none, op: Any = ReduceOp.Average,
                  gradient_predivide_factor: float = 1.0, overlap_allgather: bool = True,
-                 backend: str = "auto", dear_options: Optional[dict[str, Any]] = None,
+                 gradient_as_bucket_view: Optional[bool] = None, backend: str = "auto", dear_options: Optional[dict[str, Any]] = None,
                  accelerator: Any = None, parallel_devices: Optional[list[torch.device]] = None,
                  cluster_environment: Any = None, checkpoint_io: Any = None,
                  precision_plugin: Any = None, process_group_backend: Optional[str] = None,
@@ -113,7 +113,8 @@ class DeARStrategy(DDPStrategy):
         self._dear_wrap = {"fusion_threshold": fusion_threshold, "autotune": autotune,
                            "fusion_config": fusion_config, "compression": compression, "op": op,
                            "gradient_predivide_factor": gradient_predivide_factor,
-                           "overlap_allgather": overlap_allgather}
+                           "overlap_allgather": overlap_allgather,
+                           "gradient_as_bucket_view": gradient_as_bucket_view}
         self._dear_backend = backend
         self._dear_options = dict(dear_options or {})
         self._owns_dear = False

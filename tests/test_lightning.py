@@ -99,6 +99,11 @@ def fit(strategy: str, epochs: int = 2, clip: float = 0.0, accumulate: int = 1,
     import lightning.pytorch as L
     warnings.filterwarnings("ignore")
     import dear.lightning  # noqa: F401  (registers strategy="dear")
+    label = strategy
+    if strategy.endswith("+views"):            # gradient_as_bucket_view=True, as DDP's option
+        from lightning.pytorch.strategies import DDPStrategy
+        strategy = (dear.lightning.DeARStrategy(gradient_as_bucket_view=True)  # type: ignore
+                    if strategy.startswith("dear") else DDPStrategy(gradient_as_bucket_view=True))
     L.seed_everything(1234, verbose=False)
     model = _module(sched=sched)
     callbacks: list[Any] = []
@@ -122,7 +127,7 @@ def fit(strategy: str, epochs: int = 2, clip: float = 0.0, accumulate: int = 1,
     trainer.fit(model, train, val, ckpt_path=resume or None)
     out = {"params": {n: p.detach().clone() for n, p in model.named_parameters()},
            "steps": trainer.global_step, "val_batches": len(model.val_losses),
-           "strategy": type(trainer.strategy).__name__,
+           "strategy": type(trainer.strategy).__name__, "label": label,
            "lr": trainer.optimizers[0].param_groups[0]["lr"]}
     if scaler:
         out["scale"] = float(trainer.precision_plugin.scaler.get_scale())
@@ -157,10 +162,13 @@ CASES = {
 def ddp_vs_dear() -> dict[str, list[dict[str, Any]]]:
     """Every case under both strategies, plus dear without clipping, in one 2-rank run."""
     runs = [(s, kw) for kw in CASES.values() for s in ("ddp", "dear")] + [("dear", {})]
+    runs += [(s, CASES["accumulate-scheduler"]) for s in ("ddp+views", "dear+views")]
     outcomes = run_distributed(fit_many, 2, runs, timeout=400)
     by_case: dict[str, list[dict[str, Any]]] = {}
     for i, (strategy, kwargs) in enumerate(runs):
         name = next((k for k, v in CASES.items() if v == kwargs), "plain")
+        name += "+views" if strategy.endswith("+views") else ""
+        strategy = strategy.removesuffix("+views")
         # "case/strategy": [rank 0, rank 1]
         by_case.setdefault(f"{name}/{strategy}", [o[i] for o in outcomes])
     return by_case
@@ -177,6 +185,16 @@ def test_dear_equals_ddp(ddp_vs_dear: dict[str, Any], case: str) -> None:
     assert dear_[0]["steps"] == ddp[0]["steps"] > 0
     assert dear_[0]["val_batches"] == ddp[0]["val_batches"] > 0
     assert dear_[0]["lr"] == ddp[0]["lr"]
+    assert _max_diff(dear_[0]["params"], ddp[0]["params"]) == 0.0
+
+
+def test_gradient_as_bucket_view_equals_ddp(ddp_vs_dear: dict[str, Any]) -> None:
+    """DeARStrategy(gradient_as_bucket_view=True) against DDPStrategy with the same option,
+    with accumulation and a scheduler: bit for bit, as without views."""
+    ddp = ddp_vs_dear["accumulate-scheduler+views/ddp"]
+    dear_ = ddp_vs_dear["accumulate-scheduler+views/dear"]
+    assert dear_[0]["strategy"] == "DeARStrategy" and dear_[0]["steps"] == ddp[0]["steps"] > 0
+    assert _max_diff(dear_[0]["params"], dear_[1]["params"]) == 0.0
     assert _max_diff(dear_[0]["params"], ddp[0]["params"]) == 0.0
 
 
