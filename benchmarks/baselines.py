@@ -9,7 +9,8 @@
 - `dear`: dear.DistributedOptimizer on torch.distributed with its defaults (the planned
   schedule; untied embedding tables of 1 MB or more sent as the rows the batch used);
   `dear-order`: the same in DeAR's own order (schedule="dear"); `dear-dense`: row_sparse=False
-  (every table whole); `dear-rows`: row_sparse=True; `dear-hvd`: on Horovod.
+  (every table whole); `dear-rows`: row_sparse=True; `dear-hvd`: on Horovod; `dear-views`:
+  gradient_as_bucket_view=True (.grad in the buckets, nothing copied).
 All use the same Communicator / process group, so only the schedule differs.
 """
 
@@ -26,7 +27,7 @@ from dear.fusion.planner import plan_buckets
 from dear.runtime import communicator
 
 METHODS = ("ddp", "fsdp2", "horovod", "allreduce", "wfbp", "dear", "dear-order", "dear-rows",
-           "dear-dense", "dear-hvd")
+           "dear-dense", "dear-hvd", "dear-views")
 
 
 class AllReduceAfterBackward:
@@ -146,6 +147,9 @@ def prepare(method: str, model: torch.nn.Module,
     if method in ("dear-rows", "dear-dense"):
         return model, dear.DistributedOptimizer(make_optimizer(model.parameters()), model=model,
                                                 row_sparse=method == "dear-rows")
+    if method == "dear-views":
+        return model, dear.DistributedOptimizer(make_optimizer(model.parameters()), model=model,
+                                                gradient_as_bucket_view=True)
     if method == "dear-order":
         return model, dear.DistributedOptimizer(make_optimizer(model.parameters()), model=model,
                                                 schedule="dear")

@@ -336,8 +336,11 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
         if i is None:
             return
         self._abandon_iteration()
+        name = self._names[i]
+        if self._views is not None and self._views.owns(self._params[i]):
+            name += " (or of another parameter in its bucket: .grad is a view of it)"
         raise RuntimeError(
-            f"dear: the gradient of {self._names[i]} was changed after backward handed it to "
+            f"dear: the gradient of {name} was changed after backward handed it to "
             "dear.DistributedOptimizer (edited in place, replaced or set to None), e.g. by "
             "torch.nn.utils.clip_grad_norm_ or scaler.unscale_(optimizer). dear reduces each "
             "gradient as soon as backward produces it, so the change would be silently "
@@ -682,9 +685,9 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
                 "forward pass or after step()")
         for group in self.param_groups:
             for p in group["params"]:
-                if views.owns(p):
-                    views.zero_grad(p, set_to_none)
-                elif p.grad is not None:       # torch's own rule
+                if views.owns(p) and views.zero_grad(p, set_to_none):
+                    continue
+                if p.grad is not None:         # torch's own rule
                     if set_to_none:
                         p.grad = None
                     else:

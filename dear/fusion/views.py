@@ -71,16 +71,18 @@ class GradientViews:
         """Zeroed with set_to_none=True and no gradient since: counts as None."""
         return p in self._absent
 
-    def zero_grad(self, p: torch.nn.Parameter, set_to_none: bool) -> None:
+    def zero_grad(self, p: torch.nn.Parameter, set_to_none: bool) -> bool:
+        """Zero p's view (False: .grad is not the view, torch's own rule applies)."""
         bucket, j = self._where[p]
         if p.grad is not bucket.user_views[j]:
-            return                             # not the view (yet): the default applies
+            return False
         if bucket.stage is Stage.GATHERING:    # its update still reads the gathered buffer
             bucket.zero_after_update.add(j)
         else:
             bucket.grad_views[j].zero_()         # dear's alias: not an edit
         if set_to_none:
             self._absent.add(p)
+        return True
 
     def edited(self, buckets: Iterable[Bucket]) -> Optional[int]:
         """A parameter (global index) of a bucket whose views were written after backward
