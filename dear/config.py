@@ -151,8 +151,8 @@ class Config:
     #: model's dense, untied nn.Embedding tables of 1 MB or more; nothing without model=),
     #: "off", or comma-separated parameter names (DEAR_ROW_SPARSE).
     row_sparse: str = "auto"
-    #: each parameter's .grad is a view of its bucket's buffer: no copy, no second copy of the
-    #: gradients in memory (DDP's gradient_as_bucket_view; dear/fusion/views.py)
+    #: each parameter's .grad is a view of its bucket's buffer: no second copy of the gradients
+    #: in memory (DDP's gradient_as_bucket_view; dear/fusion/views.py)
     #: (DEAR_GRADIENT_AS_BUCKET_VIEW).
     gradient_as_bucket_view: bool = False
 

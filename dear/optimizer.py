@@ -105,9 +105,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     more that no other module shares), parameter names, or False (None: DEAR_ROW_SPARSE,
     default "auto": on for such tables when model= is given).
     `gradient_as_bucket_view`: DDP's: each .grad is a view of its bucket's buffer, so backward
-    writes the gradients straight where the reduce-scatter reads them (no copy, no second copy
-    in memory); .grad is then never None and holds the averaged gradient after the update
-    (None: DEAR_GRADIENT_AS_BUCKET_VIEW, default False; dear/fusion/views.py).
+    accumulates the gradients where the reduce-scatter reads them (no second copy in memory);
+    .grad is then never None and holds the averaged gradient after the update (None:
+    DEAR_GRADIENT_AS_BUCKET_VIEW, default False; dear/fusion/views.py).
     """
     if schedule is not None and schedule not in ("planned", "dear"):
         raise ValueError(f"schedule must be 'planned' or 'dear', got {schedule!r}")

@@ -1,9 +1,10 @@
 """gradient_as_bucket_view (DDP's name): each parameter's .grad is a view of its bucket's buffer.
 
-Backward then accumulates straight into the memory the reduce-scatter sends, so no gradient is
-copied and the gradients cost no memory beside the buckets. After the update (applied in the
-next forward, or by flush_updates() / synchronize()) .grad holds the averaged gradient, as in
-DDP and Horovod.
+Backward then accumulates straight into the memory the reduce-scatter sends, so the gradients
+cost no memory beside the buckets and dear copies nothing (autograd adds each new gradient into
+its view instead, on the backward thread, as under DDP's views). After the update (applied in
+the next forward, or by flush_updates() / synchronize()) .grad holds the averaged gradient, as
+in DDP and Horovod.
 
 What changes for the user, and why:
 - .grad is never None for a parameter dear manages: zero_grad() zeroes the views in place (a
