@@ -29,7 +29,8 @@ numbers, else strings. `dear:...` options go to dear.DistributedOptimizer (rs_th
 ag_threshold and first_bucket make a FusionConfig: missing sizes default to fusion_threshold or
 DEAR_FUSION_THRESHOLD; chunk_bytes: the planned schedule's chunk size; row_sparse: dear's
 default "auto" is the word embeddings --tokens made row-sparse, what auto finds in the real
-model, and `row_sparse=off` sends them whole);
+model, and `row_sparse=off` sends them whole; `whole_reduce_scatter=true`, for A/B runs only:
+a bucket larger than the threshold is reduce-scattered in one collective instead of pieces);
 `ddp:...` to DistributedDataParallel; `wfbp:threshold=8MB`. To add a method, add a function to
 METHODS.
 """
@@ -172,7 +173,17 @@ def _dear(model: emulated.EmulatedModel, make_opt: OptFactory, opts: dict[str, A
         opts["fusion_config"] = FusionConfig(
             sizes.get("rs_threshold", default), sizes.get("ag_threshold", default),
             sizes.get("first_bucket") if sizes else cfg.first_bucket, chunk_bytes=chunk)
-    return model, dear.DistributedOptimizer(make_opt(model.parameters()), model=model, **opts)
+    whole = opts.pop("whole_reduce_scatter", False)
+    opt = dear.DistributedOptimizer(make_opt(model.parameters()), model=model, **opts)
+    if whole:                                      # A/B only: every bucket in one collective
+        build = opt._build_buckets
+
+        def build_whole() -> None:
+            build()
+            for bucket in opt._buckets:
+                bucket.rs_pieces = [(0, bucket.spec.shard_numel)]
+        opt._build_buckets = build_whole
+    return model, opt
 
 
 # name -> build(model, optimizer factory, options) -> (module to call, object with

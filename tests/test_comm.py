@@ -144,6 +144,38 @@ def check_shards(comm: Any, chk: Checker, digests: dict[str, str]) -> None:
                       torch.cat([make_input(dtype, shard, r, seed) for r in range(n)]))
 
 
+def check_pieces(comm: Any, chk: Checker) -> None:
+    """A reduce-scatter in pieces (column ranges of the shard, all issued before any wait, as
+    a bucket larger than the fusion threshold sends them) gives the whole one's result; on
+    dear's exchange its bits (each element is summed by the same chain)."""
+    n, me = comm.size, comm.rank
+    for seed, (dtype, shard) in enumerate(((torch.float32, 1001), (torch.float64, 7),
+                                           (torch.int64, 200_003)), start=700):
+        case = f"{str(dtype).replace('torch.', '')} shard {shard}"
+        x = make_input(dtype, n * shard, me, seed)
+        whole = torch.empty(shard, dtype=dtype)
+        comm.reduce_scatter(x, whole).wait()
+        columns = max(1, shard // 3)
+        pieces = [(s, min(columns, shard - s)) for s in range(0, shard, columns)]
+        out = torch.full((shard,), 3, dtype=dtype)
+        works = [comm.reduce_scatter_columns(x, out, s, k) for s, k in pieces]
+        for work in reversed(works):
+            work.wait()
+        what = f"reduce_scatter in {len(pieces)} pieces {case}"
+        if comm.name.endswith("pairwise"):
+            chk.exact(what, out, whole)
+        else:                  # torch's Gloo may sum a smaller buffer in another order
+            chk.close(what, out, whole, tolerance(dtype, n))
+        chk.exact(f"reduce_scatter in pieces {case} left its input alone", x,
+                  make_input(dtype, n * shard, me, seed))
+        if comm.name.endswith("pairwise"):   # in place: the output is our own shard
+            mine = slice(me * shard, (me + 1) * shard)
+            buf = make_input(dtype, n * shard, me, seed)
+            for work in [comm.reduce_scatter_columns(buf, buf[mine], s, k) for s, k in pieces]:
+                work.wait()
+            chk.exact(f"in-place reduce_scatter in pieces {case}", buf[mine], whole)
+
+
 def check_in_flight(comm: Any, chk: Checker) -> None:
     """Two reduce-scatters and an all-gather issued before any wait; waited out of order."""
     n, me = comm.size, comm.rank
@@ -255,6 +287,7 @@ def all_cases() -> dict[str, Any]:
             chk.errors.append(f"DEAR_GLOO_COLLECTIVES={mode} gave communicator {comm.name!r}")
         check_shards(comm, chk, digests)
         check_in_flight(comm, chk)
+        check_pieces(comm, chk)
         check_others(comm, chk)
         check_bad_sizes(comm, chk)
         check_subgroup(mode, chk)

@@ -76,6 +76,14 @@ def collectives(plane: str) -> dict:
         out["errors"][f"ag {key}"] = (_err(g, want), n * n * (torch.finfo(g.dtype).eps
                                                              if g.dtype.is_floating_point else 0))
         out["digests"][key] = hashlib.sha256(g.view(torch.uint8).numpy().tobytes()).hexdigest()
+    # A reduce-scatter in pieces (a bucket larger than the fusion threshold), in flight at once
+    x, shard = _input(torch.float32, n * 1001, me, 97), 1001
+    whole, o = torch.empty(shard), torch.full((shard,), 3.0)
+    comm.reduce_scatter(x, whole).wait()
+    for work in [comm.reduce_scatter_columns(x, o, s, min(300, shard - s))
+                 for s in range(0, shard, 300)]:
+        work.wait()
+    out["errors"]["rs in pieces"] = (_err(o, whole), 0.0)
     if plane == "gloo":                        # Horovod has no bfloat16: the groups carry it
         t = _input(torch.bfloat16, 1001, me, 99)
         comm.all_reduce(t).wait()

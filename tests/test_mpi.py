@@ -156,6 +156,7 @@ def _conformance() -> None:
         chk.errors.append(f"local_rank {comm.local_rank} on rank {comm.rank}")
     tc.check_shards(comm, chk, digests)
     tc.check_in_flight(comm, chk)
+    tc.check_pieces(comm, chk)
     tc.check_others(comm, chk)
     tc.check_bad_sizes(comm, chk)
     # Against the torch backend on the same inputs.

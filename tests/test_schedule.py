@@ -8,6 +8,7 @@ is planned again. Plus the planner's greedy replay and the executor on their own
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from typing import Any
@@ -19,7 +20,9 @@ import torch.nn.functional as F
 
 import dear
 from dear.comm.base import Communicator, DoneWork, Work
+from dear.compression import Compression
 from dear.fusion.fusion_config import FusionConfig
+from dear.fusion.layout import build_layout
 from dear.fusion.plan import calibrate, replay_tail
 from dear.fusion.schedule import CommExecutor, LinkCost, Plan, chunk_columns, plan_gaps
 from tests.distributed import run_distributed
@@ -96,6 +99,30 @@ def test_chunk_columns_cover_the_shard_once() -> None:
     assert chunk_columns(0, 4) == []
 
 
+def test_a_parameter_larger_than_a_bucket_is_reduce_scattered_in_pieces() -> None:
+    """build_layout: a bucket over the reduce-scatter threshold (a lone parameter larger than
+    it) travels in column pieces of at most the threshold on the wire; buckets within it, one
+    rank, a threshold of 0 (a bucket per parameter) and a row-sparse table go whole."""
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in (1000, 10, 30)]
+    fusion = FusionConfig.single(1024)
+    layout = build_layout(params, [0, 1, 2], fusion, 3, None, Compression.none, False)
+    big, small = layout.buckets
+    assert big.spec.params == (0,) and small.spec.params == (1, 2)
+    assert small.rs_pieces == [(0, small.spec.shard_numel)]
+    assert sum(n for _, n in big.rs_pieces) == big.spec.shard_numel
+    assert [s for s, _ in big.rs_pieces] == list(itertools.accumulate(
+        [0] + [n for _, n in big.rs_pieces[:-1]]))
+    assert len(big.rs_pieces) == 4 and all(3 * n * 4 <= 1024 for _, n in big.rs_pieces)
+    fp16 = build_layout(params, [0, 1, 2], fusion, 3, None, Compression.fp16, False)
+    assert len(fp16.buckets[0].rs_pieces) == 2        # the wire's bytes count: half as many
+    for world, f in ((1, fusion), (3, FusionConfig.single(0))):
+        one = build_layout(params, [0, 1, 2], f, world, None, Compression.none, False)
+        assert all(len(b.rs_pieces) == 1 for b in one.buckets)
+    table = [torch.nn.Parameter(torch.zeros(100, 10))]
+    rows = build_layout(table, [0], fusion, 3, None, Compression.none, False, row_sparse={0})
+    assert rows.buckets[0].rs_pieces == [(0, rows.buckets[0].spec.shard_numel)]
+
+
 def test_plan_leaves_a_bucket_without_all_gather_alone() -> None:
     """A row-sparse table (dear/fusion/rows.py) has no all-gather: the optimizer gives it a
     shard of 0 columns, and no chunk of it may be planned (the CPU benchmark's BERT-Base, whose
@@ -157,6 +184,14 @@ class RecordingCommunicator(Communicator):
     def reduce_scatter(self, input: torch.Tensor, output: torch.Tensor) -> Work:
         self._note("rs", input.numel())
         return self.inner.reduce_scatter(input, output)
+
+    def pieces_in_place(self, tensor: torch.Tensor) -> bool:
+        return self.inner.pieces_in_place(tensor)
+
+    def reduce_scatter_columns(self, input: torch.Tensor, output: torch.Tensor, start: int,
+                               length: int) -> Work:
+        self._note("rs-piece", input.numel(), start, length)
+        return self.inner.reduce_scatter_columns(input, output, start, length)
 
     def all_gather(self, input: torch.Tensor, output: torch.Tensor) -> Work:
         self._note("ag", output.numel())
@@ -234,7 +269,8 @@ def _planned_run(forced: bool, relayout_at: int, mode: str = "thread", device: s
     opt.flush_updates()
     params = {k: v.cpu() for k, v in state_of(model).items()}
     out = {"params": params, "log": list(recorder.log), "plans": plans, "num_chunks": num_chunks,
-           "chunks_in_backward": chunks_in_backward, "buckets": len(opt._buckets)}
+           "chunks_in_backward": chunks_in_backward, "buckets": len(opt._buckets),
+           "pieces": sum(1 for e in recorder.log if e[0] == "rs-piece")}
     dear.shutdown()
     return out
 
@@ -246,6 +282,8 @@ def test_forced_plan_same_order_everywhere_and_same_training(world: int) -> None
     ref = reference("adam", world, STEPS, branch=True)
     for rank, res in enumerate(ranks):
         assert res["chunks_in_backward"] > 0, "no all-gather chunk was issued in backward"
+        # fc1's weight (3 KB) is larger than a bucket (1 KB): its reduce-scatter is in pieces
+        assert res["pieces"] >= 3 * STEPS, "a parameter larger than a bucket went whole"
         assert res["log"] == ranks[0]["log"], f"rank {rank} issued another collective order"
         scale = max(v.abs().max().item() for v in ref.values())
         assert max_diff(res["params"], ref) <= 1e-6 * scale

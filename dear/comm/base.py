@@ -110,6 +110,27 @@ class Communicator(abc.ABC):
     def reduce_scatter(self, input: torch.Tensor, output: torch.Tensor) -> Work:
         """Sum `input` (numel = size * output.numel()) over ranks; this rank keeps shard `rank`."""
 
+    def reduce_scatter_columns(self, input: torch.Tensor, output: torch.Tensor, start: int,
+                               length: int) -> Work:
+        """Sum columns [start, start + length) of `input` viewed as (size, output.numel())
+        over ranks into output[start:start + length]: one piece of a reduce-scatter, so a
+        bucket larger than the fusion threshold can travel in pieces. Backends that read the
+        pieces in place override this and `pieces_in_place`; here a contiguous copy and a
+        reduce-scatter."""
+        check_shard_sizes(input, output, self.size)
+        if start == 0 and length == output.numel():
+            return self.reduce_scatter(input, output)
+        staging = [input.view(self.size, -1)[:, start:start + length].contiguous().view(-1)]
+        work = self.reduce_scatter(staging[0], output[start:start + length])
+        # The copy lives until the collective is waited for (a backend may not hold it; on a
+        # GPU the wait orders the current stream after the collective, so reuse is safe).
+        return CallbackWork([work], staging.clear)
+
+    def pieces_in_place(self, tensor: torch.Tensor) -> bool:
+        """Whether reduce_scatter_columns sends `tensor`'s pieces from where they lie (no
+        copy); only then does a bucket larger than the threshold travel in pieces."""
+        return False
+
     @abc.abstractmethod
     def all_gather(self, input: torch.Tensor, output: torch.Tensor) -> Work:
         """Concatenate every rank's `input` into `output` (numel = size * input.numel())."""

@@ -186,35 +186,43 @@ class PairwiseExchange:
 
     def reduce_scatter(self, input: torch.Tensor, output: torch.Tensor) -> Work:
         """Sum `input` over ranks; this rank keeps shard `rank` in `output`."""
+        return self.reduce_scatter_columns(input, output, 0, output.numel())
+
+    def reduce_scatter_columns(self, input: torch.Tensor, output: torch.Tensor, start: int,
+                               length: int) -> Work:
+        """Columns [start, start + length) of every rank's shard of `input`, summed into the
+        same columns of `output`: a piece of a reduce-scatter, its messages read in place."""
         check_shard_sizes(input, output, self.size)
         n, me, shard = self.size, self.rank, output.numel()
+        chunks = [input[r * shard + start:r * shard + start + length] for r in range(n)]
+        into = output[start:start + length]
         if n == 1:
-            output.copy_(input)
+            into.copy_(chunks[0])
             return CallbackWork([])
-        chunks = list(input.split(shard))
         if overlaps(input, output):
-            if output.data_ptr() != chunks[me].data_ptr():
+            if output.data_ptr() != input.data_ptr() + me * shard * input.element_size():
                 raise ValueError("reduce_scatter: the output overlaps the input other than as "
                                  "this rank's own shard of it; pass a separate output buffer")
             chunks[me] = chunks[me].clone()   # in place: received data lands on our shard
         tag = self._next_tag()
         if n == 2:
             peer = 1 - me
-            return CallbackWork(self._post(tag, peer, output, peer, chunks[peer]),
-                                lambda: output.add_(chunks[me]), self._timeout)
+            return CallbackWork(self._post(tag, peer, into, peer, chunks[peer]),
+                                lambda: into.add_(chunks[me]), self._timeout)
 
         def ring() -> None:
             # Step s receives the partial sum of shard me-s-1 and adds ours to it; the last
-            # step's shard is our own, received into `output`. Buffers alternate so that a
+            # step's shard is our own, received into `into`. Buffers alternate so that a
             # step never receives into what it sends. Each shard is summed along one chain
-            # in a fixed order, so all ranks agree bitwise after the all-gather.
-            scratch = torch.empty_like(output)
+            # in a fixed order, so all ranks agree bitwise after the all-gather (and a piece
+            # sums each element exactly as the whole collective would).
+            scratch = torch.empty_like(into)
             data = chunks[(me - 1) % n]
             for step in range(1, n):
-                into = output if (n - 1 - step) % 2 == 0 else scratch
-                self._step(tag, into, data)
-                into.add_(chunks[(me - step - 1) % n])
-                data = into
+                target = into if (n - 1 - step) % 2 == 0 else scratch
+                self._step(tag, target, data)
+                target.add_(chunks[(me - step - 1) % n])
+                data = target
         return self._steps.submit(ring)
 
     def all_gather_columns(self, input: torch.Tensor, output: torch.Tensor, start: int,

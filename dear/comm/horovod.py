@@ -163,6 +163,16 @@ class HorovodCommunicator(Communicator):
 
         return HorovodWork(handle, finish, self._timeout)
 
+    def pieces_in_place(self, tensor: torch.Tensor) -> bool:
+        return self._on_gloo(tensor)
+
+    def reduce_scatter_columns(self, input: torch.Tensor, output: torch.Tensor, start: int,
+                               length: int) -> Work:
+        if self._on_gloo(input):
+            return self._exchange.reduce_scatter_columns(  # type: ignore[union-attr]
+                input, output, start, length)
+        return super().reduce_scatter_columns(input, output, start, length)
+
     def all_gather(self, input: torch.Tensor, output: torch.Tensor) -> Work:
         if self._on_gloo(input):
             return self._exchange.all_gather(input, output)       # type: ignore[union-attr]

@@ -89,6 +89,16 @@ class TorchCommunicator(Communicator):
             output, input, op=dist.ReduceOp.SUM, group=self._group, async_op=True)],
             timeout=self._wait_timeout(input))
 
+    def pieces_in_place(self, tensor: torch.Tensor) -> bool:
+        return self._exchange_for(tensor) is not None
+
+    def reduce_scatter_columns(self, input: torch.Tensor, output: torch.Tensor, start: int,
+                               length: int) -> Work:
+        exchange = self._exchange_for(input)
+        if exchange is not None:
+            return exchange.reduce_scatter_columns(input, output, start, length)
+        return super().reduce_scatter_columns(input, output, start, length)
+
     def all_gather(self, input: torch.Tensor, output: torch.Tensor) -> Work:
         exchange = self._exchange_for(input)
         if exchange is not None:

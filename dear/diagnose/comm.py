@@ -201,6 +201,9 @@ class TracingCommunicator(Communicator):
         return self._traced(CollectiveKind.REDUCE_SCATTER, input,
                             lambda: self.inner.reduce_scatter(input, output))
 
+    def pieces_in_place(self, tensor: torch.Tensor) -> bool:
+        return False       # one collective per bucket: what the replay maps a bucket to
+
     def all_gather(self, input: torch.Tensor, output: torch.Tensor) -> Work:
         return self._traced(CollectiveKind.ALL_GATHER, output,
                             lambda: self.inner.all_gather(input, output))

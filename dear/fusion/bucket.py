@@ -23,7 +23,8 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from .. import native as _native
-from ..comm.base import Communicator, Work
+from ..comm.base import CallbackWork, Communicator, Work
+from .plan import chunk_columns
 from .planner import BucketSpec
 
 
@@ -41,7 +42,8 @@ class Bucket:
 
     def __init__(self, spec: BucketSpec, params: Sequence[torch.nn.Parameter],
                  wire_dtype: Optional[torch.dtype] = None, sparse_as_dense: bool = False,
-                 native: Optional[bool] = None, views: bool = False) -> None:
+                 native: Optional[bool] = None, views: bool = False,
+                 piece_bytes: int = 0) -> None:
         self.spec = spec
         self.sparse_as_dense = sparse_as_dense
         self.params = list(params)
@@ -52,6 +54,14 @@ class Bucket:
         if wire_dtype is not None and wire_dtype != spec.dtype:
             self.wire = torch.empty(spec.padded_numel, dtype=wire_dtype, device=spec.device)
             self.wire_shard = torch.empty(spec.shard_numel, dtype=wire_dtype, device=spec.device)
+        # A bucket larger than `piece_bytes` (the fusion threshold: a parameter larger than a
+        # bucket, or an explicit group) is reduce-scattered in pieces of at most that size,
+        # column ranges of the shard (Communicator.reduce_scatter_columns), so no message is
+        # larger than a bucket; the shards, and so the numerics, are those of one collective.
+        self.rs_pieces = [(0, spec.shard_numel)]
+        if spec.world_size > 1 and 0 < piece_bytes < self.reduce_bytes:
+            columns = max(1, piece_bytes // (spec.world_size * self.wire.element_size()))
+            self.rs_pieces = chunk_columns(spec.shard_numel, columns)
         self.grad_views = [self.buffer[o:o + n].view(p.shape)
                            for o, n, p in zip(spec.offsets, spec.numels, self.params)]
         self.flags = self.buffer[spec.flags_offset:spec.flags_offset + len(self.params)]
@@ -205,8 +215,13 @@ class Bucket:
         self.stage = Stage.REDUCING
 
     def _reduce(self, comm: Communicator) -> Work:
-        """The collective of the filled, prescaled buffer (a row-sparse table sends its rows)."""
-        return comm.reduce_scatter(self.wire, self.wire_shard)
+        """The collective(s) of the filled, prescaled buffer (a row-sparse table sends its
+        rows). In pieces only where the backend reads them in place: elsewhere each piece
+        would first be copied, memory spent for nothing measured (ab_rs_pieces.md)."""
+        if len(self.rs_pieces) == 1 or not comm.pieces_in_place(self.wire):
+            return comm.reduce_scatter(self.wire, self.wire_shard)
+        return CallbackWork([comm.reduce_scatter_columns(self.wire, self.wire_shard, start, n)
+                             for start, n in self.rs_pieces])
 
     def _wait(self, what: str, work: Optional[Work] = None) -> None:
         work = self._work if work is None else work

@@ -66,7 +66,8 @@ def build_layout(params: Sequence[torch.nn.Parameter], order: Sequence[int],
     buckets = [RowSparseBucket(s, [params[s.params[0]]], rank, sparse_as_dense)
                if len(s.params) == 1 and s.params[0] in row_sparse
                else Bucket(s, [params[i] for i in s.params], compression.wire_dtype(s.dtype),
-                           sparse_as_dense, views=views) for s in specs]
+                           sparse_as_dense, views=views, piece_bytes=fusion.rs_threshold)
+               for s in specs]
     where: list[tuple[Bucket, int]] = [None] * len(params)  # type: ignore[list-item]
     for bucket in buckets:
         for j, i in enumerate(bucket.spec.params):
