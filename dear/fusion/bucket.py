@@ -56,8 +56,9 @@ class Bucket:
             self.wire_shard = torch.empty(spec.shard_numel, dtype=wire_dtype, device=spec.device)
         # A bucket larger than `piece_bytes` (the fusion threshold: a parameter larger than a
         # bucket, or an explicit group) is reduce-scattered in pieces of at most that size,
-        # column ranges of the shard (Communicator.reduce_scatter_columns), so no message is
-        # larger than a bucket; the shards, and so the numerics, are those of one collective.
+        # column ranges of the shard (Communicator.reduce_scatter_columns; where the backend
+        # sends them in place, see _reduce), so no message is larger than a bucket; the
+        # shards, and so the numerics, are those of one collective.
         self.rs_pieces = [(0, spec.shard_numel)]
         if spec.world_size > 1 and 0 < piece_bytes < self.reduce_bytes:
             columns = max(1, piece_bytes // (spec.world_size * self.wire.element_size()))
