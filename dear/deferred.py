@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from . import amp, native, runtime
+from . import amp, model_guard, native, runtime
 from .buffers import BufferBroadcast
 from .comm.base import ReduceOp
 from .compression import Compressor
@@ -41,6 +41,7 @@ from .fusion.schedule import ScheduleDriver, issue_mode
 from .fusion.views import GradientViews
 from .reduced import ReducedGradientMixin
 from .sparse import SparseGradients
+from .stream import StreamCheck, parameter_digest
 from .validation import explicit_groups, refuse_construction
 
 log = logging.getLogger("dear")
@@ -52,7 +53,6 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
     One class on purpose, like Horovod's: the life of a gradient above reads top to bottom."""
 
     # Set by DistributedOptimizer() before _dear_setup (they need the wrapped instance).
-    _dear_original: Callable[[], Any]          # a weakref to the user's original optimizer
     _buffer_sync: Optional[BufferBroadcast]    # dear/buffers.py
     _sparse: Optional[SparseGradients]         # dear/sparse.py
 
@@ -102,9 +102,10 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
                                         cfg.chunk_bytes, issue_mode(self._params, comm),
                                         cfg.plan_slack)
         # Embedding tables sent as the rows some rank used (dear/fusion/rows.py).
-        self._row_sparse = resolve_row_sparse(
-            cfg.row_sparse if row_sparse is None else row_sparse, named, model,
-            explicit=row_sparse is not None)
+        self._row_sparse_setting = cfg.row_sparse if row_sparse is None else row_sparse
+        self._row_sparse_explicit = row_sparse is not None
+        self._row_sparse = resolve_row_sparse(self._row_sparse_setting, named, model,
+                                              explicit=self._row_sparse_explicit)
         if self._row_sparse:
             log.info("dear: sent as the rows some rank used (row_sparse; DEAR_ROW_SPARSE=off "
                      "sends them whole): %s", ", ".join(self._names[i]
@@ -142,6 +143,22 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
         self._relayout_wanted = False          # new ties: re-plan when nothing is in flight
         self._preconditioner_synced = False    # dear.KFAC called synchronize() for this step
         self._hooks: list[Any] = []
+        self._model_guard_hooks = model_guard.guard(model, self) if model is not None else []
+        # One tiny all-gather per iteration checks that the ranks' collectives still pair up
+        # (dear/stream.py); it also carries a digest of the trained parameters, which may change
+        # (add_param_group, requires_grad): the layout is then rebuilt (_adopt_parameter_set).
+        self._stream = StreamCheck(comm)
+        self._name_of = {p: n for n, p in named}
+        self._sparse_ids = {id(p) for p in (self._sparse.params if self._sparse else ())}
+        self._param_key: tuple[int, ...] = tuple(id(p) for p in self._params)
+        self._param_digest = parameter_digest(named)
+        self._register_hooks()
+        weakref.finalize(self, _remove_hooks, self._hooks)
+        weakref.finalize(self, _remove_hooks, self._model_guard_hooks)
+        runtime.register_optimizer(self)
+
+    def _register_hooks(self) -> None:
+        """A gradient hook on each parameter, a forward pre-hook on each module holding one."""
         # Parameters' hooks live where the garbage collector cannot follow them: they hold the
         # optimizer weakly, or a dropped optimizer would keep itself and the model alive forever.
         on_grad = _weak_method(self._on_grad)
@@ -158,10 +175,8 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
             else:
                 hook = functools.partial(on_grad, i)
             self._hooks.append(p.register_post_accumulate_grad_hook(hook))
-        if model is not None:
-            self._hook_model(model)
-        weakref.finalize(self, _remove_hooks, self._hooks)
-        runtime.register_optimizer(self)
+        if self._model is not None:
+            self._hook_model(self._model)
 
     # ----------------------------------------------------------------- backward: pack & reduce
     def _on_grad(self, i: int, param: torch.nn.Parameter) -> None:
@@ -254,9 +269,6 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
             raise ValueError("dear.DistributedOptimizer.step() does not take a closure: the "
                              "update is applied later, in the next forward pass")
         amp.check_contract(self, grad_scaler)
-        original = self._dear_original()
-        if original is not None:               # an LR scheduler made before wrapping checks it
-            original._opt_called = True
         if not self._synchronized and self._had_gradients:
             if grad_scaler is not None and amp.unscaled_by_user(grad_scaler, self):
                 self._abandon_iteration()
@@ -275,6 +287,9 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
             # the wrapped optimizer's own step is the same update, with no collective to hang.
             self.flush_updates()
             self._inner_step(self)
+            return
+        if not self._synchronized and self._parameter_set_changed():
+            self._step_with_new_parameters(grad_scaler)
             return
         if self._synchronized:                 # Horovod loop: .grad already holds the average
             if not self._skip_sync and not self._preconditioner_synced:
@@ -400,6 +415,11 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
             bucket.pack_missing()              # unused parameters count as zero
         self._launch_ready()
         self._schedule.drain()                 # what backward submitted is issued: our turn
+        try:                                   # the same place in every rank's stream
+            self._stream.verify(self._had_gradients, self._trainable_digest())
+        except RuntimeError:
+            self._abandon_iteration()
+            raise
         for bucket in reversed(buckets):
             bucket.finish_reduce_scatter(self._postscale)
         self._schedule.reduced()
@@ -420,14 +440,23 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
             self._hook_switch.any = False
         self._arm_hooks()
 
-    def flush_updates(self) -> None:
-        """Apply every pending update now. Issues no collective, so it is safe on one rank alone
-        (e.g. rank 0 saving a checkpoint); state_dict(), eval forwards and shutdown call it."""
+    def flush_updates(self) -> int:
+        """Apply every pending update now; returns how many buckets it applied. Issues no
+        collective, so it is safe on one rank alone (e.g. rank 0 saving a checkpoint); reads
+        through the model (dear/model_guard.py), eval forwards and shutdown call it."""
         if not self._num_pending or self._buckets is None:
-            return
+            return 0
+        applied = 0
         for bucket in self._buckets:
             if bucket.stage is Stage.GATHERING:
                 self._apply(bucket)
+                applied += 1
+        return applied
+
+    @property
+    def gradient_as_bucket_view(self) -> bool:
+        """Whether each .grad is a view of its bucket's buffer (DDP's option)."""
+        return self._views is not None
 
     def _shutdown(self) -> None:
         """dear.shutdown(): apply what is pending; an offline autotune still tracing detaches
@@ -444,6 +473,10 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
         if self._num_pending or not self._had_gradients:
             self.flush_updates()
             return
+        self._synchronize_now()
+
+    def _synchronize_now(self) -> None:
+        """Averaged gradients in .grad now (synchronize() after a backward)."""
         self._refuse_edited_grads()
         self._communicate()
         if self._sparse is not None:           # averaged sparse gradients in .grad, as Horovod
@@ -512,10 +545,13 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
         groups = self.param_groups
         originals = [dict(g) for g in groups]
         try:
-            for g, members, hyper in zip(groups, self._group_members(bucket),
-                                         self._hyper_at_step):
-                g.update(hyper)
-                g["params"] = members
+            members_of = self._group_members(bucket)
+            for k, g in enumerate(groups):
+                if k < len(self._hyper_at_step) and k < len(members_of):
+                    g.update(self._hyper_at_step[k])
+                    g["params"] = members_of[k]
+                else:                          # added after step(): not in this update
+                    g["params"] = []
             self._base_step()
         finally:
             for g, original in zip(groups, originals):
@@ -557,6 +593,110 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
 
     def _base_step(self) -> None:
         self._inner_step(self)
+
+    # ------------------------------------------------ a parameter set that may change
+    def _trainable(self) -> list[torch.nn.Parameter]:
+        """What the optimizer trains now: its parameters with requires_grad, sparse ones aside."""
+        return [p for g in self.param_groups for p in g["params"]
+                if p.requires_grad and id(p) not in self._sparse_ids]
+
+    def _trainable_named(self) -> list[tuple[str, torch.nn.Parameter]]:
+        if self._model is not None and any(p not in self._name_of for p in self._trainable()):
+            with model_guard.quiet():
+                for n, p in self._model.named_parameters():
+                    self._name_of.setdefault(p, n)
+        return [(self._name_of.get(p) or f"group{k}.param{j}", p)
+                for k, g in enumerate(self.param_groups) for j, p in enumerate(g["params"])
+                if p.requires_grad and id(p) not in self._sparse_ids]
+
+    def _trainable_digest(self) -> int:
+        """The stream check's digest of the trained parameters (recomputed when they change)."""
+        key = tuple(id(p) for p in self._trainable())
+        if key != self._param_key:
+            self._param_key = key
+            self._param_digest = parameter_digest(self._trainable_named())
+        return self._param_digest
+
+    def _parameter_set_changed(self) -> bool:
+        params = self._params
+        trainable = self._trainable()
+        return len(trainable) != len(params) or any(a is not b for a, b in zip(trainable, params))
+
+    def _step_with_new_parameters(self, grad_scaler: Optional[Any]) -> None:
+        """add_param_group, or requires_grad flipped (gradual unfreezing, freezing): this step
+        runs synchronously, the layout's buckets averaging what they hold, one all-reduce the
+        gradients of parameters outside the layout, the wrapped optimizer updating everything
+        now (as single-process training); the layout is rebuilt for the next iteration, its
+        order learnt again in the next forward. The stream check inside makes sure every rank
+        changed the same way."""
+        if self._groups is not None or self._transform is not None or self._autotuner is not None:
+            what = ("groups=" if self._groups is not None else
+                    "dear.KFAC" if self._transform is not None else "autotune")
+            raise RuntimeError(
+                "dear: the optimizer's trained parameters changed (add_param_group or "
+                f"requires_grad), which {what} does not support: freeze nothing after the "
+                "wrap, or wrap again with the final parameter set")
+        self._synchronize_now()               # checks every rank's new parameter set
+        self._synchronized = False
+        self._average_outside_layout([p for p in self._trainable() if p not in self._index])
+        if grad_scaler is None or not amp.unscale_averaged_grads(grad_scaler, self):
+            self._inner_step(self)
+        self._adopt_parameter_set()
+
+    def _average_outside_layout(self, params: list[torch.nn.Parameter]) -> None:
+        """Average the gradients of parameters the layout does not hold (one all-reduce per
+        dtype); a parameter no rank produced a gradient for keeps None."""
+        comm = self._comm
+        by_kind: dict[tuple[torch.dtype, torch.device], list[torch.nn.Parameter]] = {}
+        for p in params:
+            if p.grad is not None and p.grad.is_sparse:
+                raise RuntimeError("dear: a sparse gradient on a parameter added after the "
+                                   "wrap; wrap with every sparse parameter from the start")
+            by_kind.setdefault((p.dtype, p.device), []).append(p)
+        for (dtype, device), group in by_kind.items():
+            comm.check_dtype(dtype)
+            numel = sum(p.numel() for p in group)
+            flat = torch.zeros(numel + len(group), dtype=dtype, device=device)
+            offset = 0
+            for k, p in enumerate(group):
+                if p.grad is not None:
+                    flat[offset:offset + p.numel()].copy_(p.grad.reshape(-1))
+                    flat[numel + k] = 1
+                offset += p.numel()
+            flat[:numel].mul_(self._prescale)
+            if comm.size > 1:
+                comm.all_reduce(flat).wait()
+            flat[:numel].mul_(self._postscale)
+            offset = 0
+            for k, p in enumerate(group):
+                if flat[numel + k].item() > 0:
+                    p.grad = flat[offset:offset + p.numel()].view_as(p).clone()
+                offset += p.numel()
+
+    def _adopt_parameter_set(self) -> None:
+        """Hooks, names and indices for the parameters trained now; buckets built at the next
+        step() from the order the next forward shows."""
+        named = self._trainable_named()
+        _remove_hooks(self._hooks)
+        self._hooks.clear()
+        self._names = [n for n, _ in named]
+        self._params = [p for _, p in named]
+        self._index = {p: i for i, p in enumerate(self._params)}
+        self._passes = [0] * len(self._params)
+        self._buckets, self._where, self._gather_groups, self._triggers = None, [], [], {}
+        self._order, self._forward_order, self._grad_order = [], [], []
+        self._forward_seen = set()
+        self._taken = {}
+        if self._views is not None:
+            self._views = GradientViews()
+        self._row_sparse = resolve_row_sparse(self._row_sparse_setting, named, self._model,
+                                              explicit=self._row_sparse_explicit)
+        self._param_key = tuple(id(p) for p in self._params)
+        self._param_digest = parameter_digest(named)
+        self._register_hooks()
+        self._bind_hooks()
+        log.info("dear: the trained parameters changed (%d now); the layout is rebuilt at the "
+                 "next step", len(self._params))
 
     # ------------------------------------------------------------------- plan (first step)
     def _build_buckets(self) -> None:
@@ -624,15 +764,13 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
     def _hook_model(self, model: torch.nn.Module) -> None:
         for module in model.modules():
             if module is model or any(p in self._index for p in module.parameters(recurse=False)):
-                self._hooks.append(module.register_forward_pre_hook(_eager(self._pre_forward)))
+                self._hooks.append(model_guard.track(
+                    module.register_forward_pre_hook(_eager(self._pre_forward))))
         if self._views is not None:
             # Backward writes into the buffers at once: an update still pending when the
             # forward ends (its module did not run) must read them first.
-            self._hooks.append(model.register_forward_hook(_eager(self._after_forward)))
-        self._hooks.append(model.register_state_dict_pre_hook(
-            lambda *args, **kwargs: self.flush_updates()))
-        self._hooks.append(model.register_load_state_dict_pre_hook(
-            lambda *args, **kwargs: self.flush_updates()))
+            self._hooks.append(model_guard.track(
+                model.register_forward_hook(_eager(self._after_forward))))
 
     def _pre_forward(self, module: torch.nn.Module, args: Any) -> None:
         tuner = self._autotuner

@@ -38,8 +38,6 @@ works without it.
 from __future__ import annotations
 
 import contextlib
-import functools
-import weakref
 from datetime import timedelta
 from typing import Any, Callable, Optional, Union
 
@@ -160,14 +158,7 @@ class DeARStrategy(DDPStrategy):
             dist_opt = DistributedOptimizer(
                 optimizer, named_parameters=[(names[p], p) for p in params], model=module,
                 backward_passes_per_step=max(1, int(trainer.accumulate_grad_batches)),
-                **self._dear_wrap)
-            # torch's LR schedulers patch `optimizer.step` on the instance (a call counter);
-            # the wrapper copied that attribute, which would call the unwrapped class's step.
-            dist_opt.__dict__.pop("step", None)
-            for config in self.lr_scheduler_configs:
-                if getattr(config.scheduler, "optimizer", None) is optimizer:
-                    config.scheduler.optimizer = dist_opt
-                    _count_steps(dist_opt)
+                **{"init_sync": False, **self._dear_wrap})   # configure_ddp broadcasts once
             wrapped.append(dist_opt)
             self._dear_optimizers.append(dist_opt)
         self.optimizers = wrapped
@@ -281,22 +272,6 @@ class DeARStrategy(DDPStrategy):
                                    override=True)
         strategy_registry.register("dear_spawn", cls, description="DeAR with start_method "
                                    "'spawn'", start_method="spawn", override=True)
-
-
-def _count_steps(optimizer: torch.optim.Optimizer) -> None:
-    """What torch's LRScheduler does to an optimizer it is given (counts step() calls so it can
-    warn about a scheduler stepped first), on dear's wrapped optimizer."""
-    step = type(optimizer).step
-    ref = weakref.ref(optimizer)
-
-    @functools.wraps(step)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        opt: Any = ref()
-        opt._opt_called = True
-        return step(opt, *args, **kwargs)
-
-    wrapper._wrapped_by_lr_sched = True        # type: ignore[attr-defined]
-    optimizer.step = wrapper                   # type: ignore[method-assign]
 
 
 DeARStrategy.register_strategies(StrategyRegistry)

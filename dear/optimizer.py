@@ -8,6 +8,7 @@ hook -> bucket -> reduce-scatter -> step() -> all-gather -> update in the next f
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 import weakref
@@ -25,8 +26,10 @@ from .deferred import _DistributedOptimizer
 from .fusion import fusion_config as fusion_file
 from .fusion.fusion_config import FusionConfig
 from .sparse import SparseGradients, sparse_parameters
-from .validation import (check_not_wrapped, check_optimizer, check_process_set,
-                         check_same_across_ranks, horovod_groups, named_params_of, warn_if_ddp)
+from .validation import (broadcast_model, check_not_wrapped, check_optimizer,
+                         check_process_set, check_same_across_ranks, check_settings_match,
+                         collective_knobs, horovod_groups, model_settings, named_params_of,
+                         warn_if_ddp)
 
 log = logging.getLogger("dear")
 
@@ -60,6 +63,36 @@ def _fusion_settings(named: list[tuple[str, torch.nn.Parameter]],
     return FusionConfig(threshold, threshold, first), tune
 
 
+_classes: dict[type, type] = {}
+
+
+def _dear_class(base: type) -> type:
+    """The dear subclass of an optimizer class (one per class, so isinstance, pickling of
+    state and torch's per-class step patching see one stable type)."""
+    cls = _classes.get(base)
+    if cls is None:
+        cls = type(base.__name__, (_DistributedOptimizer, base), {})
+        _classes[base] = cls
+    return cls
+
+
+def _count_steps(optimizer: torch.optim.Optimizer) -> None:
+    """What torch's LRScheduler does to an optimizer it is given (counts step() calls so it can
+    warn about a scheduler stepped first), redone for dear's class: the scheduler's own patch
+    calls the class's step() it saw, which is no longer the optimizer's."""
+    step = type(optimizer).step
+    ref = weakref.ref(optimizer)
+
+    @functools.wraps(step)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        opt: Any = ref()
+        opt._opt_called = True
+        return step(opt, *args, **kwargs)
+
+    wrapper._wrapped_by_lr_sched = True        # type: ignore[attr-defined]
+    optimizer.step = wrapper                   # type: ignore[method-assign]
+
+
 def _horovod_is_initialized() -> bool:
     hvd = sys.modules.get("horovod.torch")
     try:
@@ -78,7 +111,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          gradient_predivide_factor: float = 1.0, num_groups: int = 0,
                          groups: Optional[Any] = None, sparse_as_dense: bool = False,
                          process_set: Any = None, *, model: Optional[torch.nn.Module] = None,
-                         broadcast_buffers: bool = True,
+                         broadcast_buffers: bool = True, init_sync: bool = True,
                          fusion_threshold: Optional[int] = None,
                          overlap_allgather: bool = True,
                          autotune: Optional[Union[bool, str]] = None,
@@ -95,6 +128,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     `autotune`: True or "online" tunes the fusion layout on measured iterations, "offline" on
     the simulator's predictions from a traced window, then confirms the best few (None:
     DEAR_AUTOTUNE).
+    `init_sync` (with model=): DDP's: rank 0's parameters and buffers are broadcast to every
+    rank now, as DDP's constructor does (False: the script broadcasts them itself).
+    Every setting that must match across ranks (these arguments, the DEAR_* knobs that change
+    collectives, the model's buffers) is compared once here: a mismatch raises on every rank.
     `broadcast_buffers` (with model=): DDP's; rank 0's buffers go to every rank in each step()
     (dear/buffers.py).
     `schedule`: "planned" (default, DEAR_SCHEDULE) also gathers in backward's idle link time
@@ -133,27 +170,64 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     for dtype in {p.dtype for _, p in named}:
         comm.check_dtype(compressor.wire_dtype(dtype))
     check_same_across_ranks(named, comm)
+    views = bool(runtime.config().gradient_as_bucket_view
+                 if gradient_as_bucket_view is None else gradient_as_bucket_view)
     warn_if_ddp(model, named)
     sparse_ids = sparse_parameters(named, model)   # kept out of the dense buckets
+    named_index = {id(p): i for i, (_, p) in enumerate(named)}
     sparse_named = [(n, p) for n, p in named if id(p) in sparse_ids]
     named = [(n, p) for n, p in named if id(p) not in sparse_ids]
-    cls: Any = type(type(optimizer).__name__, (_DistributedOptimizer, type(optimizer)), {})
-    wrapped = cls.__new__(cls)
-    wrapped.__dict__.update(optimizer.__dict__)
-    # An LR scheduler made before wrapping patched `step` on the optimizer's instance, bound to
-    # the original object: copied, it would run the original step and bypass dear entirely.
-    wrapped.__dict__.pop("step", None)
-    wrapped._dear_original = weakref.ref(optimizer)   # whose _opt_called that scheduler reads
-    wrapped._buffer_sync = (BufferBroadcast(model, comm)  # type: ignore[arg-type]
-                            if BufferBroadcast.wanted(model, broadcast_buffers) else None)
-    wrapped._sparse = (SparseGradients(wrapped, sparse_named, comm, sparse_as_dense)
-                       if sparse_named else None)
-    fusion, tune = _fusion_settings(named, fusion_threshold, mode, fusion_config, groups)
-    wrapped._dear_setup(named, model, backward_passes_per_step, op, gradient_predivide_factor,
-                        fusion, overlap_allgather, compressor, groups, sparse_as_dense, tune,
-                        schedule, row_sparse,
-                        bool(runtime.config().gradient_as_bucket_view
-                             if gradient_as_bucket_view is None else gradient_as_bucket_view))
+    # A fusion config file that one rank cannot read must fail every rank, not that one alone.
+    fusion_error: Optional[BaseException] = None
+    try:
+        fusion, tune = _fusion_settings(named, fusion_threshold, mode, fusion_config, groups)
+    except (OSError, ValueError) as exc:
+        fusion_error = exc
+    check_settings_match({
+        **collective_knobs(runtime.config()), **model_settings(model),
+        "op": op.name, "gradient_predivide_factor": repr(float(gradient_predivide_factor)),
+        "compression": type(compressor).__name__,
+        "backward_passes_per_step": str(backward_passes_per_step),
+        "fusion layout": (repr(fusion) if fusion_error is None
+                          else f"<not loaded: {fusion_error}>"),
+        "autotune": "?" if fusion_error is not None else tune.value,
+        "overlap_allgather": str(overlap_allgather), "model= given": str(model is not None),
+        "schedule": repr(schedule), "row_sparse": repr(row_sparse),
+        "gradient_as_bucket_view": str(views), "sparse_as_dense": str(sparse_as_dense),
+        "groups": repr(groups if groups is None or isinstance(groups, int) else
+                       [[named_index.get(id(p), -1) for p in g] for g in groups]),
+        "broadcast_buffers": str(broadcast_buffers), "init_sync": str(init_sync),
+    }, comm)
+    if fusion_error is not None:
+        raise fusion_error
+    if model is not None and init_sync:
+        broadcast_model(model, comm)
+    # One object: the user's optimizer becomes dear's in place (its class is swapped for a
+    # subclass mixing in the data path), so every holder (LR schedulers made before or after,
+    # GradScaler, resume code, kfac-pytorch's scheduler) sees the same param_groups and state.
+    original_class = type(optimizer)
+    instance_step = optimizer.__dict__.get("step")
+    if instance_step is not None and not getattr(instance_step, "_wrapped_by_lr_sched", False):
+        raise TypeError(
+            f"optimizer.step was replaced on the instance ({instance_step!r}); dear turns the "
+            "optimizer into a dear.DistributedOptimizer in place, and that replacement would "
+            "bypass it. Wrap the plain optimizer before patching its step()")
+    cls: Any = _dear_class(original_class)
+    wrapped = optimizer
+    wrapped.__class__ = cls
+    try:
+        wrapped._buffer_sync = (BufferBroadcast(model, comm)  # type: ignore[arg-type]
+                                if BufferBroadcast.wanted(model, broadcast_buffers) else None)
+        wrapped._sparse = (SparseGradients(wrapped, sparse_named, comm, sparse_as_dense)
+                           if sparse_named else None)
+        wrapped._dear_setup(named, model, backward_passes_per_step, op, gradient_predivide_factor,
+                            fusion, overlap_allgather, compressor, groups, sparse_as_dense, tune,
+                            schedule, row_sparse, views)
+    except BaseException:
+        wrapped.__class__ = original_class     # nothing half-converted is left behind
+        raise
+    if instance_step is not None:              # an LR scheduler made before the wrap
+        _count_steps(wrapped)
     if getattr(runtime.config(), "trace", ""):  # DEAR_TRACE=dir: dear.diagnose records the run
         from .diagnose.trace import attach_from_config
         attach_from_config(wrapped, model)

@@ -60,6 +60,7 @@ class SparseGradients:
                  comm: Communicator, sparse_as_dense: bool) -> None:
         self._names = [n for n, _ in named]
         self._params = [p for _, p in named]
+        self.params = self._params             # which parameters it holds (read-only use)
         self._comm = comm
         self._as_dense = sparse_as_dense
         self._averaged: list[Optional[torch.Tensor]] = []

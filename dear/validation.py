@@ -194,3 +194,86 @@ def explicit_groups(groups: Any, index: dict[torch.nn.Parameter, int]) -> Any:
     if len({i for g in out for i in g}) != sum(len(g) for g in out):
         raise ValueError("a parameter appears in more than one of groups")
     return out
+
+
+# --------------------------------------------------------- what DDP's constructor guarantees
+#: DEAR_* knobs that change nothing another rank sees (local logging, paths, timeouts, how this
+#: process drives progress): they may differ across ranks. Every other knob must match.
+_LOCAL_KNOBS = frozenset({"timeout", "trace_iterations", "log_level", "autotune_log",
+                          "autotune_out", "fusion_config", "native", "mpi_progress",
+                          "mpi_progress_interval"})
+
+
+def collective_knobs(config: Any) -> dict[str, str]:
+    """The DEAR_* settings that change which collectives run or what they carry."""
+    import dataclasses
+    out = {}
+    for field in dataclasses.fields(config):
+        if field.name in _LOCAL_KNOBS:
+            continue
+        value = getattr(config, field.name)
+        if field.name == "trace":              # tracing on or off; the path is local
+            value = bool(value)
+        var = config._ENV.get(field.name, (field.name,))[0]
+        out[var] = repr(value)
+    return out
+
+
+def check_settings_match(settings: dict[str, str], comm: Communicator) -> None:
+    """One exchange of every setting that must match across ranks; a mismatch is an error on
+    every rank naming the setting, its values and the ranks (instead of a hang, a crash in the
+    transport, or every rank agreeing on wrong parameters)."""
+    if comm.size == 1:
+        return
+    everyone = comm.all_gather_object(settings)
+    problems = []
+    for key in sorted({k for s in everyone for k in s}):
+        values: dict[str, list[int]] = {}
+        for r, theirs in enumerate(everyone):
+            values.setdefault(theirs.get(key, "<missing>"), []).append(r)
+        if len(values) > 1:
+            problems.append(f"{key}: " + ", ".join(f"{v} on rank{'s' if len(rs) > 1 else ''} "
+                                                   f"{', '.join(map(str, rs))}"
+                                                   for v, rs in values.items()))
+    if problems:
+        raise ValueError(
+            "dear: settings that must be the same on every rank differ (every rank raises "
+            "this):\n  " + "\n  ".join(problems) + "\nGive every rank the same arguments, "
+            "DEAR_* variables and fusion config file")
+
+
+def model_settings(model: Optional[torch.nn.Module]) -> dict[str, str]:
+    """The model's buffer set (DDP checks that every rank built the same model)."""
+    if model is None:
+        return {}
+    buffers = [(n, tuple(b.shape), str(b.dtype)) for n, b in model.named_buffers()]
+    return {"the model's buffers": f"{len(buffers)} buffers {_digest(buffers)}"
+            if buffers else "none"}
+
+
+def _digest(obj: Any) -> str:
+    import hashlib
+    return hashlib.sha256(repr(obj).encode()).hexdigest()[:12]
+
+
+def broadcast_model(model: torch.nn.Module, comm: Communicator) -> None:
+    """DDP's constructor: every rank starts from rank 0's parameters and buffers (training
+    scripts seed each rank differently and rely on it)."""
+    if comm.size == 1:
+        return
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+    tensors = list(dict.fromkeys([*model.parameters(), *model.buffers()]))
+    by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for t in tensors:
+        by_kind.setdefault((t.dtype, t.device), []).append(t)
+    with torch.no_grad():
+        pending = []
+        for (dtype, _), group in by_kind.items():
+            comm.check_dtype(dtype)
+            flat = _flatten_dense_tensors([t.data for t in group])
+            pending.append((group, flat, comm.broadcast(flat, 0)))
+        for group, flat, work in pending:
+            work.wait()
+            if comm.rank != 0:
+                for t, value in zip(group, _unflatten_dense_tensors(flat, group)):
+                    t.data.copy_(value)

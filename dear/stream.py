@@ -1,0 +1,61 @@
+"""The collective stream cannot shift silently.
+
+Every rank must issue dear's collectives in the same order. A rank that calls step() once more
+than the others (no backward before it), trains a different set of parameters, or rebuilt its
+optimizer, would otherwise keep issuing collectives that pair with another iteration's on the
+other ranks: a hang, or every rank agreeing on wrong parameters. So each iteration carries one
+tiny all-gather, issued after that iteration's reduce-scatters (the same place in every rank's
+stream), of what the rank believes: its step count, whether a backward ran before this step,
+and a digest of the parameters it trains. Any difference stops every rank, naming the ranks.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any, Sequence
+
+import torch
+
+from .comm.base import Communicator
+
+_FIELDS = ("step", "backward passes before it", "trained parameters (digest)")
+
+
+def parameter_digest(named: Sequence[tuple[str, torch.Tensor]]) -> int:
+    """A process-independent digest of names, shapes and dtypes (Python's hash() is salted)."""
+    text = "|".join(f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in named)
+    return zlib.crc32(text.encode()) | (len(named) << 32)
+
+
+class StreamCheck:
+    """One all-gather of three integers per iteration; `verify` raises on any difference."""
+
+    def __init__(self, comm: Communicator) -> None:
+        self._comm = comm
+        self.steps = 0
+
+    def verify(self, had_gradients: bool, digest: int, described: Any = None) -> None:
+        self.steps += 1
+        comm = self._comm
+        if comm.size == 1:
+            return
+        row = torch.tensor([self.steps, int(had_gradients), digest], dtype=torch.int64)
+        table = torch.empty(3 * comm.size, dtype=torch.int64)
+        comm.all_gather(row, table).wait()
+        rows = table.view(comm.size, 3).tolist()
+        if all(r == rows[0] for r in rows):
+            return
+        lines = []
+        for r, (steps, grads, dig) in enumerate(rows):
+            after = "after a backward" if grads else "WITHOUT a backward since the last step()"
+            lines.append(f"rank {r}: step() #{steps}, {after}, trains parameter set "
+                         f"{dig & 0xffffffff:08x} ({dig >> 32} tensors)")
+        raise RuntimeError(
+            "dear: the ranks' collectives no longer pair up, so training stopped here on every "
+            "rank (the alternative is a hang or silently wrong parameters):\n  "
+            + "\n  ".join(lines) + "\nEvery rank must call step() the same number of times, "
+            "each after a backward, and train the same parameters (freeze, unfreeze and "
+            "add_param_group on every rank at the same step)")
+
+
+__all__ = ["StreamCheck", "parameter_digest"]

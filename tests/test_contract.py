@@ -1,0 +1,268 @@
+"""The contract with DDP scripts (issue 33): one optimizer object, no stale reads through the
+model, DDP's constructor guarantees (rank 0's weights, settings checked across ranks).
+
+References: single-process training on the global batch (tests/workloads.py), computed here in
+float64 and judged with `assert_float32_close` against an independent float32 run; "every rank
+equal" where the question is whether the replicas agree."""
+
+from __future__ import annotations
+
+import copy
+import io
+import os
+import pickle
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.distributed import run_distributed
+from tests.workloads import Net, assert_float32_close, batch, max_diff, state_of
+
+WORLD = 2
+
+
+def _reference(steps: int, dtype: torch.dtype, *, resume_at: int = 0,
+               ema: bool = False) -> dict[str, dict[str, torch.Tensor]]:
+    """Plain torch on the global batch: SGD with momentum, StepLR made before anything else;
+    with resume_at, a new model/optimizer/scheduler resumed from a checkpoint at that step."""
+    torch.manual_seed(0)
+    model = Net().to(dtype)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 2, 0.5)
+    averaged = torch.optim.swa_utils.AveragedModel(model) if ema else None
+    checkpoint = None
+    for step in range(steps):
+        if resume_at and step == resume_at:
+            torch.manual_seed(123)
+            model = Net().to(dtype)
+            model.load_state_dict(checkpoint["model"])
+            opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+            sched = torch.optim.lr_scheduler.StepLR(opt, 2, 0.5)
+            opt.load_state_dict(checkpoint["opt"])
+            sched.load_state_dict(checkpoint["sched"])
+        opt.zero_grad()
+        x, y = batch(step, WORLD)
+        F.mse_loss(model(x.to(dtype)), y.to(dtype)).backward()
+        opt.step()
+        sched.step()
+        if averaged is not None:
+            averaged.update_parameters(model)
+        if resume_at and step == resume_at - 1:
+            checkpoint = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict(),
+                                        "sched": sched.state_dict()})
+    out = {"model": state_of(model), "lr": {"lr": torch.tensor(opt.param_groups[0]["lr"])}}
+    if averaged is not None:
+        out["ema"] = state_of(averaged.module)
+    return out
+
+
+def _dear_loop(steps: int, resume_at: int = 0, ema: bool = False) -> dict:
+    """A DDP script's habits with the README's swap: each rank seeded differently (DDP's
+    constructor broadcasts rank 0's weights), the scheduler made BEFORE the wrap, a resume that
+    builds everything anew and loads the checkpoint, an EMA updated right after step()."""
+    import dear
+    dear.init()
+    rank = dear.rank()
+
+    def build(seed: int):
+        torch.manual_seed(seed)
+        model = Net()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        sched = torch.optim.lr_scheduler.StepLR(opt, 2, 0.5)
+        opt = dear.DistributedOptimizer(opt, model=model, fusion_threshold=1024)
+        return model, opt, sched
+
+    model, opt, sched = build(rank)            # rank 0's seed is the reference's
+    averaged = torch.optim.swa_utils.AveragedModel(model) if ema else None
+    checkpoint = None
+    for step in range(steps):
+        if resume_at and step == resume_at:
+            model, opt, sched = build(100 + rank)
+            model.load_state_dict(checkpoint["model"])
+            opt.load_state_dict(checkpoint["opt"])
+            sched.load_state_dict(checkpoint["sched"])
+        opt.zero_grad()
+        x, y = batch(step, WORLD, rank)
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        sched.step()
+        if averaged is not None:
+            averaged.update_parameters(model)
+        if resume_at and step == resume_at - 1:
+            buf = io.BytesIO()
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict(),
+                        "sched": sched.state_dict()}, buf)
+            buf.seek(0)
+            checkpoint = torch.load(buf, weights_only=False)
+    out = {"model": {k: v.clone() for k, v in model.state_dict().items()},
+           "lr": {"lr": torch.tensor(opt.param_groups[0]["lr"])}}
+    if averaged is not None:
+        out["ema"] = state_of(averaged.module)
+    dear.shutdown()
+    return out
+
+
+@pytest.mark.parametrize("resume_at,ema", [(0, True), (3, False)])
+def test_a_ddp_script_with_scheduler_ema_and_resume_trains_like_one_process(resume_at, ema):
+    steps = 6
+    results = run_distributed(_dear_loop, WORLD, steps, resume_at, ema, timeout=180)
+    exact = _reference(steps, torch.float64, resume_at=resume_at, ema=ema)
+    peer = _reference(steps, torch.float32, resume_at=resume_at, ema=ema)
+    for r, result in enumerate(results):
+        assert result["lr"]["lr"].item() == pytest.approx(exact["lr"]["lr"].item())
+        for key in result:
+            assert_float32_close(result[key], exact[key], peer[key], what=f"rank {r} {key}")
+
+
+def _one_object() -> dict:
+    import dear
+    dear.init()
+    model = Net()
+    plain = torch.optim.Adam(model.parameters(), lr=0.01)
+    before = torch.optim.lr_scheduler.LambdaLR(plain, lambda s: 0.5 ** s)
+    opt = dear.DistributedOptimizer(plain, model=model)
+    out = {"same": opt is plain, "isinstance": isinstance(opt, torch.optim.Adam)}
+    dear.broadcast_optimizer_state(opt, root_rank=0)   # replaces param_groups on rank 1
+    for step in range(3):
+        opt.zero_grad()
+        x, y = batch(step, WORLD, dear.rank())
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        before.step()
+    out["lr"] = plain.param_groups[0]["lr"]
+    out["scheduler_sees_it"] = before.optimizer is opt
+    out["model"] = state_of(model)
+    dear.shutdown()
+    return out
+
+
+def test_the_users_optimizer_is_dears_so_every_holder_sees_one_object():
+    """kfac-pytorch's CIFAR example: LambdaLR made before the wrap, broadcast_optimizer_state:
+    the ranks must end equal (they ended 0.20 apart with two objects)."""
+    results = run_distributed(_one_object, WORLD, timeout=120)
+    for r in results:
+        assert r["same"] and r["isinstance"] and r["scheduler_sees_it"]
+        assert r["lr"] == pytest.approx(0.01 * 0.5 ** 3)
+    assert max_diff(results[0]["model"], results[1]["model"]) == 0.0
+
+
+def _stale_reads() -> dict:
+    """After step(), every way of reading the model through it sees the updated weights."""
+    import dear
+    dear.init()
+    rank = dear.rank()
+    torch.manual_seed(rank)
+    model = Net()
+    opt = dear.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                    model=model, fusion_threshold=1024)
+    reads = {}
+    for step in range(2):
+        opt.zero_grad()
+        x, y = batch(step, WORLD, rank)
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        if step == 0:
+            reads["parameters"] = {str(i): p.detach().clone()
+                                   for i, p in enumerate(model.parameters())}
+        elif step == 1:
+            reads["deepcopy"] = state_of(copy.deepcopy(model))
+    x, y = batch(2, WORLD, rank)
+    opt.zero_grad()
+    F.mse_loss(model(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+    model.zero_grad()                          # HF Trainer's habit: must not force the update
+    reads["pending_after_zero_grad"] = opt.flush_updates()   # buckets still pending
+    buf = io.BytesIO()
+    torch.save(model, buf)                     # the whole module, as under DDP
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    reads["torch.save"] = state_of(loaded)
+    reads["plain_class"] = type(loaded) is Net and not loaded._forward_pre_hooks
+    reads["pickle"] = state_of(pickle.loads(pickle.dumps(model)))
+    reads["final"] = state_of(model)
+    dear.shutdown()
+    return reads
+
+
+def _reference_reads(dtype: torch.dtype) -> dict:
+    torch.manual_seed(0)
+    model = Net().to(dtype)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    reads = {}
+    for step in range(3):
+        opt.zero_grad()
+        x, y = batch(step, WORLD)
+        F.mse_loss(model(x.to(dtype)), y.to(dtype)).backward()
+        opt.step()
+        if step == 0:
+            reads["parameters"] = {str(i): p.detach().clone()
+                                   for i, p in enumerate(model.parameters())}
+        elif step == 1:
+            reads["deepcopy"] = state_of(model)
+    reads["torch.save"] = reads["pickle"] = reads["final"] = state_of(model)
+    return reads
+
+
+def test_reads_through_the_model_after_step_see_the_updated_weights():
+    results = run_distributed(_stale_reads, WORLD, timeout=120)
+    exact, peer = _reference_reads(torch.float64), _reference_reads(torch.float32)
+    for r, result in enumerate(results):
+        assert result["plain_class"], "a saved model must load as its own class, without hooks"
+        assert result["pending_after_zero_grad"] > 0, "model.zero_grad() forced the update"
+        for key in ("parameters", "deepcopy", "torch.save", "pickle", "final"):
+            assert_float32_close(result[key], exact[key], peer[key], what=f"rank {r} {key}")
+
+
+def _mismatch(setting: str) -> str:
+    import dear
+    rank = int(os.environ["RANK"])
+    if setting == "schedule":
+        os.environ["DEAR_SCHEDULE"] = "dear" if rank else "planned"
+    dear.init()
+    model = Net()
+    if setting == "buffer" and rank == 1:
+        model.register_buffer("extra", torch.zeros(3))
+    kwargs = {}
+    if setting == "op":
+        kwargs["op"] = dear.Sum if rank else dear.Average
+    if setting == "threshold":
+        kwargs["fusion_threshold"] = 1024 * (1 + rank)
+    dear.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model,
+                              **kwargs)
+    return "wrapped"
+
+
+@pytest.mark.parametrize("setting,named", [("op", "op: Average on rank 0, Sum on rank 1"),
+                                           ("schedule", "DEAR_SCHEDULE: 'planned' on rank 0"),
+                                           ("threshold", "fusion layout"),
+                                           ("buffer", "the model's buffers")])
+def test_settings_that_differ_across_ranks_fail_on_every_rank(setting, named):
+    outcomes = run_distributed(_mismatch, WORLD, setting, timeout=60, expect_failure=True)
+    for r, outcome in enumerate(outcomes):
+        assert isinstance(outcome, str) and "must be the same on every rank" in outcome, \
+            f"rank {r}: {outcome}"
+        assert named in outcome
+
+
+def _initial_weights(init_sync: bool) -> dict:
+    import dear
+    dear.init()
+    torch.manual_seed(dear.rank())             # as torchvision's and timm's scripts do
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    model[1].running_mean.fill_(dear.rank())
+    dear.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model,
+                              init_sync=init_sync)
+    out = state_of(model)
+    dear.shutdown()
+    return out
+
+
+def test_the_wrap_gives_every_rank_rank_0s_parameters_and_buffers():
+    synced = run_distributed(_initial_weights, WORLD, True, timeout=60)
+    assert max_diff(synced[0], synced[1]) == 0.0
+    torch.manual_seed(0)
+    assert torch.equal(synced[1]["0.weight"], torch.nn.Linear(4, 4).weight.detach())
+    unsynced = run_distributed(_initial_weights, WORLD, False, timeout=60)
+    assert max_diff(unsynced[0], unsynced[1]) > 0.0
