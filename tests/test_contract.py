@@ -11,6 +11,7 @@ import copy
 import io
 import os
 import pickle
+from typing import Optional
 
 import pytest
 import torch
@@ -266,3 +267,77 @@ def test_the_wrap_gives_every_rank_rank_0s_parameters_and_buffers():
     assert torch.equal(synced[1]["0.weight"], torch.nn.Linear(4, 4).weight.detach())
     unsynced = run_distributed(_initial_weights, WORLD, False, timeout=60)
     assert max_diff(unsynced[0], unsynced[1]) > 0.0
+
+
+# ------------------------------------------------------------ a parameter set that may change
+def _changing(dtype: torch.dtype, rank: Optional[int], steps: int = 7) -> dict:
+    """Gradual unfreezing (fc2 frozen at the wrap, unfrozen at step 2), add_param_group (branch
+    added at step 4) and freezing (conv frozen at step 5). rank None: single process, global
+    batch (the reference); else a rank of the dear run."""
+    if rank is not None:
+        import dear
+        dear.init()
+    torch.manual_seed(0 if rank is None else rank)
+    model = Net(frozen=True).to(dtype)
+    params = [p for n, p in model.named_parameters() if not n.startswith("branch")]
+    opt = torch.optim.Adam(params, lr=0.01)
+    if rank is not None:
+        opt = dear.DistributedOptimizer(opt, model=model, fusion_threshold=1024)
+    for step in range(steps):
+        if step == 2:
+            model.fc2.requires_grad_(True)
+        if step == 4:
+            opt.add_param_group({"params": list(model.branch.parameters()), "lr": 0.005})
+        if step == 5:
+            model.conv.requires_grad_(False)
+        opt.zero_grad()
+        if rank is None:
+            x, y = batch(step, WORLD)
+        else:
+            x, y = batch(step, WORLD, rank)
+        F.mse_loss(model(x.to(dtype)), y.to(dtype)).backward()
+        opt.step()
+    out = state_of(model)
+    if rank is not None:
+        dear.shutdown()
+    return out
+
+
+def test_a_changing_parameter_set_trains_like_one_process():
+    results = run_distributed(_changing_rank, WORLD, timeout=180)
+    exact, peer = _changing(torch.float64, None), _changing(torch.float32, None)
+    for r, result in enumerate(results):
+        assert_float32_close(result, exact, peer, what=f"rank {r}")
+
+
+def _changing_rank() -> dict:
+    return _changing(torch.float32, int(os.environ["RANK"]))
+
+
+def _shifted(kind: str) -> str:
+    """One rank steps once more (no backward) / unfreezes a layer alone."""
+    import dear
+    dear.init()
+    rank = dear.rank()
+    model = Net()
+    opt = dear.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model,
+                                    fusion_threshold=1024)
+    for step in range(6):
+        opt.zero_grad()
+        x, y = batch(step, WORLD, rank)
+        F.mse_loss(model(x), y).backward()
+        if kind == "freeze" and step == 3 and rank == 1:
+            model.fc2.requires_grad_(False)
+        opt.step()
+        if kind == "extra step" and step == 2 and rank == 0:
+            opt.step()
+    return "trained on"
+
+
+@pytest.mark.parametrize("kind,says", [("extra step", "WITHOUT a backward"),
+                                       ("freeze", "trains parameter set")])
+def test_a_rank_whose_collectives_shift_stops_every_rank(kind, says):
+    outcomes = run_distributed(_shifted, WORLD, kind, timeout=90, expect_failure=True)
+    for r, outcome in enumerate(outcomes):
+        assert isinstance(outcome, str) and "no longer pair up" in outcome, f"rank {r}: {outcome}"
+        assert says in outcome and "rank 0" in outcome and "rank 1" in outcome
