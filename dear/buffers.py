@@ -2,15 +2,17 @@
 (BatchNorm's running statistics, num_batches_tracked, any registered buffer), so evaluation and
 checkpoints do not depend on the rank.
 
-DDP broadcasts rank 0's buffers at the start of every training forward. dear does it once per
-iteration, inside step() (or synchronize()), after the reduce-scatters have finished and before
+DDP broadcasts rank 0's buffers at the start of every forward with gradients enabled. dear
+receives them inside step() (or synchronize()), after the reduce-scatters have finished and before
 the all-gathers start: a point every rank reaches in the same order relative to dear's other
-collectives, where nothing else is in flight (so the broadcast does not wait behind the
-all-gathers that overlap the next forward). Buffers change only in forward passes, so the values
-every rank holds at each step() are exactly the ones DDP's ranks hold then: rank 0's (the root
-never receives, so its own buffers evolve as DDP's rank 0's do). What differs: between the
-forwards of one step (backward_passes_per_step > 1) each rank's buffers evolve from its own
-values until step() brings them back to the root's.
+collectives, where nothing else is in flight (a broadcast at the next forward would wait behind
+the all-gathers that overlap it). It puts them in place where DDP does, at the next forward with
+gradients enabled, so between step() and that forward every rank holds its own buffers, as under
+DDP (timm's distribute_bn and EMA updates read them there). Buffers change only in forwards, so
+the values are DDP's; a buffer a rank changed in between (distribute_bn's average) keeps its new
+value. What differs: between the forwards of one step (backward_passes_per_step > 1) each rank's
+buffers evolve from its own values (DDP under no_sync: the same), and the root's values come from
+the last step(), where DDP's come from the last micro-batch's forward.
 
 Under dear.join() the root is the highest rank that has not joined, as DDP's Join does.
 """
@@ -22,7 +24,7 @@ from typing import Optional
 import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from . import runtime
+from . import model_guard, runtime
 from .comm.base import Communicator
 
 
@@ -44,6 +46,7 @@ class BufferBroadcast:
         self._model = model
         self._comm = comm
         self.root = 0                          # dear.join() moves it to an active rank
+        self._staged: list[tuple[list[torch.Tensor], list[int], torch.Tensor]] = []
         mine = [(n, tuple(b.shape), str(b.dtype)) for n, b in model.named_buffers()]
         for dtype in {b.dtype for b in model.buffers()}:
             comm.check_dtype(dtype)
@@ -61,20 +64,37 @@ class BufferBroadcast:
                     and next(model.buffers(), None) is not None)
 
     def __call__(self) -> None:
+        """In step(): receive the root's buffers into a staging copy (`apply_staged` puts them
+        in place at the next forward, DDP's point)."""
         if self._comm.size == 1:
             return
         issue_pending()
         # Read the buffers again each time: a module may have reassigned one.
         by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-        for buf in self._model.buffers():
-            by_kind.setdefault((buf.dtype, buf.device), []).append(buf)
+        with model_guard.quiet():
+            for buf in self._model.buffers():
+                by_kind.setdefault((buf.dtype, buf.device), []).append(buf)
         pending = []
         with torch.no_grad():
             for bufs in by_kind.values():
                 flat = _flatten_dense_tensors(bufs)
                 pending.append((bufs, flat, self._comm.broadcast(flat, self.root)))
+            staged = []
             for bufs, flat, work in pending:
                 work.wait()
                 if self._comm.rank != self.root:
-                    for buf, value in zip(bufs, _unflatten_dense_tensors(flat, bufs)):
+                    staged.append((bufs, [b._version for b in bufs], flat))
+        self._staged = staged
+
+    def apply_staged(self) -> None:
+        """At the next forward with gradients enabled (where DDP broadcasts): every buffer takes
+        the root's value from step(), except one this rank changed since (e.g. timm's
+        distribute_bn averaging the statistics on every rank at an epoch's end), which keeps
+        its new value, as DDP's broadcast would give it when every rank changed it alike."""
+        staged, self._staged = self._staged, []
+        with torch.no_grad():
+            for bufs, versions, flat in staged:
+                for buf, version, value in zip(bufs, versions,
+                                               _unflatten_dense_tensors(flat, bufs)):
+                    if buf._version == version:
                         buf.copy_(value)

@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 
 from . import amp, model_guard, native, runtime
-from .buffers import BufferBroadcast
+from .buffers import BufferBroadcast, issue_pending
 from .comm.base import ReduceOp
 from .compression import Compressor
 from .config import Autotune
@@ -148,6 +148,7 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
         # (dear/stream.py); it also carries a digest of the trained parameters, which may change
         # (add_param_group, requires_grad): the layout is then rebuilt (_adopt_parameter_set).
         self._stream = StreamCheck(comm)
+        self._stream_verified = False
         self._name_of = {p: n for n, p in named}
         self._sparse_ids = {id(p) for p in (self._sparse.params if self._sparse else ())}
         self._param_key: tuple[int, ...] = tuple(id(p) for p in self._params)
@@ -398,9 +399,12 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
         self._schedule.end_step()
         self._end_iteration()
 
-    def _finish_reduce(self) -> None:
-        """Finish the reduce-scatters and average each shard, once per iteration."""
+    def _finish_reduce(self, verify: bool = True) -> None:
+        """Finish the reduce-scatters and average each shard, once per iteration; then (once,
+        here or at the next call) the stream check, the first collective after them."""
         if self._reduced:
+            if verify:
+                self._verify_stream()
             return
         if self._buckets is None:
             self._build_buckets()
@@ -415,22 +419,34 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
             bucket.pack_missing()              # unused parameters count as zero
         self._launch_ready()
         self._schedule.drain()                 # what backward submitted is issued: our turn
-        try:                                   # the same place in every rank's stream
-            self._stream.verify(self._had_gradients, self._trainable_digest())
-        except RuntimeError:
-            self._abandon_iteration()
-            raise
         for bucket in reversed(buckets):
             bucket.finish_reduce_scatter(self._postscale)
         self._schedule.reduced()
         self._reduced = True
         self._arm_hooks()
+        if verify:
+            self._verify_stream()
+
+    def _verify_stream(self) -> None:
+        """dear/stream.py's check, once per iteration, right after its reduce-scatters (the
+        same place in every rank's stream, whether the next collective is clipping's, a
+        GradScaler's or step()'s)."""
+        if self._stream_verified:
+            return
+        self._stream_verified = True
+        issue_pending()                        # every optimizer's backward: ours goes after
+        try:
+            self._stream.verify(self._had_gradients, self._trainable_digest())
+        except RuntimeError:
+            self._abandon_iteration()
+            raise
 
     def _end_iteration(self) -> None:
         for bucket in self._buckets or ():
             if bucket.stage is Stage.REDUCING:  # a skipped step: nothing to gather or apply
                 bucket.drop()
         self._reduced, self._amp_found_inf, self._clipped_scaled = False, None, False
+        self._stream_verified = False
         self._deferred = []
         self._next_launch = 0
         self._passes = [0] * len(self._params)
@@ -777,6 +793,8 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
         if tuner is not None and tuner.samples_per_iteration is None and module is self._model:
             first = next((a for a in args if isinstance(a, torch.Tensor)), None)
             tuner.samples_per_iteration = 0 if first is None else first.shape[0] * self._comm.size
+        if module is self._model and self._buffer_sync is not None and torch.is_grad_enabled():
+            self._buffer_sync.apply_staged()   # DDP's broadcast_buffers point (dear/buffers.py)
         if module is self._model and not module.training:
             self.flush_updates()               # evaluation reads every parameter
         elif self._num_pending:

@@ -49,6 +49,7 @@ from typing import Any, Optional, Sequence, Union
 import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from . import model_guard
 from .buffers import issue_pending
 
 
@@ -132,7 +133,7 @@ class join:  # noqa: N801 (used like a function: `with dear.join(optimizer):`)
                 # as unused, instead of taking its no-backward path. The reduce-scatters the
                 # others' backward issues come first, for every optimizer, in list order.
                 opt._grads_since_step = True
-                opt._finish_reduce()
+                opt._finish_reduce(verify=False)   # its check: at clip or step()
             for opt, clipped in zip(self._opts, self._clipped):
                 if clipped:
                     opt.clip_grad_norm_(1.0)   # zeros: the max_norm does not matter
@@ -150,7 +151,8 @@ class join:  # noqa: N801 (used like a function: `with dear.join(optimizer):`)
     def _exchange(self, active: bool) -> list[int]:
         """The all-reduce every rank issues once per iteration: which ranks are still active."""
         issue_pending()
-        device = next((p.device for p in self._model.parameters()), torch.device("cpu"))
+        with model_guard.quiet():              # a device lookup, not a read of the weights
+            device = next((p.device for p in self._model.parameters()), torch.device("cpu"))
         mask = torch.zeros(self._comm.size, device=device)
         mask[self._comm.rank] = float(active)
         self._comm.all_reduce(mask).wait()

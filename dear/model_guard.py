@@ -144,16 +144,19 @@ class _ReadGuard(torch.nn.Module):
             if not done:
                 super().zero_grad(set_to_none)
                 return
-            rest = [p for p in super().parameters() if p not in done and p.grad is not None]
+            rest = [p for p in super().parameters() if p not in done]
         for p in rest:                         # torch's own rule
+            grad = p.grad
+            if grad is None:
+                continue
             if set_to_none:
                 p.grad = None
             else:
-                if p.grad.grad_fn is not None:
-                    p.grad.detach_()
+                if grad.grad_fn is not None:
+                    grad.detach_()
                 else:
-                    p.grad.requires_grad_(False)
-                p.grad.zero_()
+                    grad.requires_grad_(False)
+                grad.zero_()
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         """Pickling and copy.deepcopy: the updated weights, as the model's own class, without
@@ -199,7 +202,7 @@ class _Plain:
         return (_rebuild, (plain_class(module), state))
 
 
-def _rebuild(cls: type, state: dict[str, Any]) -> torch.nn.Module:
+def _rebuild(cls: Any, state: dict[str, Any]) -> torch.nn.Module:
     module = cls.__new__(cls)
     modules = state.get("_modules", {})
     state = dict(state, _modules=collections.OrderedDict(modules))

@@ -195,7 +195,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         "schedule": repr(schedule), "row_sparse": repr(row_sparse),
         "gradient_as_bucket_view": str(views), "sparse_as_dense": str(sparse_as_dense),
         "groups": repr(groups if groups is None or isinstance(groups, int) else
-                       [[named_index.get(id(p), -1) for p in g] for g in groups]),
+                       [[named_index.get(id(p), -1) for p in g]
+                        for g in groups]),  # type: ignore[attr-defined]
         "broadcast_buffers": str(broadcast_buffers), "init_sync": str(init_sync),
     }, comm)
     if fusion_error is not None:
@@ -213,7 +214,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
             "optimizer into a dear.DistributedOptimizer in place, and that replacement would "
             "bypass it. Wrap the plain optimizer before patching its step()")
     cls: Any = _dear_class(original_class)
-    wrapped = optimizer
+    wrapped: Any = optimizer
     wrapped.__class__ = cls
     try:
         wrapped._buffer_sync = (BufferBroadcast(model, comm)  # type: ignore[arg-type]

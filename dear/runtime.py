@@ -192,7 +192,15 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
     state = comm.broadcast_object(_on_cpu(optimizer.state_dict()) if comm.rank == root_rank
                                   else None, root_rank)
     if comm.rank != root_rank:
+        # As Horovod: the root's values go into the existing param_groups dicts, so whatever
+        # holds them (an LR scheduler, kfac-pytorch's scheduler) keeps seeing the live ones.
+        groups = optimizer.param_groups
+        dicts = list(groups)
         optimizer.load_state_dict(state)
+        for old, new in zip(dicts, optimizer.param_groups):
+            old.update(new)
+        groups[:] = dicts
+        optimizer.param_groups = groups
 
 
 def _on_cpu(obj: Any) -> Any:

@@ -12,7 +12,6 @@ torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.ReLU(), torch.nn.Linear(64, 2))
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
 
-dear.broadcast_parameters(model.state_dict(), root_rank=0)
 optimizer = dear.DistributedOptimizer(optimizer, model=model)   # the one-line change
 dear.broadcast_optimizer_state(optimizer, root_rank=0)
 

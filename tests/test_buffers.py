@@ -52,14 +52,27 @@ def _train(kind: str) -> dict[str, torch.Tensor]:
         net = model
         opt = dear.DistributedOptimizer(opt, model=model, fusion_threshold=1024,
                                         **({"broadcast_buffers": False} if kind == "off" else {}))
-    for step in range(STEPS):
-        opt.zero_grad()
-        x, y = _data(step, rank)
-        F.mse_loss(net(x), y).backward()
-        opt.step()
+    def train(steps: range) -> None:
+        for step in steps:
+            opt.zero_grad()
+            x, y = _data(step, rank)
+            F.mse_loss(net(x), y).backward()
+            opt.step()
+
+    train(range(STEPS))
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}   # flushes dear
     model.eval()
-    state["eval_output"] = model(_data(99, 0)[0]).detach()
+    with torch.no_grad():
+        state["eval_output"] = model(_data(99, 0)[0]).detach()
+    # timm's distribute_bn (its default at each epoch's end): every rank averages its running
+    # statistics, in place; then training goes on.
+    for name, buf in model.named_buffers():
+        if "running_" in name:
+            torch.distributed.all_reduce(buf)
+            buf /= dear.size()
+    model.train()
+    train(range(STEPS, STEPS + 2))
+    state.update({f"later.{k}": v.detach().clone() for k, v in model.state_dict().items()})
     return state
 
 
@@ -86,18 +99,20 @@ BUFFERS = ("bn1.running_mean", "bn1.running_var", "bn2.running_mean", "bn2.runni
 @pytest.mark.parametrize("world", [2, 3])
 def test_running_stats_equal_across_ranks_and_to_ddp(world: int) -> None:
     ranks = results(world)
-    # DDP broadcasts at the start of the next forward, so after the last step its ranks still
-    # hold their own buffers; its rank 0 holds what every DDP rank would read next.
-    ddp = ranks[0]["ddp"]
+    # DDP broadcasts rank 0's buffers at the start of each forward with gradients: after the
+    # last step each DDP rank still holds its own (what an EMA update or an eval reads there),
+    # and so must each dear rank: every rank is compared with the same DDP rank.
     for rank, res in enumerate(ranks):
-        mine = res["dear"]
-        for name in (*BUFFERS, "bn2.num_batches_tracked", "eval_output"):
-            # Bit-identical across ranks: they are copies of rank 0's.
-            assert torch.equal(mine[name], ranks[0]["dear"][name]), (rank, name)
-        for name in (*BUFFERS, "fc1.weight", "head.weight", "eval_output"):
+        mine, ddp = res["dear"], res["ddp"]
+        for name in (*BUFFERS, "fc1.weight", "head.weight", "eval_output",
+                     *(f"later.{b}" for b in BUFFERS), "later.fc1.weight", "later.head.weight"):
             # Same math as DDP, gradients only summed in another order: float32 rounding,
-            # relative to each tensor's scale (1e-5 is ~80 ulps after 5 steps).
+            # relative to each tensor's scale (1e-5 is ~80 ulps after 7 steps).
             assert rel_diff(mine[name], ddp[name]) < 1e-5, (rank, name)
-        assert torch.equal(mine["bn2.num_batches_tracked"], ddp["bn2.num_batches_tracked"])
+        for name in ("bn2.num_batches_tracked", "later.bn2.num_batches_tracked"):
+            assert torch.equal(mine[name], ddp[name])
+    if world > 1:                              # their own: not copies of rank 0's
+        assert not torch.equal(ranks[1]["dear"]["bn1.running_mean"],
+                               ranks[0]["dear"]["bn1.running_mean"])
     # Without the broadcast, each rank keeps its own statistics (what dear did before).
     assert not torch.equal(ranks[1]["off"]["bn1.running_mean"], ranks[0]["off"]["bn1.running_mean"])
