@@ -2,12 +2,13 @@
 (BatchNorm's running statistics, num_batches_tracked, any registered buffer), so evaluation and
 checkpoints do not depend on the rank.
 
-DDP broadcasts rank 0's buffers at the start of every forward with gradients enabled. dear
+DDP broadcasts rank 0's buffers at the start of every forward that follows a forward with
+gradients enabled (so at the first forward after a training step, evaluation included). dear
 receives them inside step() (or synchronize()), after the reduce-scatters have finished and before
 the all-gathers start: a point every rank reaches in the same order relative to dear's other
 collectives, where nothing else is in flight (a broadcast at the next forward would wait behind
-the all-gathers that overlap it). It puts them in place where DDP does, at the next forward with
-gradients enabled, so between step() and that forward every rank holds its own buffers, as under
+the all-gathers that overlap it). It puts them in place where DDP does, at the next forward,
+so between step() and that forward every rank holds its own buffers, as under
 DDP (timm's distribute_bn and EMA updates read them there). Buffers change only in forwards, so
 the values are DDP's; a buffer a rank changed in between (distribute_bn's average) keeps its new
 value. What differs: between the forwards of one step (backward_passes_per_step > 1) each rank's
@@ -87,8 +88,9 @@ class BufferBroadcast:
         self._staged = staged
 
     def apply_staged(self) -> None:
-        """At the next forward with gradients enabled (where DDP broadcasts): every buffer takes
-        the root's value from step(), except one this rank changed since (e.g. timm's
+        """At the next forward, in any mode (DDP broadcasts at the start of a forward that
+        follows one with gradients: here the training forward before step()), every buffer
+        takes the root's value from step(), except one this rank changed since (e.g. timm's
         distribute_bn averaging the statistics on every rank at an epoch's end), which keeps
         its new value, as DDP's broadcast would give it when every rank changed it alike."""
         staged, self._staged = self._staged, []

@@ -793,7 +793,7 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
         if tuner is not None and tuner.samples_per_iteration is None and module is self._model:
             first = next((a for a in args if isinstance(a, torch.Tensor)), None)
             tuner.samples_per_iteration = 0 if first is None else first.shape[0] * self._comm.size
-        if module is self._model and self._buffer_sync is not None and torch.is_grad_enabled():
+        if module is self._model and self._buffer_sync is not None:
             self._buffer_sync.apply_staged()   # DDP's broadcast_buffers point (dear/buffers.py)
         if module is self._model and not module.training:
             self.flush_updates()               # evaluation reads every parameter

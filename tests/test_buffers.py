@@ -62,8 +62,8 @@ def _train(kind: str) -> dict[str, torch.Tensor]:
     train(range(STEPS))
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}   # flushes dear
     model.eval()
-    with torch.no_grad():
-        state["eval_output"] = model(_data(99, 0)[0]).detach()
+    with torch.no_grad():                      # through DDP's wrapper, as scripts evaluate
+        state["eval_output"] = net(_data(99, 0)[0]).detach()
     # timm's distribute_bn (its default at each epoch's end): every rank averages its running
     # statistics, in place; then training goes on.
     for name, buf in model.named_buffers():
