@@ -165,7 +165,7 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
         on_grad = _weak_method(self._on_grad)
         # Native path: a C++ hook per parameter records gradients without a Python frame and
         # falls back to _on_grad whenever _arm_hooks() says the iteration is not a plain one.
-        ext = native.extension() if native.enabled() else None
+        ext = native.extension() if native.enabled(runtime.config().native) else None
         self._hook_switch = ext.HookSwitch() if ext is not None else None
         self._native_hooks: list[Any] = []
         for i, p in enumerate(self._params):
@@ -568,7 +568,7 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
                     g["params"] = members_of[k]
                 else:                          # added after step(): not in this update
                     g["params"] = []
-            self._base_step()
+            self._inner_step(self)
         finally:
             for g, original in zip(groups, originals):
                 g.update(original)
@@ -606,9 +606,6 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
                 members[owner[p]].append(p)
             bucket.group_members = members  # type: ignore[attr-defined]
         return members
-
-    def _base_step(self) -> None:
-        self._inner_step(self)
 
     # ------------------------------------------------ a parameter set that may change
     def _trainable(self) -> list[torch.nn.Parameter]:

@@ -226,4 +226,34 @@ def setup_env(environ: Optional[MutableMapping[str, str]] = None) -> Optional[Pl
     return export(placement, environ)
 
 
-__all__ = ["Placement", "detect", "expand_hostlist", "export", "setup_env"]
+def launched(environ: Optional[Mapping[str, str]] = None) -> bool:
+    """Whether torchrun's variables describe a job (set by torchrun, or by setup_env)."""
+    env = os.environ if environ is None else environ
+    return "WORLD_SIZE" in env
+
+
+def under_horovodrun(environ: Optional[Mapping[str, str]] = None) -> bool:
+    env = os.environ if environ is None else environ
+    return "HOROVOD_RANK" in env
+
+
+def process_env(environ: Optional[Mapping[str, str]] = None) -> Placement:
+    """This process's place from torchrun's variables (srun's and mpirun's once setup_env has
+    translated them); a world of one where none is set. The one reader of those variables:
+    every backend asks here, so none of them can see a world of one under srun."""
+    env = os.environ if environ is None else environ
+    size = _int(env, "WORLD_SIZE") or 1
+    port = _int(env, "MASTER_PORT")
+    return Placement(launcher="env", rank=_int(env, "RANK") or 0, size=size,
+                     local_rank=_int(env, "LOCAL_RANK") or 0,
+                     local_size=_int(env, "LOCAL_WORLD_SIZE") or 1,
+                     master_addr=env.get("MASTER_ADDR") or None, master_port=port)
+
+
+def local_rank_given(environ: Optional[Mapping[str, str]] = None) -> bool:
+    env = os.environ if environ is None else environ
+    return "LOCAL_RANK" in env
+
+
+__all__ = ["Placement", "detect", "expand_hostlist", "export", "launched", "local_rank_given",
+           "process_env", "setup_env", "under_horovodrun"]

@@ -47,10 +47,10 @@ def build_info() -> dict[str, Any]:
     return {"available": True, **_ext.build_info()}
 
 
-def enabled() -> bool:
-    """Whether new buckets use the extension: it is available and DEAR_NATIVE is not 0."""
-    from . import runtime
-    return _ext is not None and runtime.config().native
+def enabled(wanted: bool = True) -> bool:
+    """Whether new buckets use the extension: it is available and `wanted` (the caller passes
+    DEAR_NATIVE: this module imports nothing of dear's, so anything may import it)."""
+    return _ext is not None and wanted
 
 
 def grad_ready(buffer: torch.Tensor, offsets: Sequence[int], numels: Sequence[int],

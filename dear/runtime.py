@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import gc
 import logging
-import os
 import weakref
 from typing import Any, Iterable, Mapping, Optional, Union
 
 import torch
 import torch.distributed as dist
 
+from . import launch
 from .comm.base import Communicator, ReduceOp, resolve_op
 from .comm.local import LocalCommunicator
 from .config import Config
@@ -64,8 +64,11 @@ def init(backend: str = "auto", **config: Any) -> None:
 
 def _make_communicator(backend: str, cfg: Config) -> tuple[Communicator, bool]:
     """The communicator for `backend`, and whether dear started the process group."""
-    if backend == "auto" and "HOROVOD_RANK" in os.environ and not dist.is_initialized():
+    if backend == "auto" and launch.under_horovodrun() and not dist.is_initialized():
         backend = "horovod"
+    if backend not in ("horovod", "local") and not dist.is_initialized() \
+            and not launch.launched():
+        launch.setup_env()                 # srun / mpirun: their variables as torchrun's
     if backend == "horovod":
         from .comm.horovod import HorovodCommunicator
         return HorovodCommunicator(timeout=cfg.timeout, data_plane=cfg.horovod_data_plane), False
@@ -78,12 +81,9 @@ def _make_communicator(backend: str, cfg: Config) -> tuple[Communicator, bool]:
         from .comm.mpi import MPICommunicator
         return MPICommunicator(timeout=cfg.timeout, progress=cfg.mpi_progress,
                                interval=cfg.mpi_progress_interval), False
-    if not dist.is_initialized() and "WORLD_SIZE" not in os.environ:
-        from . import launch
-        launch.setup_env()                 # srun / mpirun: their variables as torchrun's
     from .comm.torch_dist import TorchCommunicator, init_process_group_from_env
     owns = False
-    if not dist.is_initialized() and "WORLD_SIZE" in os.environ:
+    if not dist.is_initialized() and launch.launched():
         init_process_group_from_env(cfg.timeout)
         owns = True
     if not dist.is_initialized():
@@ -98,9 +98,9 @@ def _make_communicator(backend: str, cfg: Config) -> tuple[Communicator, bool]:
 def _select_local_gpu() -> None:
     """torchrun's LOCAL_RANK picks this rank's GPU, as DDP users expect; where there are fewer
     GPUs than local ranks (CPU training on a GPU machine) none is picked."""
-    if not torch.cuda.is_available() or "LOCAL_RANK" not in os.environ:
+    if not torch.cuda.is_available() or not launch.local_rank_given():
         return
-    local = int(os.environ["LOCAL_RANK"])
+    local = launch.process_env().local_rank
     if local < torch.cuda.device_count():
         torch.cuda.set_device(local)
 
@@ -149,8 +149,8 @@ def size() -> int:
 
 
 def local_rank() -> int:
-    if "LOCAL_RANK" in os.environ:
-        return int(os.environ["LOCAL_RANK"])
+    if launch.local_rank_given():
+        return launch.process_env().local_rank
     return 0 if size() == 1 else communicator().local_rank
 
 

@@ -150,6 +150,30 @@ def test_export_writes_torchrun_variables() -> None:
     assert launch.setup_env({}) is None
 
 
+def test_every_backend_reads_srun_variables_through_launch(monkeypatch) -> None:
+    """dear.init(backend=...) translates srun's variables before any backend reads its place
+    (the NCCL backend used to read RANK/WORLD_SIZE itself: a world of one per process under
+    srun), and launch.process_env is where every backend reads it."""
+    import dear.runtime as runtime
+    env = {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_LOCALID": "1",
+           "SLURM_JOB_NODELIST": "node[07-08]", "SLURM_JOB_ID": "17", "MASTER_PORT": "4000"}
+    # setup_env writes into os.environ itself: a private copy, restored after the test
+    monkeypatch.setattr(os, "environ", {**{k: v for k, v in os.environ.items()
+                                           if k not in _TORCHRUN}, **env})
+    seen = {}
+
+    def fake_create(timeout: float) -> None:
+        place = launch.process_env()
+        seen.update(rank=place.rank, size=place.size, local=place.local_rank)
+        raise RuntimeError("stop here")
+    import dear.comm.nccl as nccl
+    monkeypatch.setattr(nccl, "create", fake_create)
+    with pytest.raises(RuntimeError, match="stop here"):
+        runtime._make_communicator("nccl", runtime.Config())
+    assert seen == {"rank": 1, "size": 2, "local": 1}
+    assert launch.process_env({}).size == 1
+
+
 # ------------------------------------------------------------------------ real processes
 def test_slurm_variables_by_hand() -> None:
     """Two processes with the variables srun gives two tasks on one node; the port is the one

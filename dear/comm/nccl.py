@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import datetime
 import importlib.util
-import os
 import pickle
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
-from .. import native
+from .. import launch, native
 from .base import Communicator, Work, check_flat, check_shard_sizes
 
 _SUPPORTED = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8,
@@ -142,13 +141,16 @@ class _CsrcComm:
 def _store(rank: int, size: int, timeout: float) -> dist.Store:
     if dist.is_available() and dist.is_initialized():
         return dist.distributed_c10d._get_default_store()
-    missing = [v for v in ("MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
+    place = launch.process_env()
+    missing = [v for v, value in (("MASTER_ADDR", place.master_addr),
+                                  ("MASTER_PORT", place.master_port)) if value is None]
     if missing and size > 1:
         raise RuntimeError(f"dear.init(backend='nccl') needs {', '.join(missing)} (set by "
                            "torchrun) or an initialised torch.distributed to find the other ranks")
     if size == 1:
         return dist.HashStore()
-    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), size,
+    assert place.master_addr is not None and place.master_port is not None
+    return dist.TCPStore(place.master_addr, place.master_port, size,
                          is_master=rank == 0, timeout=datetime.timedelta(seconds=timeout),
                          wait_for_workers=False)
 
@@ -259,9 +261,10 @@ def create(timeout: float) -> NcclCommunicator:
     if dist.is_available() and dist.is_initialized():
         rank, size = dist.get_rank(), dist.get_world_size()
     else:
-        rank, size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-    if "LOCAL_RANK" in os.environ:
-        local, gpus = int(os.environ["LOCAL_RANK"]), torch.cuda.device_count()
+        place = launch.process_env()       # torchrun's, or srun's/mpirun's via setup_env
+        rank, size = place.rank, place.size
+    if launch.local_rank_given():
+        local, gpus = launch.process_env().local_rank, torch.cuda.device_count()
         if local >= gpus:
             raise RuntimeError(
                 f"dear.init(backend='nccl') needs one GPU per local rank: LOCAL_RANK={local} but "

@@ -23,6 +23,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from .. import native as _native
+from .. import runtime as _runtime
 from ..comm.base import CallbackWork, Communicator, Work
 from .plan import chunk_columns
 from .planner import BucketSpec
@@ -102,7 +103,7 @@ class Bucket:
         self._finish_lock = threading.Lock()
         # Native path (csrc/, `native` None: DEAR_NATIVE and whether it was built): hooks only
         # record gradients; C++ packs the bucket, flags and padding when the last one arrives.
-        use_native = _native.enabled() if native is None else native
+        use_native = _native.enabled(_runtime.config().native) if native is None else native
         self._ready = (_native.grad_ready(self.buffer, spec.offsets, spec.numels,
                                           spec.flags_offset, sparse_as_dense)
                        if use_native else None)
