@@ -309,6 +309,7 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
                                "after backward, as in Horovod")
         self._communicate(grad_scaler)
         if self._sparse is not None:           # their update is applied now (dear/sparse.py)
+            self._stream.settle()
             self._sparse.apply(self, grad_scaler)
         if not self._overlap or self._provisional:
             self.flush_updates()
@@ -435,11 +436,7 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
             return
         self._stream_verified = True
         issue_pending()                        # every optimizer's backward: ours goes after
-        try:
-            self._stream.verify(self._had_gradients, self._trainable_digest())
-        except RuntimeError:
-            self._abandon_iteration()
-            raise
+        self._stream.issue(self._had_gradients, self._trainable_digest())
 
     def _end_iteration(self) -> None:
         for bucket in self._buckets or ():
@@ -591,7 +588,9 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
 
     def _finish_all_gather(self, bucket: Bucket) -> list[bool]:
         """The averaged gradients in the bucket's buffer (dear.KFAC's rotation undone); which
-        parameters any rank produced a gradient for."""
+        parameters any rank produced a gradient for. Nothing is applied before the stream check
+        of its step has passed (issued before the all-gathers, so already arrived)."""
+        self._stream.settle()
         used = bucket.finish_all_gather()
         if self._transform is not None:
             self._transform.after_gather(bucket)

@@ -12,11 +12,11 @@ and a digest of the parameters it trains. Any difference stops every rank, namin
 from __future__ import annotations
 
 import zlib
-from typing import Any, Sequence
+from typing import Optional, Sequence
 
 import torch
 
-from .comm.base import Communicator
+from .comm.base import Communicator, Work
 
 _FIELDS = ("step", "backward passes before it", "trained parameters (digest)")
 
@@ -28,21 +28,34 @@ def parameter_digest(named: Sequence[tuple[str, torch.Tensor]]) -> int:
 
 
 class StreamCheck:
-    """One all-gather of three integers per iteration; `verify` raises on any difference."""
+    """One all-gather of three integers per iteration. `issue` sends it without waiting (step()
+    must not wait behind the all-gather chunks still on the link); `settle` waits and raises on
+    any difference. dear settles before it applies any update of that step (the collectives in
+    between pair up on every rank even when the check fails: the same kinds and sizes), and
+    before it issues the next check."""
 
     def __init__(self, comm: Communicator) -> None:
         self._comm = comm
         self.steps = 0
+        self._pending: Optional[tuple[Work, torch.Tensor]] = None
 
-    def verify(self, had_gradients: bool, digest: int, described: Any = None) -> None:
+    def issue(self, had_gradients: bool, digest: int) -> None:
+        self.settle()
         self.steps += 1
         comm = self._comm
         if comm.size == 1:
             return
         row = torch.tensor([self.steps, int(had_gradients), digest], dtype=torch.int64)
         table = torch.empty(3 * comm.size, dtype=torch.int64)
-        comm.all_gather(row, table).wait()
-        rows = table.view(comm.size, 3).tolist()
+        self._pending = (comm.all_gather(row, table), table)
+
+    def settle(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        work, table = pending
+        work.wait()
+        rows = table.view(self._comm.size, 3).tolist()
         if all(r == rows[0] for r in rows):
             return
         lines = []
