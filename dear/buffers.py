@@ -93,10 +93,13 @@ class BufferBroadcast:
         takes the root's value from step(), except one this rank changed since (e.g. timm's
         distribute_bn averaging the statistics on every rank at an epoch's end), which keeps
         its new value, as DDP's broadcast would give it when every rank changed it alike."""
+        if not self._staged:
+            return
         staged, self._staged = self._staged, []
-        with torch.no_grad():
+        with torch.no_grad():                  # on the forward's critical path: one kernel
             for bufs, versions, flat in staged:
-                for buf, version, value in zip(bufs, versions,
-                                               _unflatten_dense_tensors(flat, bufs)):
-                    if buf._version == version:
-                        buf.copy_(value)
+                pairs = [(buf, value) for buf, version, value
+                         in zip(bufs, versions, _unflatten_dense_tensors(flat, bufs))
+                         if buf._version == version]
+                if pairs:
+                    torch._foreach_copy_([b for b, _ in pairs], [v for _, v in pairs])
