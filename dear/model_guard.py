@@ -63,16 +63,16 @@ def guard(model: torch.nn.Module, optimizer: Any) -> list[Any]:
     """Make `model`'s readers apply `optimizer`'s pending updates first; returns the hook
     handles it registered (removed with the optimizer's)."""
     owners = _owners.get(model)
-    handles: list[Any] = []
     if owners is None:
         owners = _owners[model] = weakref.WeakSet()
         if not isinstance(model, _ReadGuard):
             model.__class__ = _guarded_class(type(model))
-        handles.append(track(model.register_forward_pre_hook(_eager(_enter_forward))))
-        handles.append(track(model.register_forward_hook(_eager(_leave_forward),
-                                                         always_call=True)))
+        # Kept for the model's life (a later optimizer on the same model reuses them): they
+        # only count forwards, so reads inside one do not force the updates early.
+        track(model.register_forward_pre_hook(_eager(_enter_forward)))
+        track(model.register_forward_hook(_eager(_leave_forward), always_call=True))
     owners.add(optimizer)
-    return handles
+    return []
 
 
 def flush_for_read(model: torch.nn.Module, what: str) -> None:
@@ -189,8 +189,9 @@ class _Plain:
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         module = self.module
-        state = dict(module.__dict__)
-        for key, value in module.__dict__.items():
+        got = module.__getstate__()            # the class's own, if it defines one
+        state = dict(got if isinstance(got, dict) else module.__dict__)
+        for key, value in list(state.items()):
             if "hooks" in key and isinstance(value, dict) \
                     and any(k in _dear_hook_ids for k in value):
                 kept = collections.OrderedDict((k, v) for k, v in value.items()

@@ -341,3 +341,43 @@ def test_a_rank_whose_collectives_shift_stops_every_rank(kind, says):
     for r, outcome in enumerate(outcomes):
         assert isinstance(outcome, str) and "no longer pair up" in outcome, f"rank {r}: {outcome}"
         assert says in outcome and "rank 0" in outcome and "rank 1" in outcome
+
+
+class _AsksItsDevice(Net):
+    """Hugging Face's habit: the forward reads `next(self.parameters())` (for .device/.dtype)."""
+
+    def forward(self, x: torch.Tensor, use_branch: bool = True) -> torch.Tensor:
+        x = x.to(next(self.parameters()).dtype)
+        return super().forward(x, use_branch)
+
+
+def _reads_inside_forward() -> dict:
+    import logging
+
+    import dear
+    dear.init()
+    warnings: list[str] = []
+
+    class Catch(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            warnings.append(record.getMessage())
+    logging.getLogger("dear").addHandler(Catch())
+    torch.manual_seed(0)
+    model = _AsksItsDevice()
+    opt = dear.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model,
+                                    fusion_threshold=1024)
+    for step in range(3):
+        opt.zero_grad()
+        x, y = batch(step, WORLD, dear.rank())
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+    out = {"forced": [w for w in warnings if "read the model" in w], "model": state_of(model)}
+    dear.shutdown()
+    return out
+
+
+def test_reads_inside_the_forward_keep_the_overlap():
+    results = run_distributed(_reads_inside_forward, WORLD, timeout=120)
+    for r in results:
+        assert r["forced"] == [], r["forced"]
+    assert max_diff(results[0]["model"], results[1]["model"]) == 0.0
