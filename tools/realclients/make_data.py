@@ -7,7 +7,8 @@ import sys
 import numpy as np
 from PIL import Image
 
-root = sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
+HERE = os.path.dirname(os.path.abspath(__file__))
+root = sys.argv[1] if len(sys.argv) > 1 else os.path.join(HERE, "data")
 rng = np.random.default_rng(1234)
 for split, n in (("train", 16), ("val", 4)):
     for c in range(5):
