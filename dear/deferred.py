@@ -783,6 +783,12 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
             # forward ends (its module did not run) must read them first.
             self._hooks.append(model_guard.track(
                 model.register_forward_hook(_eager(self._after_forward))))
+        # Loading into the model through a container that holds it (parent.load_state_dict)
+        # reaches it here, not through its own load_state_dict (dear/model_guard.py): a
+        # pending update applied after the load would overwrite what was loaded.
+        flush = _weak_method(self.flush_updates)
+        self._hooks.append(model_guard.track(model.register_load_state_dict_pre_hook(
+            lambda *args: flush())))
 
     def _pre_forward(self, module: torch.nn.Module, args: Any) -> None:
         tuner = self._autotuner

@@ -381,3 +381,26 @@ def test_reads_inside_the_forward_keep_the_overlap():
     for r in results:
         assert r["forced"] == [], r["forced"]
     assert max_diff(results[0]["model"], results[1]["model"]) == 0.0
+
+
+def _load_through_parent() -> dict:
+    import dear
+    dear.init()
+    model = Net()
+    parent = torch.nn.ModuleDict({"net": model})
+    opt = dear.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model,
+                                    fusion_threshold=1024)
+    saved = {k: v.clone() for k, v in parent.state_dict().items()}
+    opt.zero_grad()
+    x, y = batch(0, WORLD, dear.rank())
+    F.mse_loss(model(x), y).backward()
+    opt.step()                                 # an update is pending
+    parent.load_state_dict(saved)              # then the checkpoint is loaded through a parent
+    out = {"loaded": {k: v.clone() for k, v in parent.state_dict().items()}, "saved": saved}
+    dear.shutdown()
+    return out
+
+
+def test_a_load_through_a_parent_module_is_not_overwritten_by_a_pending_update():
+    for r in run_distributed(_load_through_parent, WORLD, timeout=120):
+        assert max_diff(r["loaded"], r["saved"]) == 0.0
