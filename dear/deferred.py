@@ -436,7 +436,9 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
             return
         self._stream_verified = True
         issue_pending()                        # every optimizer's backward: ours goes after
-        self._stream.issue(self._had_gradients, self._trainable_digest())
+        count = len(self._buckets or ())
+        self._stream.issue(self._had_gradients, self._trainable_digest(),
+                           f"the reduce-scatters of buckets 0-{count - 1}" if count else "")
 
     def _end_iteration(self) -> None:
         for bucket in self._buckets or ():

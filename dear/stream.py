@@ -38,10 +38,13 @@ class StreamCheck:
         self._comm = comm
         self.steps = 0
         self._pending: Optional[tuple[Work, torch.Tensor]] = None
+        self._after = ""
 
-    def issue(self, had_gradients: bool, digest: int) -> None:
+    def issue(self, had_gradients: bool, digest: int, after: str = "") -> None:
+        """`after`: what the check follows in the stream, for the error if a peer is gone."""
         self.settle()
         self.steps += 1
+        self._after = after
         comm = self._comm
         if comm.size == 1:
             return
@@ -54,7 +57,13 @@ class StreamCheck:
         if pending is None:
             return
         work, table = pending
-        work.wait()
+        try:
+            work.wait()
+        except Exception as exc:
+            raise RuntimeError(
+                f"dear: the stream check of step() #{self.steps} (a tiny all-gather issued "
+                f"after {self._after or 'its reduce-scatters'}) failed; another rank probably "
+                f"died or stalled: {exc}") from exc
         rows = table.view(self._comm.size, 3).tolist()
         if all(r == rows[0] for r in rows):
             return
