@@ -47,10 +47,10 @@ from types import TracebackType
 from typing import Any, Optional, Sequence, Union
 
 import torch
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from . import model_guard
 from .buffers import issue_pending
+from .validation import broadcast_model
 
 
 class join:  # noqa: N801 (used like a function: `with dear.join(optimizer):`)
@@ -169,15 +169,5 @@ class join:  # noqa: N801 (used like a function: `with dear.join(optimizer):`)
 
     def _final_sync(self, root: int) -> None:
         """Every rank takes `root`'s parameters and buffers (DDP's final model sync)."""
-        tensors = [p.data for p in self._model.parameters()] + list(self._model.buffers())
-        by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-        for t in tensors:
-            by_kind.setdefault((t.dtype, t.device), []).append(t)
         issue_pending()
-        with torch.no_grad():
-            for group in by_kind.values():
-                flat = _flatten_dense_tensors(group)
-                self._comm.broadcast(flat, root).wait()
-                if self._comm.rank != root:
-                    for t, value in zip(group, _unflatten_dense_tensors(flat, group)):
-                        t.copy_(value)
+        broadcast_model(self._model, self._comm, root)

@@ -256,9 +256,10 @@ def _digest(obj: Any) -> str:
     return hashlib.sha256(repr(obj).encode()).hexdigest()[:12]
 
 
-def broadcast_model(model: torch.nn.Module, comm: Communicator) -> None:
-    """DDP's constructor: every rank starts from rank 0's parameters and buffers (training
-    scripts seed each rank differently and rely on it)."""
+def broadcast_model(model: torch.nn.Module, comm: Communicator, root: int = 0) -> None:
+    """Every rank takes `root`'s parameters and buffers: DDP's constructor (training scripts
+    seed each rank differently and rely on it) and dear.join()'s final sync from the last
+    joiner."""
     if comm.size == 1:
         return
     from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
@@ -271,9 +272,9 @@ def broadcast_model(model: torch.nn.Module, comm: Communicator) -> None:
         for (dtype, _), group in by_kind.items():
             comm.check_dtype(dtype)
             flat = _flatten_dense_tensors([t.data for t in group])
-            pending.append((group, flat, comm.broadcast(flat, 0)))
+            pending.append((group, flat, comm.broadcast(flat, root)))
         for group, flat, work in pending:
             work.wait()
-            if comm.rank != 0:
+            if comm.rank != root:
                 for t, value in zip(group, _unflatten_dense_tensors(flat, group)):
                     t.data.copy_(value)
