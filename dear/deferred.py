@@ -143,7 +143,8 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
         self._relayout_wanted = False          # new ties: re-plan when nothing is in flight
         self._preconditioner_synced = False    # dear.KFAC called synchronize() for this step
         self._hooks: list[Any] = []
-        self._model_guard_hooks = model_guard.guard(model, self) if model is not None else []
+        if model is not None:
+            model_guard.guard(model, self)
         # One tiny all-gather per iteration checks that the ranks' collectives still pair up
         # (dear/stream.py); it also carries a digest of the trained parameters, which may change
         # (add_param_group, requires_grad): the layout is then rebuilt (_adopt_parameter_set).
@@ -155,7 +156,6 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
         self._param_digest = parameter_digest(named)
         self._register_hooks()
         weakref.finalize(self, _remove_hooks, self._hooks)
-        weakref.finalize(self, _remove_hooks, self._model_guard_hooks)
         runtime.register_optimizer(self)
 
     def _register_hooks(self) -> None:

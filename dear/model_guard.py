@@ -22,7 +22,7 @@ import logging
 import threading
 import time
 import weakref
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator
 
 import torch
 
@@ -44,10 +44,6 @@ def track(handle: Any) -> Any:
     return handle
 
 
-def untrack(handle: Any) -> None:
-    _dear_hook_ids.discard(handle.id)
-
-
 @contextlib.contextmanager
 def quiet() -> Iterator[None]:
     """dear's own reads of the model (buffers, zero_grad): no flush."""
@@ -59,9 +55,8 @@ def quiet() -> Iterator[None]:
         _quiet.on = before
 
 
-def guard(model: torch.nn.Module, optimizer: Any) -> list[Any]:
-    """Make `model`'s readers apply `optimizer`'s pending updates first; returns the hook
-    handles it registered (removed with the optimizer's)."""
+def guard(model: torch.nn.Module, optimizer: Any) -> None:
+    """Make `model`'s readers apply `optimizer`'s pending updates first."""
     owners = _owners.get(model)
     if owners is None:
         owners = _owners[model] = weakref.WeakSet()
@@ -72,7 +67,6 @@ def guard(model: torch.nn.Module, optimizer: Any) -> list[Any]:
         track(model.register_forward_pre_hook(_eager(_enter_forward)))
         track(model.register_forward_hook(_eager(_leave_forward), always_call=True))
     owners.add(optimizer)
-    return []
 
 
 def flush_for_read(model: torch.nn.Module, what: str) -> None:
@@ -211,8 +205,4 @@ def _rebuild(cls: Any, state: dict[str, Any]) -> torch.nn.Module:
     return module
 
 
-def owners(model: Optional[torch.nn.Module]) -> list[Any]:
-    return [] if model is None else list(_owners.get(model, ()))
-
-
-__all__ = ["flush_for_read", "guard", "owners", "plain_class", "quiet", "track", "untrack"]
+__all__ = ["flush_for_read", "guard", "plain_class", "quiet", "track"]
