@@ -27,7 +27,7 @@ def="-DDEAR_WITH_CUDA -DDEAR_WITH_NCCL -DTORCH_API_INCLUDE_EXTENSION_H -DTORCH_E
   -D__CUDA_NO_HALF_OPERATORS__ -D__CUDA_NO_HALF_CONVERSIONS__ -D__CUDA_NO_BFLOAT16_CONVERSIONS__ \
   -D__CUDA_NO_HALF2_OPERATORS__ --expt-relaxed-constexpr -Xcompiler -fPIC
 echo "ok: csrc/cuda/pack_kernels.cu"
-for src in csrc/cuda/nccl_communicator.cpp csrc/module.cpp csrc/pack.cpp csrc/fused_sgd.cpp; do
+for src in csrc/cuda/nccl_communicator.cpp csrc/module.cpp csrc/pack.cpp; do
   g++ -c "$src" -o "$out/$(basename "$src").o" -std=c++17 -fPIC $inc $def
   echo "ok: $src"
 done

@@ -5,7 +5,6 @@
 #include <string>
 #include <vector>
 
-#include "fused_sgd.h"
 #include "grad_hook.h"
 #include "grad_ready.h"
 #include "pack.h"
@@ -107,25 +106,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       },
       py::arg("buffer"), py::arg("offsets"), py::arg("numels"), py::arg("flags_offset"),
       py::arg("outs"));
-  m.def(
-      "fused_sgd_update",
-      [](const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& momentum_buffers,
-         const at::Tensor& buffer, const std::vector<int64_t>& offsets,
-         const std::vector<bool>& used, double lr, double momentum, double dampening,
-         double weight_decay, bool nesterov, bool maximize, bool first_step) {
-        dear::SgdHyper h;
-        h.lr = lr;
-        h.momentum = momentum;
-        h.dampening = dampening;
-        h.weight_decay = weight_decay;
-        h.nesterov = nesterov;
-        h.maximize = maximize;
-        dear::fused_sgd_update(params, momentum_buffers, buffer, offsets, used, h, first_step);
-      },
-      py::arg("params"), py::arg("momentum_buffers"), py::arg("buffer"), py::arg("offsets"),
-      py::arg("used"), py::kw_only(), py::arg("lr"), py::arg("momentum") = 0.0,
-      py::arg("dampening") = 0.0, py::arg("weight_decay") = 0.0, py::arg("nesterov") = false,
-      py::arg("maximize") = false, py::arg("first_step") = false);
   m.def(
       "swap_grads",
       [](const std::vector<at::Tensor>& params,

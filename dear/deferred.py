@@ -30,6 +30,7 @@ import torch
 from . import amp, model_guard, native, runtime
 from .buffers import BufferBroadcast, issue_pending
 from .comm.base import ReduceOp
+from .compiled import PreForwardHook
 from .compression import Compressor
 from .config import Autotune
 from .fusion.autotune import make_autotuner
@@ -778,8 +779,9 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
     def _hook_model(self, model: torch.nn.Module) -> None:
         for module in model.modules():
             if module is model or any(p in self._index for p in module.parameters(recurse=False)):
+                # eager, or an op of the graph under torch.compile (dear/compiled.py)
                 self._hooks.append(model_guard.track(
-                    module.register_forward_pre_hook(_eager(self._pre_forward))))
+                    PreForwardHook(module, _weak_method(self._pre_forward))))
         if self._views is not None:
             # Backward writes into the buffers at once: an update still pending when the
             # forward ends (its module did not run) must read them first.

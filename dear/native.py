@@ -106,35 +106,5 @@ def swap_grads(params: Sequence[torch.Tensor],
     return saved
 
 
-def fused_sgd_update(params: Sequence[torch.Tensor], momentum_buffers: Sequence[torch.Tensor],
-                     buffer: torch.Tensor, offsets: Sequence[int], used: Sequence[bool], *,
-                     lr: float, momentum: float = 0.0, dampening: float = 0.0,
-                     weight_decay: float = 0.0, nesterov: bool = False, maximize: bool = False,
-                     first_step: bool = False) -> None:
-    """torch.optim.SGD's rule applied from the averaged gradients in `buffer` (in place)."""
-    if _ext is not None:
-        _ext.fused_sgd_update(list(params), list(momentum_buffers), buffer, list(offsets),
-                              [bool(u) for u in used], lr=lr, momentum=momentum,
-                              dampening=dampening, weight_decay=weight_decay, nesterov=nesterov,
-                              maximize=maximize, first_step=first_step)
-        return
-    with torch.no_grad():
-        for j, (p, off) in enumerate(zip(params, offsets)):
-            if not used[j]:
-                continue
-            g = buffer[off:off + p.numel()].view(p.shape)
-            g = -g if maximize else g
-            if weight_decay:
-                g = g + weight_decay * p
-            if momentum:
-                buf = momentum_buffers[j]
-                if first_step:
-                    buf.copy_(g)
-                else:
-                    buf.mul_(momentum).add_(g, alpha=1 - dampening)
-                g = g + momentum * buf if nesterov else buf
-            p.add_(g, alpha=-lr)
-
-
-__all__ = ["build_info", "enabled", "extension", "fused_sgd_update", "grad_ready", "load_error",
+__all__ = ["build_info", "enabled", "extension", "grad_ready", "load_error",
            "native_available", "pack_bucket", "swap_grads", "unpack_into"]

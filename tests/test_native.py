@@ -264,45 +264,6 @@ def test_standalone_pack_and_unpack(monkeypatch, use_ext: bool) -> None:
     assert bits(buffer[spec.flags_offset + len(params):]).eq(0).all()
 
 
-SGD_CASES = {
-    "plain": dict(lr=0.1),
-    "momentum": dict(lr=0.05, momentum=0.9),
-    "nesterov-wd": dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01),
-    "dampening-max": dict(lr=0.02, momentum=0.5, dampening=0.3, maximize=True),
-}
-
-
-@pytest.mark.parametrize("case", list(SGD_CASES))
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
-@pytest.mark.parametrize("use_ext", [True, False], ids=["extension", "fallback"])
-def test_fused_sgd_matches_torch_sgd(monkeypatch, case: str, dtype, use_ext: bool) -> None:
-    if use_ext and not native.native_available():
-        pytest.skip("native extension not built")
-    if not use_ext:
-        monkeypatch.setattr(native, "_ext", None)
-    hyper = SGD_CASES[case]
-    params = make_params(dtype, seed=1)
-    ref = [torch.nn.Parameter(p.detach().clone()) for p in params]
-    opt = torch.optim.SGD(ref, **hyper)
-    spec = plan_buckets(params, list(range(len(params))), 1 << 20, 2)[0]
-    momentum = [torch.zeros_like(p) for p in params]
-    used = [j != 3 for j in range(len(params))]      # parameter 3: no gradient anywhere
-    for step in range(4):
-        grads = make_grads(params, seed=10 + step, missing=set())
-        buffer = torch.zeros(spec.padded_numel, dtype=dtype)
-        native.pack_bucket(buffer, spec.offsets, spec.numels, spec.flags_offset, grads, used)
-        for p, g, u in zip(ref, grads, used):
-            p.grad = g.clone() if u else None
-        opt.step()
-        with torch.no_grad():
-            native.fused_sgd_update([p.data for p in params], momentum, buffer, spec.offsets,
-                                    used, first_step=step == 0, **hyper)
-    tol = 1e-6 if dtype == torch.float32 else 1e-12
-    for p, r in zip(params, ref):
-        torch.testing.assert_close(p.detach(), r.detach(), rtol=tol, atol=tol)
-    assert torch.equal(params[3].detach(), make_params(dtype, seed=1)[3].detach())
-
-
 def test_info_reports_native_and_backends() -> None:
     out = subprocess.run([sys.executable, "-m", "dear.info"], capture_output=True, text=True,
                          timeout=120, check=True).stdout

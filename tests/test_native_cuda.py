@@ -11,7 +11,7 @@ import torch
 
 import dear
 from dear import native
-from tests.test_native import DTYPES, SGD_CASES, FakeComm, bits, drive, make_grads, make_params
+from tests.test_native import DTYPES, FakeComm, bits, drive, make_grads, make_params
 from tests.workloads import assert_trains_like_one_process
 
 pytestmark = [
@@ -67,31 +67,6 @@ def test_cuda_unpack_into_and_standalone_pack() -> None:
     torch.cuda.synchronize()
     for g, out in zip(grads, outs):
         assert torch.equal(bits(out), bits(torch.zeros_like(out) if g is None else g))
-
-
-@needs_cuda_build
-@pytest.mark.parametrize("case", list(SGD_CASES))
-def test_cuda_fused_sgd_matches_torch_sgd(case: str) -> None:
-    hyper = SGD_CASES[case]
-    params = cuda_params(torch.float32)
-    ref = [torch.nn.Parameter(p.detach().clone()) for p in params]
-    opt = torch.optim.SGD(ref, **hyper)
-    momentum = [torch.zeros_like(p) for p in params]
-    offsets, cursor = [], 0
-    for p in params:
-        offsets.append(cursor)
-        cursor += p.numel()
-    for step in range(4):
-        grads = [g.cuda() for g in make_grads(params, seed=20 + step, missing=set())]
-        buffer = torch.cat([g.reshape(-1) for g in grads])
-        for p, g in zip(ref, grads):
-            p.grad = g.clone()
-        opt.step()
-        with torch.no_grad():
-            native.fused_sgd_update([p.data for p in params], momentum, buffer, offsets,
-                                    [True] * len(params), first_step=step == 0, **hyper)
-    for p, r in zip(params, ref):
-        torch.testing.assert_close(p.detach(), r.detach(), rtol=1e-5, atol=1e-6)
 
 
 def _single_rank_nccl(implementation: str) -> None:

@@ -1,4 +1,4 @@
-// CUDA versions of the bucket pack/unpack and the fused SGD update (csrc/cuda/pack_kernels.cu).
+// CUDA versions of the bucket pack/unpack (csrc/cuda/pack_kernels.cu).
 // Each call issues one small host-to-device copy of a segment table and one kernel on the
 // caller's current stream, whatever the number of parameters in the bucket.
 #pragma once
@@ -7,7 +7,6 @@
 
 #include <vector>
 
-#include "../fused_sgd.h"
 #include "../grad_ready.h"
 
 namespace dear {
@@ -18,11 +17,6 @@ void pack_bucket(const at::Tensor& buffer, const BucketLayout& layout,
 
 void unpack_into(const at::Tensor& buffer, const BucketLayout& layout,
                  const std::vector<at::Tensor>& outs);
-
-void fused_sgd_update(const std::vector<at::Tensor>& params,
-                      const std::vector<at::Tensor>& momentum_buffers, const at::Tensor& buffer,
-                      const std::vector<int64_t>& offsets, const std::vector<bool>& used,
-                      const SgdHyper& hyper, bool first_step);
 
 }  // namespace cuda
 }  // namespace dear

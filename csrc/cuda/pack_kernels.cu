@@ -2,7 +2,6 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
-#include <ATen/OpMathType.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -26,13 +25,6 @@ struct Segment {
   double fill;
 };
 
-struct SgdSegment {
-  void* param;
-  void* momentum;  // null without momentum
-  const void* grad;
-  int64_t numel;
-};
-
 template <typename scalar_t>
 __global__ void segments_kernel(const Segment* segments, int64_t num_segments) {
   for (int64_t s = blockIdx.y; s < num_segments; s += gridDim.y) {
@@ -44,27 +36,6 @@ __global__ void segments_kernel(const Segment* segments, int64_t num_segments) {
     for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < seg.numel;
          i += stride) {
       dst[i] = src != nullptr ? src[i] : fill;
-    }
-  }
-}
-
-template <typename scalar_t>
-__global__ void sgd_kernel(const SgdSegment* segments, int64_t num_segments, SgdHyper hyper,
-                           bool first_step) {
-  using acc_t = at::opmath_type<scalar_t>;
-  for (int64_t s = blockIdx.y; s < num_segments; s += gridDim.y) {
-    const SgdSegment seg = segments[s];
-    scalar_t* param = static_cast<scalar_t*>(seg.param);
-    scalar_t* momentum = static_cast<scalar_t*>(seg.momentum);
-    const scalar_t* grad = static_cast<const scalar_t*>(seg.grad);
-    const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-    for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < seg.numel;
-         i += stride) {
-      acc_t p = static_cast<acc_t>(param[i]);
-      acc_t m = momentum != nullptr ? static_cast<acc_t>(momentum[i]) : acc_t(0);
-      sgd_element<acc_t>(p, m, static_cast<acc_t>(grad[i]), hyper, first_step);
-      param[i] = static_cast<scalar_t>(p);
-      if (momentum != nullptr) momentum[i] = static_cast<scalar_t>(m);
     }
   }
 }
@@ -150,32 +121,6 @@ void unpack_into(const at::Tensor& buffer, const BucketLayout& layout,
     }
   }
   run_segments(buffer, segments);
-}
-
-void fused_sgd_update(const std::vector<at::Tensor>& params,
-                      const std::vector<at::Tensor>& momentum_buffers, const at::Tensor& buffer,
-                      const std::vector<int64_t>& offsets, const std::vector<bool>& used,
-                      const SgdHyper& hyper, bool first_step) {
-  const char* base = static_cast<const char*>(buffer.const_data_ptr());
-  const int64_t esize = buffer.element_size();
-  std::vector<SgdSegment> segments;
-  int64_t max_numel = 0;
-  for (size_t j = 0; j < params.size(); ++j) {
-    if (!used[j]) continue;
-    void* momentum = hyper.momentum != 0.0 ? momentum_buffers[j].data_ptr() : nullptr;
-    segments.push_back({params[j].data_ptr(), momentum, base + offsets[j] * esize, params[j].numel()});
-    max_numel = std::max(max_numel, params[j].numel());
-  }
-  if (segments.empty()) return;
-  const c10::cuda::CUDAGuard guard(buffer.device());
-  at::Tensor table = table_on_device(segments, buffer.device());
-  const auto stream = c10::cuda::getCurrentCUDAStream();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, buffer.scalar_type(), "dear_sgd", [&] {
-    sgd_kernel<scalar_t><<<grid_for(max_numel, segments.size()), kThreads, 0, stream>>>(
-        reinterpret_cast<const SgdSegment*>(table.const_data_ptr()),
-        static_cast<int64_t>(segments.size()), hyper, first_step);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  });
 }
 
 }  // namespace cuda
