@@ -74,11 +74,11 @@ def train(method: str, args: argparse.Namespace, iters: int) -> list[float]:
 # (label, file suffix or "", function name or the text inside a built-in's name)
 _PROFILED = [
     ("backward: autograd engine, hooks included", "", "run_backward"),
-    ("backward: gradient hooks (optimizer._on_grad)", "deferred.py", "_on_grad"),
+    ("backward: gradient hooks (optimizer._post_backward)", "deferred.py", "_post_backward"),
     ("backward: Bucket.pack", "bucket.py", "pack"),
     ("forward: pre-hooks (optimizer._pre_forward)", "deferred.py", "_pre_forward"),
     ("forward: Linear kernels", "", "torch._C._nn.linear"),
-    ("update: optimizer._apply (SGD step included)", "deferred.py", "_apply"),
+    ("update: optimizer._finalize (SGD step included)", "deferred.py", "_finalize"),
     ("update: torch SGD arithmetic", "sgd.py", "_single_tensor_sgd"),
     ("step(): reduce-scatter finish, all-gather start", "deferred.py", "step"),
     ("iteration (profiled)", "overhead_native.py", "train"),

@@ -1,5 +1,5 @@
 // The post-accumulate-grad hook of one parameter on the native path (the C++ side of
-// DistributedOptimizer._on_grad in dear/deferred.py).
+// DistributedOptimizer._post_backward in dear/deferred.py).
 //
 // With a Python hook per parameter, a model of 1000 small tensors pays 1000 Python calls per
 // backward. A GradHook records the gradient in its bucket's GradReady without a Python frame and

@@ -34,7 +34,7 @@ def issue_pending() -> None:
     dear.join): every optimizer's collective thread has issued what backward gave it, so this
     collective keeps its place in the order on every rank (as runtime._flush_all does for the
     user's collectives)."""
-    for opt in list(runtime._state.optimizers):
+    for opt in runtime.optimizers():
         schedule = getattr(opt, "_schedule", None)
         if schedule is not None:
             schedule.drain()

@@ -1,15 +1,20 @@
 """The DeAR schedule around any torch optimizer: the class `dear.DistributedOptimizer` mixes
 into the wrapped optimizer's own class (dear/optimizer.py builds it).
 
-Life of one gradient (read top to bottom):
-  1. backward: a post-accumulate-grad hook copies it into its bucket (`Bucket.pack`); when the
-     bucket is full and every bucket before it in reduce order has started, its reduce-scatter
-     starts (`_launch_ready`), so every rank issues reduce-scatters in the same order.
-  2. `step()`: finishes the reduce-scatters, averages each shard, starts the all-gathers in
+Life of one gradient, phase by phase (each a method with a profiler scope `dear::<phase>`):
+  1. `_post_backward` (backward): a post-accumulate-grad hook copies it into its bucket
+     (`Bucket.pack`, dear/fusion/bucket.py).
+  2. `_launch`: when the bucket is full and every bucket before it in reduce order has started,
+     its reduce-scatter starts (dear/fusion/schedule.py issues it on the communicator), so every
+     rank issues reduce-scatters in the same order.
+  3. `step()`: finishes the reduce-scatters, averages each shard, starts the all-gathers in
      forward order, and returns: the update is now pending.
-  3. next forward: a forward pre-hook on each module waits for the all-gathers of the buckets
-     holding that module's parameters and runs the WRAPPED optimizer's own update on those
-     parameters only (`_apply`), just before the module reads them.
+  4. `_pre_forward` (next forward; under torch.compile an op of the graph, dear/compiled.py):
+     each module holding parameters waits for the all-gathers of its buckets, and
+  5. `_finalize` runs the WRAPPED optimizer's own update on those parameters only, just before
+     the module reads them.
+What one iteration accumulates lives in one `Iteration` object (dear/iteration.py), replaced
+when the iteration ends (`_end_iteration`).
 `flush_updates()` applies whatever is still pending; it runs before state_dict(),
 load_state_dict(), dear.shutdown() and an eval-mode forward, so nobody reads half-updated
 parameters. `synchronize()` / `skip_synchronize()` keep Horovod's meaning for loops that edit the
@@ -36,10 +41,11 @@ from .config import Autotune
 from .fusion.autotune import make_autotuner
 from .fusion.bucket import Bucket, Stage
 from .fusion.fusion_config import FusionConfig
-from .fusion.layout import GatherGroup, build_layout
+from .fusion.layout import GatherGroup, Layout, build_layout
 from .fusion.rows import RowSparseBucket, resolve_row_sparse
 from .fusion.schedule import ScheduleDriver, issue_mode
 from .fusion.views import GradientViews
+from .iteration import Iteration
 from .reduced import ReducedGradientMixin
 from .sparse import SparseGradients
 from .stream import StreamCheck, parameter_digest
@@ -77,7 +83,7 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
         self._params = [p for _, p in named]
         self._index = {p: i for i, p in enumerate(self._params)}
         self._passes_needed = backward_passes_per_step
-        self._passes = [0] * len(self._params)
+        self._iteration = Iteration.start(len(self._params))   # dear/iteration.py
         self._prescale = 1.0 / gradient_predivide_factor
         self._postscale = (gradient_predivide_factor / comm.size
                            if op is ReduceOp.Average else 1.0)
@@ -115,28 +121,16 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
                                           self._schedule, overlap=self._overlap,
                                           passes_per_step=backward_passes_per_step)
                            if autotune else None)
-        # clip / unscale factors that must reach chunks gathered before step(): applied to the
-        # gathered gradients instead of the shards (the same multiplications, the same bits)
-        self._deferred: list[torch.Tensor] = []
         self._deferred_at_step: list[torch.Tensor] = []
         self._provisional = False              # plan built before any forward: thrown away
         self._where: list[tuple[Bucket, int]] = []
-        self._next_launch = 0                  # position in reduce order (last bucket first)
         self._num_pending = 0                  # buckets whose update waits to be applied
         self._forward_order: list[int] = []    # parameters in first-execution order
         self._forward_seen: set[int] = set()
         self._grad_order: list[int] = []       # parameters in first-gradient order
         self._triggers: dict[torch.nn.Module, list[Bucket]] = {}
-        self._grads_since_step = False         # a backward ran since the last step()
-        # What each gradient the Python hook took was (weakly) and its version: an edit of .grad
-        # after dear took it would be silently ignored, so step() refuses it (native buckets keep
-        # the same record in C++: GradReady.first_edited).
-        self._taken: dict[int, tuple[Optional[weakref.ref], int]] = {}
         self._synchronized = False             # synchronize() put averaged gradients in .grad
         self._skip_sync = False
-        self._reduced = False                  # clip_grad_norm_ finished the reduce-scatters
-        self._amp_found_inf: Optional[torch.Tensor] = None  # shards unscaled; agreed found-inf
-        self._clipped_scaled = False           # clipped without knowing of a GradScaler
         # dear.KFAC's eigenbasis path (dear/kfac/overlap.py): it edits buckets before the
         # reduce-scatter and after the all-gather, and needs `_ties` kept in one bucket each.
         self._transform: Any = None
@@ -144,13 +138,13 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
         self._relayout_wanted = False          # new ties: re-plan when nothing is in flight
         self._preconditioner_synced = False    # dear.KFAC called synchronize() for this step
         self._hooks: list[Any] = []
+        self._update_observers: list[Callable[[Bucket], Any]] = []   # dear_observe_updates
         if model is not None:
             model_guard.guard(model, self)
         # One tiny all-gather per iteration checks that the ranks' collectives still pair up
         # (dear/stream.py); it also carries a digest of the trained parameters, which may change
         # (add_param_group, requires_grad): the layout is then rebuilt (_adopt_parameter_set).
         self._stream = StreamCheck(comm)
-        self._stream_verified = False
         self._name_of = {p: n for n, p in named}
         self._sparse_ids = {id(p) for p in (self._sparse.params if self._sparse else ())}
         self._param_key: tuple[int, ...] = tuple(id(p) for p in self._params)
@@ -163,16 +157,16 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
         """A gradient hook on each parameter, a forward pre-hook on each module holding one."""
         # Parameters' hooks live where the garbage collector cannot follow them: they hold the
         # optimizer weakly, or a dropped optimizer would keep itself and the model alive forever.
-        on_grad = _weak_method(self._on_grad)
+        on_grad = _weak_method(self._post_backward)
         # Native path: a C++ hook per parameter records gradients without a Python frame and
-        # falls back to _on_grad whenever _arm_hooks() says the iteration is not a plain one.
+        # falls back to _post_backward whenever _arm_hooks() says the iteration is not a plain one.
         ext = native.extension() if native.enabled(runtime.config().native) else None
         self._hook_switch = ext.HookSwitch() if ext is not None else None
         self._native_hooks: list[Any] = []
         for i, p in enumerate(self._params):
             if ext is not None:
                 hook = ext.GradHook(self._hook_switch, i, self._names[i], on_grad,
-                                    _weak_method(self._launch_ready))
+                                    _weak_method(self._launch))
                 self._native_hooks.append(hook)
             else:
                 hook = functools.partial(on_grad, i)
@@ -181,53 +175,56 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
             self._hook_model(self._model)
 
     # ----------------------------------------------------------------- backward: pack & reduce
-    def _on_grad(self, i: int, param: torch.nn.Parameter) -> None:
-        if self._reduced:
-            raise RuntimeError(
-                f"gradient of {self._names[i]} arrived after optimizer.clip_grad_norm_() had "
-                "reduced this iteration's gradients; call clip_grad_norm_ after the last "
-                "backward and before step(), never after step()")
-        self._passes[i] += 1
-        if self._passes[i] < self._passes_needed:
-            return
-        if self._passes[i] > self._passes_needed:
-            raise RuntimeError(
-                f"gradient of {self._names[i]} was computed {self._passes[i]} times before "
-                f"step(), but backward_passes_per_step={self._passes_needed}; call step() "
-                "after each backward or raise backward_passes_per_step")
-        self._grads_since_step = True
-        if self._buckets is None:              # first iteration: the plan is built in step()
-            grad = param.grad
-            self._taken[i] = (None, -1) if grad is None else (weakref.ref(grad), grad._version)
-            self._grad_order.append(i)
-            return
-        bucket, j = self._where[i]
-        if bucket.stage is Stage.GATHERING:    # its module did not run in this forward
-            if bucket.exposes_views and param.grad is bucket.user_views[j]:
+    def _post_backward(self, i: int, param: torch.nn.Parameter) -> None:
+        """Phase 1, in backward: take parameter i's gradient into its bucket; launch full ones."""
+        with _scope("dear::post_backward"):
+            it = self._iteration
+            if it.reduced:
                 raise RuntimeError(
-                    f"dear: backward wrote the gradient of {self._names[i]} into its bucket "
-                    "while the bucket's update was still pending (gradient_as_bucket_view): "
-                    "its module did not run and the model's own forward did not end (a "
-                    "submodule called directly?). Call optimizer.flush_updates() before such a "
-                    "forward, or wrap without gradient_as_bucket_view")
-            self._apply(bucket)
-        if self._views is not None and self._views.owns(param):
-            grad = self._views.adopt(param)    # a view: its bucket's version is checked instead
-            self._taken[i] = (None if grad is None else weakref.ref(grad), _VIEW)
-        else:
-            grad = param.grad
-            self._taken[i] = (None, -1) if grad is None else (weakref.ref(grad), grad._version)
-        bucket.pack(j, grad)
-        if bucket.full:
-            self._launch_ready()
+                    f"gradient of {self._names[i]} arrived after optimizer.clip_grad_norm_() "
+                    "had reduced this iteration's gradients; call clip_grad_norm_ after the last "
+                    "backward and before step(), never after step()")
+            it.passes[i] += 1
+            if it.passes[i] < self._passes_needed:
+                return
+            if it.passes[i] > self._passes_needed:
+                raise RuntimeError(
+                    f"gradient of {self._names[i]} was computed {it.passes[i]} times before "
+                    f"step(), but backward_passes_per_step={self._passes_needed}; call step() "
+                    "after each backward or raise backward_passes_per_step")
+            it.grads_since_step = True
+            if self._buckets is None:          # first iteration: the plan is built in step()
+                grad = param.grad
+                it.taken[i] = (None, -1) if grad is None else (weakref.ref(grad), grad._version)
+                self._grad_order.append(i)
+                return
+            bucket, j = self._where[i]
+            if bucket.stage is Stage.GATHERING:    # its module did not run in this forward
+                if bucket.exposes_views and param.grad is bucket.user_views[j]:
+                    raise RuntimeError(
+                        f"dear: backward wrote the gradient of {self._names[i]} into its bucket "
+                        "while the bucket's update was still pending (gradient_as_bucket_view): "
+                        "its module did not run and the model's own forward did not end (a "
+                        "submodule called directly?). Call optimizer.flush_updates() before "
+                        "such a forward, or wrap without gradient_as_bucket_view")
+                self._finalize(bucket)
+            if self._views is not None and self._views.owns(param):
+                grad = self._views.adopt(param)    # a view: its bucket's version is checked
+                it.taken[i] = (None if grad is None else weakref.ref(grad), _VIEW)
+            else:
+                grad = param.grad
+                it.taken[i] = (None, -1) if grad is None else (weakref.ref(grad), grad._version)
+            bucket.pack(j, grad)
+            if bucket.full:
+                self._launch()
 
     def _arm_hooks(self) -> None:
         """Let the C++ hooks take gradients only in a plain iteration: buckets built for good,
         one backward pass per step, nothing reduced early (clip_grad_norm_). Buckets with a
-        pending update send their gradients to _on_grad themselves (GradReady.pending)."""
+        pending update send their gradients to _post_backward themselves (GradReady.pending)."""
         if self._hook_switch is not None:
             self._hook_switch.fast = (self._buckets is not None and not self._provisional
-                                      and not self._reduced and self._passes_needed == 1)
+                                      and not self._iteration.reduced and self._passes_needed == 1)
 
     def _bind_hooks(self) -> None:
         for i, hook in enumerate(self._native_hooks):
@@ -241,25 +238,28 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
     @property
     def _had_gradients(self) -> bool:
         """A backward ran since the last step() (through either kind of hook)."""
-        return self._grads_since_step or bool(self._hook_switch and self._hook_switch.any)
+        return (self._iteration.grads_since_step
+                or bool(self._hook_switch and self._hook_switch.any))
 
-    def _launch_ready(self) -> None:
-        buckets = self._buckets
-        assert buckets is not None
-        while self._next_launch < len(buckets):
-            bucket = buckets[len(buckets) - 1 - self._next_launch]
-            # A bucket whose module skipped this forward still holds last step's pending update
-            # (and last step's "full"): it waits for step(), which applies it first.
-            if bucket.stage is not Stage.IDLE or not bucket.full:
-                return
-            if isinstance(bucket, RowSparseBucket):   # a Tracer's replay models dense buckets
-                bucket.send_dense = self._schedule.paused
-            if self._transform is not None:     # it rotates the packed gradients
-                bucket.fill()
-                self._transform.before_reduce(bucket)
-            bucket.start_reduce_scatter(self._comm, self._prescale, self._schedule.submitter())
-            self._schedule.reduce_scatter_submitted(bucket, self._postscale)
-            self._next_launch += 1
+    def _launch(self) -> None:
+        """Phase 2: start the reduce-scatters of the full buckets, in reduce order."""
+        with _scope("dear::launch"):
+            buckets = self._buckets
+            assert buckets is not None
+            while self._iteration.next_launch < len(buckets):
+                bucket = buckets[len(buckets) - 1 - self._iteration.next_launch]
+                # A bucket whose module skipped this forward still holds last step's pending update
+                # (and last step's "full"): it waits for step(), which applies it first.
+                if bucket.stage is not Stage.IDLE or not bucket.full:
+                    return
+                if isinstance(bucket, RowSparseBucket):   # a Tracer's replay models dense buckets
+                    bucket.send_dense = self._schedule.paused
+                if self._transform is not None:     # it rotates the packed gradients
+                    bucket.fill()
+                    self._transform.before_reduce(bucket)
+                bucket.start_reduce_scatter(self._comm, self._prescale, self._schedule.submitter())
+                self._schedule.reduce_scatter_submitted(bucket, self._postscale)
+                self._iteration.next_launch += 1
 
     # ----------------------------------------------------------------------- step: all-gather
     @torch.optim.Optimizer.profile_hook_step
@@ -328,7 +328,7 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
 
     def _edited_parameter(self) -> Optional[int]:
         """A parameter whose .grad changed since dear took it this iteration, or None."""
-        for i, (ref, version) in self._taken.items():
+        for i, (ref, version) in self._iteration.taken.items():
             grad = self._params[i].grad
             if ref is None:
                 if grad is not None:
@@ -396,7 +396,7 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
             # The update runs later, after e.g. an LR scheduler has moved on: it must use the
             # hyperparameters that were in force when step() was called.
             self._hyper_at_step = [_hyperparameters(g) for g in self.param_groups]
-            self._deferred_at_step = self._deferred
+            self._deferred_at_step = self._iteration.deferred
             self._num_pending = len(buckets)
         self._schedule.end_step()
         self._end_iteration()
@@ -404,7 +404,7 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
     def _finish_reduce(self, verify: bool = True) -> None:
         """Finish the reduce-scatters and average each shard, once per iteration; then (once,
         here or at the next call) the stream check, the first collective after them."""
-        if self._reduced:
+        if self._iteration.reduced:
             if verify:
                 self._verify_stream()
             return
@@ -419,12 +419,12 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
                     if bucket.exposes_views and not bucket.packed[j] and self._views.absent(p):
                         bucket.pack(j, None)
             bucket.pack_missing()              # unused parameters count as zero
-        self._launch_ready()
+        self._launch()
         self._schedule.drain()                 # what backward submitted is issued: our turn
         for bucket in reversed(buckets):
             bucket.finish_reduce_scatter(self._postscale)
         self._schedule.reduced()
-        self._reduced = True
+        self._iteration.reduced = True
         self._arm_hooks()
         if verify:
             self._verify_stream()
@@ -433,9 +433,9 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
         """dear/stream.py's check, once per iteration, right after its reduce-scatters (the
         same place in every rank's stream, whether the next collective is clipping's, a
         GradScaler's or step()'s)."""
-        if self._stream_verified:
+        if self._iteration.stream_verified:
             return
-        self._stream_verified = True
+        self._iteration.stream_verified = True
         issue_pending()                        # every optimizer's backward: ours goes after
         count = len(self._buckets or ())
         self._stream.issue(self._had_gradients, self._trainable_digest(),
@@ -445,13 +445,7 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
         for bucket in self._buckets or ():
             if bucket.stage is Stage.REDUCING:  # a skipped step: nothing to gather or apply
                 bucket.drop()
-        self._reduced, self._amp_found_inf, self._clipped_scaled = False, None, False
-        self._stream_verified = False
-        self._deferred = []
-        self._next_launch = 0
-        self._passes = [0] * len(self._params)
-        self._grads_since_step = False
-        self._taken = {}
+        self._iteration = Iteration.start(len(self._params))
         if self._hook_switch is not None:
             self._hook_switch.any = False
         self._arm_hooks()
@@ -465,9 +459,96 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
         applied = 0
         for bucket in self._buckets:
             if bucket.stage is Stage.GATHERING:
-                self._apply(bucket)
+                self._finalize(bucket)
                 applied += 1
         return applied
+
+    # ------------------------------------------------------------------ extension points
+    # What dear.KFAC, dear.join, the autotuners and the tracer use, and nothing else of this
+    # class (docs/ARCHITECTURE.md lists them). All are named dear_* so that they cannot collide
+    # with the wrapped optimizer's own attributes.
+    @property
+    def dear_iteration(self) -> Iteration:
+        """The state of the iteration in progress (dear/iteration.py); replaced at its end."""
+        return self._iteration
+
+    @property
+    def dear_model(self) -> Optional[torch.nn.Module]:
+        """The `model=` given at the wrap (None without one)."""
+        return self._model
+
+    @property
+    def dear_parameters(self) -> list[torch.nn.Parameter]:
+        """The trained parameters, in dear's index order (what `dear_layout.where` indexes)."""
+        return self._params
+
+    @property
+    def dear_parameter_names(self) -> list[str]:
+        return self._names
+
+    @property
+    def dear_parameter_index(self) -> dict[torch.nn.Parameter, int]:
+        return self._index
+
+    @property
+    def dear_layout(self) -> Optional[Layout]:
+        """Buckets and all-gather groups in force; None until the first step() plans them
+        (and again after the trained parameters changed)."""
+        return self._layout if self._buckets is not None else None
+
+    @property
+    def dear_order(self) -> list[int]:
+        """Rank 0's forward order of the parameters, which the layout was planned from."""
+        return self._order
+
+    @property
+    def dear_row_sparse(self) -> Any:
+        """Indices of the parameters the layout sends as rows (none under dear.KFAC)."""
+        return self._row_sparse if self._transform is None else ()
+
+    @property
+    def dear_schedule(self) -> ScheduleDriver:
+        return self._schedule
+
+    @property
+    def dear_buffer_sync(self) -> Optional[BufferBroadcast]:
+        """DDP's broadcast_buffers (dear/buffers.py); dear.join moves its root."""
+        return self._buffer_sync
+
+    @property
+    def dear_synchronized(self) -> bool:
+        """synchronize() has put this iteration's averaged gradients in .grad."""
+        return self._synchronized
+
+    @property
+    def dear_had_gradients(self) -> bool:
+        """A backward ran since the last step()."""
+        return self._had_gradients
+
+    @property
+    def dear_communicator(self) -> Any:
+        """Every collective of this optimizer goes through it; a tracer may put a proxy with
+        the same interface in its place (dear/diagnose/comm.py) and restore it after."""
+        return self._comm
+
+    @dear_communicator.setter
+    def dear_communicator(self, comm: Any) -> None:
+        self._comm = comm
+
+    def dear_finish_reduce(self, verify: bool = True) -> None:
+        """Finish this iteration's reduce-scatters now (dear.join, dear.KFAC's clip)."""
+        self._finish_reduce(verify)
+
+    def dear_attach_transform(self, transform: Any, ties: list[list[int]]) -> None:
+        """dear.KFAC's eigenbasis path (dear/kfac/overlap.py): `transform.before_reduce` and
+        `after_gather` edit each bucket around its collectives; `ties` share a bucket."""
+        self._attach_transform(transform, ties)
+
+    def dear_observe_updates(self, observer: Callable[[Bucket], Any]) -> Callable[[], None]:
+        """`observer(bucket)` returns a context manager entered around each bucket's update
+        (the tracer times them); returns the function that removes it."""
+        self._update_observers.append(observer)
+        return lambda: self._update_observers.remove(observer)
 
     @property
     def gradient_as_bucket_view(self) -> bool:
@@ -515,7 +596,7 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
         self._synchronized = True
         self._discard_provisional_plan()
 
-    def _synchronize_for_preconditioner(self) -> None:
+    def dear_synchronize_for_preconditioner(self) -> None:
         """dear.KFAC on a step that preconditions .grad: synchronize(), and the step() that
         follows applies .grad as after Horovod's skip_synchronize(), without a warning."""
         if self._had_gradients and not self._synchronized:
@@ -544,38 +625,39 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
         between step() and the next backward, on every rank."""
         if passes < 1:
             raise ValueError(f"backward_passes_per_step must be >= 1, got {passes}")
-        if self._had_gradients or any(self._passes):
+        if self._had_gradients or any(self._iteration.passes):
             raise RuntimeError("set_backward_passes_per_step() between backward and step(): "
                                "call it after step(), before the next backward")
         self._passes_needed = passes
         self._arm_hooks()
 
     # ---------------------------------------------------------------- next forward: the update
-    def _apply(self, bucket: Bucket) -> None:
+    def _finalize(self, bucket: Bucket) -> None:
         """Run the wrapped optimizer's update on this bucket's parameters only, with the averaged
         gradient as .grad (a view into the gathered buffer); the user's .grad is put back."""
-        used = self._finish_all_gather(bucket)
-        self._apply_deferred(bucket)
-        saved = native.swap_grads(bucket.params, [view if u else None for view, u
-                                                  in zip(bucket.grad_views, used)])
-        groups = self.param_groups
-        originals = [dict(g) for g in groups]
-        try:
-            members_of = self._group_members(bucket)
-            for k, g in enumerate(groups):
-                if k < len(self._hyper_at_step) and k < len(members_of):
-                    g.update(self._hyper_at_step[k])
-                    g["params"] = members_of[k]
-                else:                          # added after step(): not in this update
-                    g["params"] = []
-            self._inner_step(self)
-        finally:
-            for g, original in zip(groups, originals):
-                g.update(original)
-            native.swap_grads(bucket.params, saved)
-            bucket.zero_pending_views()        # zero_grad() while it was pending
-            bucket.reset()
-            self._num_pending -= 1
+        with _scope("dear::finalize"), _observed(self._update_observers, bucket):
+            used = self._finish_all_gather(bucket)
+            self._apply_deferred(bucket)
+            saved = native.swap_grads(bucket.params, [view if u else None for view, u
+                                                      in zip(bucket.grad_views, used)])
+            groups = self.param_groups
+            originals = [dict(g) for g in groups]
+            try:
+                members_of = self._group_members(bucket)
+                for k, g in enumerate(groups):
+                    if k < len(self._hyper_at_step) and k < len(members_of):
+                        g.update(self._hyper_at_step[k])
+                        g["params"] = members_of[k]
+                    else:                          # added after step(): not in this update
+                        g["params"] = []
+                self._inner_step(self)
+            finally:
+                for g, original in zip(groups, originals):
+                    g.update(original)
+                native.swap_grads(bucket.params, saved)
+                bucket.zero_pending_views()        # zero_grad() while it was pending
+                bucket.reset()
+                self._num_pending -= 1
 
     def _gathered_early(self) -> bool:
         """Some bucket already holds gathered gradients before step() (chunks of the planned
@@ -697,11 +779,10 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
         self._names = [n for n, _ in named]
         self._params = [p for _, p in named]
         self._index = {p: i for i, p in enumerate(self._params)}
-        self._passes = [0] * len(self._params)
+        self._iteration = Iteration.start(len(self._params))
         self._buckets, self._where, self._gather_groups, self._triggers = None, [], [], {}
         self._order, self._forward_order, self._grad_order = [], [], []
         self._forward_seen = set()
-        self._taken = {}
         if self._views is not None:
             self._views = GradientViews()
         self._row_sparse = resolve_row_sparse(self._row_sparse_setting, named, self._model,
@@ -733,7 +814,7 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
         self._order = order
         self._relayout(self._fusion)
         for i, p in enumerate(self._params):
-            if self._passes[i] > 0 or p.grad is not None:
+            if self._iteration.passes[i] > 0 or p.grad is not None:
                 bucket, j = self._where[i]
                 bucket.pack(j, p.grad)
 
@@ -755,10 +836,10 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
         self._gather_groups = layout.gather_groups
         if self._views is not None:            # .grad moves into the new buffers
             self._views.attach(layout.buckets)
-            for i in self._taken:              # taken before the buckets existed
+            for i in self._iteration.taken:              # taken before the buckets existed
                 p = self._params[i]
                 if self._views.owns(p) and p.grad is not None:
-                    self._taken[i] = (weakref.ref(p.grad), _VIEW)
+                    self._iteration.taken[i] = (weakref.ref(p.grad), _VIEW)
                     bucket = self._where[i][0]
                     bucket.taken_version = bucket.user_version()
         self._triggers = {}
@@ -795,24 +876,27 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
             lambda *args: flush())))
 
     def _pre_forward(self, module: torch.nn.Module, args: Any) -> None:
-        tuner = self._autotuner
-        if tuner is not None and tuner.samples_per_iteration is None and module is self._model:
-            first = next((a for a in args if isinstance(a, torch.Tensor)), None)
-            tuner.samples_per_iteration = 0 if first is None else first.shape[0] * self._comm.size
-        if module is self._model and self._buffer_sync is not None:
-            self._buffer_sync.apply_staged()   # DDP's broadcast_buffers point (dear/buffers.py)
-        if module is self._model and not module.training:
-            self.flush_updates()               # evaluation reads every parameter
-        elif self._num_pending:
-            for bucket in self._triggers.get(module, ()):
-                if bucket.stage is Stage.GATHERING:
-                    self._apply(bucket)
-        elif self._buckets is None:            # first iteration: learn the execution order
-            for p in module.parameters(recurse=False):
-                i = self._index.get(p)
-                if i is not None and i not in self._forward_seen:
-                    self._forward_seen.add(i)
-                    self._forward_order.append(i)
+        """Phase 4: before `module` runs, apply the pending buckets holding its parameters."""
+        with _scope("dear::pre_forward"):
+            tuner = self._autotuner
+            if tuner is not None and tuner.samples_per_iteration is None and module is self._model:
+                first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+                tuner.samples_per_iteration = (0 if first is None
+                                               else first.shape[0] * self._comm.size)
+            if module is self._model and self._buffer_sync is not None:
+                self._buffer_sync.apply_staged()   # DDP's broadcast_buffers point (dear/buffers.py)
+            if module is self._model and not module.training:
+                self.flush_updates()               # evaluation reads every parameter
+            elif self._num_pending:
+                for bucket in self._triggers.get(module, ()):
+                    if bucket.stage is Stage.GATHERING:
+                        self._finalize(bucket)
+            elif self._buckets is None:            # first iteration: learn the execution order
+                for p in module.parameters(recurse=False):
+                    i = self._index.get(p)
+                    if i is not None and i not in self._forward_seen:
+                        self._forward_seen.add(i)
+                        self._forward_order.append(i)
 
     def _after_forward(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         if self._num_pending:
@@ -898,6 +982,21 @@ def _remove_hooks(handles: list[Any]) -> None:
 def _hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
     return {k: v.clone() if isinstance(v, torch.Tensor) else v
             for k, v in group.items() if k != "params"}
+
+
+def _observed(observers: list[Callable[[Bucket], Any]], bucket: Bucket) -> Any:
+    if not observers:
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    for observer in observers:
+        stack.enter_context(observer(bucket))
+    return stack
+
+
+def _scope(name: str) -> Any:
+    """A profiler scope naming the phase, only while a profiler records (its cost otherwise)."""
+    return (torch.autograd.profiler.record_function(name)
+            if torch.autograd.profiler._is_profiler_enabled else contextlib.nullcontext())
 
 
 _DistributedOptimizer.step.hooked = True  # type: ignore[attr-defined]  # torch must not re-wrap

@@ -67,7 +67,7 @@ class join:  # noqa: N801 (used like a function: `with dear.join(optimizer):`)
             raise TypeError("dear.join() takes the optimizer(s) dear.DistributedOptimizer "
                             "returned")
         if model is None:
-            model = next((o._model for o in opts if o._model is not None), None)
+            model = next((o.dear_model for o in opts if o.dear_model is not None), None)
         if model is None:
             raise ValueError("dear.join() needs the model, whose forward starts each iteration: "
                              "pass model= to dear.DistributedOptimizer or to dear.join()")
@@ -106,7 +106,8 @@ class join:  # noqa: N801 (used like a function: `with dear.join(optimizer):`)
                 "GradScaler inside dear.join() is not supported: a rank that has joined cannot "
                 "shadow the scaler's inf check. Train without the scaler (or with bf16 "
                 "autocast) inside dear.join(), or give every rank the same number of batches")
-        self._clipped[k] = bool(opt._reduced)  # optimizer.clip_grad_norm_ ran this iteration
+        # optimizer.clip_grad_norm_ ran this iteration
+        self._clipped[k] = opt.dear_iteration.reduced
 
     def _rearm(self, *args: Any) -> None:
         self._armed = True
@@ -132,8 +133,8 @@ class join:  # noqa: N801 (used like a function: `with dear.join(optimizer):`)
                 # "A backward ran" (of nothing): step() communicates, every gradient counting
                 # as unused, instead of taking its no-backward path. The reduce-scatters the
                 # others' backward issues come first, for every optimizer, in list order.
-                opt._grads_since_step = True
-                opt._finish_reduce(verify=False)   # its check: at clip or step()
+                opt.dear_iteration.grads_since_step = True
+                opt.dear_finish_reduce(verify=False)   # its check: at clip or step()
             for opt, clipped in zip(self._opts, self._clipped):
                 if clipped:
                     opt.clip_grad_norm_(1.0)   # zeros: the max_norm does not matter
@@ -144,8 +145,8 @@ class join:  # noqa: N801 (used like a function: `with dear.join(optimizer):`)
             opt.flush_updates()
         self._final_sync(max(previous))
         for opt in self._opts:
-            if opt._buffer_sync is not None:
-                opt._buffer_sync.root = 0
+            if opt.dear_buffer_sync is not None:
+                opt.dear_buffer_sync.root = 0
 
     # ------------------------------------------------------------------------------ helpers
     def _exchange(self, active: bool) -> list[int]:
@@ -165,7 +166,7 @@ class join:  # noqa: N801 (used like a function: `with dear.join(optimizer):`)
     def _set_buffer_root(self, active: list[int]) -> None:
         for opt in self._opts:
             if getattr(opt, "_buffer_sync", None) is not None:
-                opt._buffer_sync.root = max(active)
+                opt.dear_buffer_sync.root = max(active)
 
     def _final_sync(self, root: int) -> None:
         """Every rank takes `root`'s parameters and buffers (DDP's final model sync)."""

@@ -31,10 +31,8 @@ class ReducedGradientMixin:
         _comm: Any
         _params: list
         _synchronized: bool
-        _amp_found_inf: Optional[torch.Tensor]
-        _clipped_scaled: bool
+        _iteration: Any
         _schedule: Any
-        _deferred: list[torch.Tensor]
 
         def _finish_reduce(self, verify: bool = True) -> None: ...
         def _gathered_early(self) -> bool: ...
@@ -43,8 +41,8 @@ class ReducedGradientMixin:
 
     def _amp_skips(self, grad_scaler: Any) -> bool:
         """GradScaler's unscale and inf check, on the reduced shards; True: skip on every rank."""
-        if self._amp_found_inf is None:
-            if self._clipped_scaled and amp.unscaled_by_user(grad_scaler, self):
+        if self._iteration.amp_found_inf is None:
+            if self._iteration.clipped_scaled and amp.unscaled_by_user(grad_scaler, self):
                 self._end_iteration()
                 raise RuntimeError(
                     "scaler.unscale_(optimizer) does not reach dear's reduced gradients, so "
@@ -57,9 +55,9 @@ class ReducedGradientMixin:
             except ValueError:                 # e.g. fp16 gradients: the same on every rank
                 self._end_iteration()
                 raise
-            self._amp_found_inf = amp.agree(self._comm, found)
-        amp.record(grad_scaler, self, self._amp_found_inf)
-        return bool(self._amp_found_inf.item() > 0)
+            self._iteration.amp_found_inf = amp.agree(self._comm, found)
+        amp.record(grad_scaler, self, self._iteration.amp_found_inf)
+        return bool(self._iteration.amp_found_inf.item() > 0)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False, *,
@@ -79,23 +77,24 @@ class ReducedGradientMixin:
         self._finish_reduce()
         assert self._buckets is not None
         found = None
-        if grad_scaler is not None and self._amp_found_inf is None:
+        if grad_scaler is not None and self._iteration.amp_found_inf is None:
             found = self._unscale_shards(grad_scaler)
         total, agreed = clip.global_norm(self._buckets, self._comm, norm_type, found)
         if self._gathered_early():    # the shards are still scaled by what was deferred
-            for factor in self._deferred:
+            for factor in self._iteration.deferred:
                 total = total * factor.to(total.dtype)
         if agreed is not None:
-            self._amp_found_inf = agreed
+            self._iteration.amp_found_inf = agreed
             amp.record(grad_scaler, self, agreed)
-        self._clipped_scaled |= grad_scaler is None and self._amp_found_inf is None
+        it = self._iteration
+        it.clipped_scaled |= grad_scaler is None and it.amp_found_inf is None
         if error_if_nonfinite and not torch.isfinite(total):
             raise RuntimeError(f"the total norm of order {norm_type} of the averaged gradients "
                                "is non-finite, so it cannot be clipped; set "
                                "error_if_nonfinite=False to scale them by it anyway")
         if max_norm != math.inf:
             if self._gathered_early():
-                self._deferred.append(clip.coefficient(total, max_norm))
+                self._iteration.deferred.append(clip.coefficient(total, max_norm))
             else:
                 clip.scale_(self._buckets, self._comm.rank, total, max_norm)
         return total
@@ -105,7 +104,7 @@ class ReducedGradientMixin:
         gathered in backward the unscale is deferred to after the gather, for every bucket."""
         if self._gathered_early():
             found = amp.unscale_local(self._buckets, self._comm.rank, grad_scaler, in_place=False)
-            self._deferred.append(amp.inverse_scale(grad_scaler))
+            self._iteration.deferred.append(amp.inverse_scale(grad_scaler))
             return found
         return amp.unscale_local(self._buckets, self._comm.rank, grad_scaler)
 

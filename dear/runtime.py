@@ -136,6 +136,11 @@ def config() -> Config:
     return _state.config
 
 
+def optimizers() -> list[Any]:
+    """The live dear.DistributedOptimizers (dear.KFAC finds the ones training its layers)."""
+    return list(_state.optimizers)
+
+
 def register_optimizer(opt: Any) -> None:
     _state.optimizers.add(opt)
 
@@ -158,7 +163,7 @@ def _flush_all() -> None:
     """Before a collective of the user's: pending updates applied, and whatever an optimizer's
     collective thread was given is issued, so this one keeps its place in the order."""
     for opt in list(_state.optimizers):
-        opt._schedule.drain()
+        opt.dear_schedule.drain()
         opt.flush_updates()
 
 
@@ -219,7 +224,7 @@ def allreduce(tensor: torch.Tensor, op: Any = ReduceOp.Average) -> torch.Tensor:
     op = resolve_op(op)
     comm = communicator()
     for opt in list(_state.optimizers):        # keep its place after what backward submitted
-        opt._schedule.drain()
+        opt.dear_schedule.drain()
     out = tensor.detach().clone().contiguous()
     comm.all_reduce(out).wait()
     if op is ReduceOp.Average:

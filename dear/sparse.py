@@ -78,7 +78,7 @@ class SparseGradients:
         def mark(_: torch.Tensor) -> None:
             opt = ref()
             if opt is not None:
-                opt._grads_since_step = True
+                opt.dear_iteration.grads_since_step = True
         self._hooks = [p.register_post_accumulate_grad_hook(mark) for p in self._params]
         self._hooks.append(optimizer.register_step_pre_hook(_refuse_grad_scaler))
         weakref.finalize(optimizer, _remove, self._hooks)

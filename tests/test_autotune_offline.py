@@ -146,8 +146,8 @@ def _train(autotune: object, out_dir: str, world: int, steps: int = STEPS,
            extra: Optional[dict] = None) -> dict:
     def observe(model: torch.nn.Module, opt: object) -> tuple:
         return (opt._layout.signature(), _hooks(model, opt),  # type: ignore[attr-defined]
-                type(opt._comm).__name__ == "TracingCommunicator"  # type: ignore[attr-defined]
-                or "_apply" in opt.__dict__)
+                type(opt.dear_communicator).__name__ == "TracingCommunicator"  # type: ignore
+                or bool(opt._update_observers))  # type: ignore[attr-defined]
     model, opt, seen = train_autotuned(
         autotune, out_dir, world, steps,
         dict(DEAR_AUTOTUNE_WINDOW="2", DEAR_AUTOTUNE_SETTLE="1",

@@ -1,8 +1,8 @@
 """Seeing dear's collectives without touching the optimizer: a Communicator proxy.
 
-`TracingCommunicator` wraps the communicator the optimizer calls (`optimizer._comm`) and records
-every collective: kind, bytes, bucket, issue time and completion time. The completion time is
-never obtained by blocking the training loop:
+`TracingCommunicator` wraps the communicator the optimizer calls (`optimizer.dear_communicator`)
+and records every collective: kind, bytes, bucket, issue time and completion time. The
+completion time is never obtained by blocking the training loop:
 
 - Gloo point-to-point (dear's pairwise reduce-scatter / all-gather) has no completion callback
   and `is_completed()` stays False until someone waits. A watcher thread therefore does the

@@ -26,9 +26,9 @@ def collect_params(model: Optional[torch.nn.Module], optimizer: Any
             if p.requires_grad and id(p) not in seen:
                 seen.add(id(p))
                 named.append((f"param{len(named)}", p))
-    opt_names = getattr(optimizer, "_names", None)
+    opt_names = getattr(optimizer, "dear_parameter_names", None)
     if opt_names is not None:
-        by_id = {id(p): n for n, p in zip(opt_names, optimizer._params)}
+        by_id = {id(p): n for n, p in zip(opt_names, optimizer.dear_parameters)}
         named = [(by_id.get(id(p), n) if n.startswith("param") else n, p) for n, p in named]
     return named
 
@@ -56,7 +56,7 @@ def describe(model: Optional[torch.nn.Module], optimizer: Any,
 
 
 def schedule_of(model: Any, optimizer: Any) -> str:
-    if optimizer is not None and hasattr(optimizer, "_buckets") and hasattr(optimizer, "_apply"):
+    if optimizer is not None and hasattr(optimizer, "dear_layout"):
         return "dear"
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         return "ddp"

@@ -15,12 +15,13 @@ iteration after the range (at exit if the optimizer was given no model=).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import json
 import logging
 import os
 import time
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
@@ -86,6 +87,7 @@ class Tracer:
         self._started = self._stopped = False
         self._seen_forward = False
         self._patched: list[str] = []
+        self._unobserve: list[Any] = []         # dear_observe_updates' removers
         self.path: Optional[str] = None
         self.meta: dict[str, Any] = {}
 
@@ -150,6 +152,9 @@ class Tracer:
         for name in self._patched:              # our instance attributes over its methods
             delattr(self.optimizer, name)
         self._patched.clear()
+        for remove in self._unobserve:
+            remove()
+        self._unobserve.clear()
         self._uninstall_comm()
         assert self._watcher is not None
         if not self._watcher.close():
@@ -160,7 +165,8 @@ class Tracer:
 
     def _install_comm(self) -> Optional[TracingCommunicator]:
         from .. import runtime
-        opt_comm = getattr(self.optimizer, "_comm", None)
+        dear_opt = hasattr(self.optimizer, "dear_communicator")
+        opt_comm = self.optimizer.dear_communicator if dear_opt else None
         rt_comm = runtime._state.comm
         target = opt_comm if opt_comm is not None else rt_comm
         if target is None:
@@ -169,8 +175,8 @@ class Tracer:
         proxy = TracingCommunicator(target, self.recorder, self._watcher, self._active,
                                     self._bucket_of)
         if opt_comm is not None:
-            self.optimizer._comm = proxy
-        schedule = getattr(self.optimizer, "_schedule", None)
+            self.optimizer.dear_communicator = proxy
+        schedule = getattr(self.optimizer, "dear_schedule", None)
         if schedule is not None:               # the replay models DeAR's order: trace that
             self._schedule_was_paused, schedule.paused = schedule.paused, True
         if rt_comm is target:
@@ -184,9 +190,9 @@ class Tracer:
         if proxy is None:
             return
         inner = proxy.inner
-        if getattr(self.optimizer, "_comm", None) is proxy:
-            self.optimizer._comm = inner
-        schedule = getattr(self.optimizer, "_schedule", None)
+        if getattr(self.optimizer, "dear_communicator", None) is proxy:
+            self.optimizer.dear_communicator = inner
+        schedule = getattr(self.optimizer, "dear_schedule", None)
         if schedule is not None:
             schedule.paused = getattr(self, "_schedule_was_paused", False)
         if runtime._state.comm is proxy:
@@ -255,20 +261,21 @@ class Tracer:
         if callable(allreduce) and hasattr(optimizer, "_handles"):  # horovod.torch's optimizer
             optimizer._allreduce_grad_async = self._traced_horovod(allreduce)
             self._patched.append("_allreduce_grad_async")
-        apply = getattr(optimizer, "_apply", None)
-        if callable(apply) and hasattr(optimizer, "_buckets"):   # dear: per-bucket updates
-            def traced_apply(bucket: Any) -> Any:
+        observe = getattr(optimizer, "dear_observe_updates", None)
+        if observe is not None:                # dear: per-bucket updates
+            @contextlib.contextmanager
+            def timed_update(bucket: Any) -> Iterator[None]:
                 it = self._recording
                 if it is None:
-                    return apply(bucket)
+                    yield
+                    return
                 start = self.recorder.clock()
                 try:
-                    return apply(bucket)
+                    yield
                 finally:
                     self.recorder.events.append((Ev.UPDATE, it, start, self.recorder.clock(),
                                                  bucket.spec.index))
-            optimizer._apply = traced_apply
-            self._patched.append("_apply")
+            self._unobserve.append(observe(timed_update))
 
     def _traced_horovod(self, allreduce: Any) -> Any:
         """Record each of Horovod's per-tensor all-reduces; the watcher polls its handle."""

@@ -182,7 +182,7 @@ class OfflineAutotuner(TrialDriver):
         opt = self._optimizer()
         assert opt is not None
         # Iteration 0 only makes the all-gathers that iteration 1 waits for traced ones.
-        self._tracer = Tracer(opt._model, opt, out="", iterations=range(0, self._window + 1),
+        self._tracer = Tracer(opt.dear_model, opt, out="", iterations=range(0, self._window + 1),
                               inside_step=True).start()
         self._phase = _Phase.TRACE
 
@@ -236,16 +236,16 @@ class OfflineAutotuner(TrialDriver):
                         cost=cost)
         # Replay with the optimizer's own parameter order (rank 0's forward order), in the
         # tracer's parameter indices.
-        index = {id(p): i for i, (_, p) in enumerate(collect_params(opt._model, opt))}
-        order = [index[id(opt._params[i])] for i in opt._order]
+        index = {id(p): i for i, (_, p) in enumerate(collect_params(opt.dear_model, opt))}
+        order = [index[id(opt.dear_parameters[i])] for i in opt.dear_order]
         order += [i for i in range(len(index)) if i not in set(order)]
-        rows = opt._row_sparse if opt._transform is None else ()   # alone in the layouts
+        rows = opt.dear_row_sparse   # alone in the layouts
         sim = Simulator.from_model(dataclasses.replace(
             sim.model, forward_order=order, unclaimed=[],
-            alone=sorted(index[id(opt._params[i])] for i in rows)), sim.fitted)
+            alone=sorted(index[id(opt.dear_parameters[i])] for i in rows)), sim.fitted)
         # The planned schedule's chunk size is searched where a plan can run (its default
         # otherwise: DeAR's order is replayed, where the chunk size does nothing).
-        chunk = opt._schedule.searched_chunk_bytes
+        chunk = opt.dear_schedule.searched_chunk_bytes
         current = candidate_key(sim, self.current, chunk)
         predicted_now = predict_config(sim, self.current, chunk)
         found = tune_offline(sim, self._model_bytes, budget=self._budget,

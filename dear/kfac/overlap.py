@@ -61,7 +61,7 @@ class EigenbasisOverlap:
     def __init__(self, layers: list[LayerState], optimizer: Any) -> None:
         self._layers = layers
         self._optimizer = weakref.ref(optimizer)
-        index = optimizer._index
+        index = optimizer.dear_parameter_index
         self._params = [(s, index[s.layer.weight],
                          None if s.layer.bias is None else index[s.layer.bias]) for s in layers]
         self.armed: Rotation | None = None
@@ -74,7 +74,7 @@ class EigenbasisOverlap:
     @staticmethod
     def covers(layers: list[LayerState], optimizer: Any) -> bool:
         """Whether the optimizer trains every weight and bias of these layers."""
-        return all(p in optimizer._index for s in layers
+        return all(p in optimizer.dear_parameter_index for s in layers
                    for p in (s.layer.weight, s.layer.bias) if p is not None)
 
     def ties(self) -> list[list[int]]:
@@ -86,7 +86,7 @@ class EigenbasisOverlap:
         yet when the buckets were planned before dear.KFAC came (re-planned at the next step()),
         never when an explicit groups= splits them."""
         opt = self._optimizer()
-        if opt is None or opt._buckets is None:
+        if opt is None or opt.dear_layout is None:
             return opt is not None
         self._refresh(opt)
         return self._fits
@@ -131,9 +131,9 @@ class EigenbasisOverlap:
         square; dear/kfac/scaling.py)."""
         opt = self._optimizer()
         assert opt is not None and self.armed is not None
-        opt._finish_reduce()
-        rank, rotation = opt._comm.rank, self.armed
-        mine = [b for b in opt._buckets if self._slots_of(b)]
+        opt.dear_finish_reduce()
+        rank, rotation = opt.dear_communicator.rank, self.armed
+        mine = [b for b in opt.dear_layout.buckets if self._slots_of(b)]
         for bucket in mine:
             if bucket.transformed is not rotation:
                 raise RuntimeError(
@@ -146,7 +146,8 @@ class EigenbasisOverlap:
             for bucket in mine:
                 inv_d, _ = scales[bucket.spec.index]
                 partial += (bucket.shard.double().square() * inv_d).sum()
-            vg = float(gather_small(opt._comm, partial, "K-FAC's KL-clip sums").sum()) * lr ** 2
+            sums = gather_small(opt.dear_communicator, partial, "K-FAC's KL-clip sums")
+            vg = float(sums.sum()) * lr ** 2
             vg /= grad_scale ** 2
             if vg != 0 and math.isfinite(vg):
                 nu = min(1.0, math.sqrt(kl_clip / abs(vg)))
@@ -163,12 +164,12 @@ class EigenbasisOverlap:
         return self._slots.get(bucket.spec.index, [])
 
     def _refresh(self, opt: Any) -> None:
-        if opt._layout is self._layout:
+        if opt.dear_layout is self._layout:
             return
         # built, or re-planned (new ties, autotune): where each layer's slots are now
-        self._layout, self._slots, self._scales = opt._layout, {}, {}
+        self._layout, self._slots, self._scales = opt.dear_layout, {}, {}
         self._scale_key = None
-        where = opt._where
+        where = opt.dear_layout.where
         self._fits = all(b is None or where[w][0] is where[b][0] for _, w, b in self._params)
         for state, w, b in self._params:
             home, j = where[w]
@@ -245,8 +246,8 @@ class DearLink:
         """The dear.DistributedOptimizers that train these layers (none without dear.init())."""
         if not runtime.is_initialized():
             return []
-        return [opt for opt in list(runtime._state.optimizers)
-                if any(p in self._params for p in opt._params)]
+        return [opt for opt in runtime.optimizers()
+                if any(p in self._params for p in opt.dear_parameters)]
 
     def begin_step(self, decompose: bool) -> bool:
         """True: precondition the reduced shards (`precondition_shards`); False: .grad holds the
@@ -260,12 +261,12 @@ class DearLink:
         opt = optimizers[0]
         overlap = self.overlap
         if (overlap is not None and overlap.armed is not None and not decompose
-                and opt._had_gradients and not opt._synchronized and overlap.layout_fits()):
+                and opt.dear_had_gradients and not opt.dear_synchronized and overlap.layout_fits()):
             return True
         if overlap is not None:
             overlap.arm(None)
         for each in optimizers:
-            each._synchronize_for_preconditioner()
+            each.dear_synchronize_for_preconditioner()
         return False
 
     def end_step(self, keeps_bases: bool) -> None:
@@ -283,9 +284,9 @@ class DearLink:
         why = None
         if len(optimizers) > 1:
             why = "the layers are split between several dear optimizers"
-        elif opt._views is not None:
+        elif opt.gradient_as_bucket_view:
             why = "gradient_as_bucket_view=True (the rotation would rewrite .grad in place)"
-        elif opt._synchronized:
+        elif opt.dear_synchronized:
             why = "the loop calls optimizer.synchronize() itself (Horovod's K-FAC loop)"
         elif not self._eigen_everywhere:
             why = "it needs method='eigen' with strategy='comm-opt' (every rank every eigenbasis)"
@@ -296,7 +297,7 @@ class DearLink:
                      "(the all-gathers do not overlap the next forward pass): %s", why)
             return
         self.overlap = EigenbasisOverlap(self._layers, opt)
-        opt._attach_transform(self.overlap, self.overlap.ties())
+        opt.dear_attach_transform(self.overlap, self.overlap.ties())
         log.info("dear.KFAC: preconditioning in the eigenbasis on dear.DistributedOptimizer's "
                  "reduced shards: both overlaps kept except on steps that refresh the "
                  "decompositions")

@@ -88,7 +88,7 @@ class LossScale:
     def defer_or_assume(self, optimizer: Any, run: Callable[[], None]) -> bool:
         """First step with dear's optimizer and no grad_scaler=: True if `run` was deferred to
         the optimizer's step(); False: run it now, taking the gradients as unscaled."""
-        if optimizer._synchronized:
+        if optimizer.dear_synchronized:
             self._assumed_unscaled = True
             return False
         self.pending = run
@@ -99,7 +99,7 @@ class LossScale:
         pending, self.pending = self.pending, None
         assumed, self._assumed_unscaled = self._assumed_unscaled, False
         if pending is not None and optimizer is not None and (
-                optimizer._synchronized or optimizer._reduced):
+                optimizer.dear_synchronized or optimizer.dear_iteration.reduced):
             raise RuntimeError(
                 "dear.KFAC: the gradients were reduced (e.g. optimizer.clip_grad_norm_) between "
                 "precond.step() and optimizer.step() on the first step, which dear.KFAC had "
@@ -123,6 +123,6 @@ class LossScale:
         if optimizer is None or not (self._explicit is not None or self._seen is not None):
             return False
         scaler = self._seen if self._seen is not None else self._scaler
-        if optimizer._synchronized:
+        if optimizer.dear_synchronized:
             return scaler is None or not amp.unscaled_by_user(scaler, optimizer)
-        return optimizer._amp_found_inf is None
+        return optimizer.dear_iteration.amp_found_inf is None
