@@ -38,10 +38,11 @@ from .comm.base import ReduceOp
 from .compiled import PreForwardHook
 from .compression import Compressor
 from .config import Autotune
+from .extension import ExtensionPoints
 from .fusion.autotune import make_autotuner
 from .fusion.bucket import Bucket, Stage
 from .fusion.fusion_config import FusionConfig
-from .fusion.layout import GatherGroup, Layout, build_layout
+from .fusion.layout import GatherGroup, build_layout
 from .fusion.rows import RowSparseBucket, resolve_row_sparse
 from .fusion.schedule import ScheduleDriver, issue_mode
 from .fusion.views import GradientViews
@@ -54,7 +55,7 @@ from .validation import explicit_groups, refuse_construction
 log = logging.getLogger("dear")
 
 
-class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
+class _DistributedOptimizer(ExtensionPoints, ReducedGradientMixin, torch.optim.Optimizer):
     """Mixed into the wrapped optimizer's own class (dear/optimizer.py's `DistributedOptimizer`);
     GradScaler and clip_grad_norm_ support come from `ReducedGradientMixin` (dear/reduced.py).
     One class on purpose, like Horovod's: the life of a gradient above reads top to bottom."""
@@ -462,93 +463,6 @@ class _DistributedOptimizer(ReducedGradientMixin, torch.optim.Optimizer):
                 self._finalize(bucket)
                 applied += 1
         return applied
-
-    # ------------------------------------------------------------------ extension points
-    # What dear.KFAC, dear.join, the autotuners and the tracer use, and nothing else of this
-    # class (docs/ARCHITECTURE.md lists them). All are named dear_* so that they cannot collide
-    # with the wrapped optimizer's own attributes.
-    @property
-    def dear_iteration(self) -> Iteration:
-        """The state of the iteration in progress (dear/iteration.py); replaced at its end."""
-        return self._iteration
-
-    @property
-    def dear_model(self) -> Optional[torch.nn.Module]:
-        """The `model=` given at the wrap (None without one)."""
-        return self._model
-
-    @property
-    def dear_parameters(self) -> list[torch.nn.Parameter]:
-        """The trained parameters, in dear's index order (what `dear_layout.where` indexes)."""
-        return self._params
-
-    @property
-    def dear_parameter_names(self) -> list[str]:
-        return self._names
-
-    @property
-    def dear_parameter_index(self) -> dict[torch.nn.Parameter, int]:
-        return self._index
-
-    @property
-    def dear_layout(self) -> Optional[Layout]:
-        """Buckets and all-gather groups in force; None until the first step() plans them
-        (and again after the trained parameters changed)."""
-        return self._layout if self._buckets is not None else None
-
-    @property
-    def dear_order(self) -> list[int]:
-        """Rank 0's forward order of the parameters, which the layout was planned from."""
-        return self._order
-
-    @property
-    def dear_row_sparse(self) -> Any:
-        """Indices of the parameters the layout sends as rows (none under dear.KFAC)."""
-        return self._row_sparse if self._transform is None else ()
-
-    @property
-    def dear_schedule(self) -> ScheduleDriver:
-        return self._schedule
-
-    @property
-    def dear_buffer_sync(self) -> Optional[BufferBroadcast]:
-        """DDP's broadcast_buffers (dear/buffers.py); dear.join moves its root."""
-        return self._buffer_sync
-
-    @property
-    def dear_synchronized(self) -> bool:
-        """synchronize() has put this iteration's averaged gradients in .grad."""
-        return self._synchronized
-
-    @property
-    def dear_had_gradients(self) -> bool:
-        """A backward ran since the last step()."""
-        return self._had_gradients
-
-    @property
-    def dear_communicator(self) -> Any:
-        """Every collective of this optimizer goes through it; a tracer may put a proxy with
-        the same interface in its place (dear/diagnose/comm.py) and restore it after."""
-        return self._comm
-
-    @dear_communicator.setter
-    def dear_communicator(self, comm: Any) -> None:
-        self._comm = comm
-
-    def dear_finish_reduce(self, verify: bool = True) -> None:
-        """Finish this iteration's reduce-scatters now (dear.join, dear.KFAC's clip)."""
-        self._finish_reduce(verify)
-
-    def dear_attach_transform(self, transform: Any, ties: list[list[int]]) -> None:
-        """dear.KFAC's eigenbasis path (dear/kfac/overlap.py): `transform.before_reduce` and
-        `after_gather` edit each bucket around its collectives; `ties` share a bucket."""
-        self._attach_transform(transform, ties)
-
-    def dear_observe_updates(self, observer: Callable[[Bucket], Any]) -> Callable[[], None]:
-        """`observer(bucket)` returns a context manager entered around each bucket's update
-        (the tracer times them); returns the function that removes it."""
-        self._update_observers.append(observer)
-        return lambda: self._update_observers.remove(observer)
 
     @property
     def gradient_as_bucket_view(self) -> bool:
