@@ -35,10 +35,16 @@ void GradHook::operator()(const py::object& param) {
     return;
   }
   if (ready_->recorded(j_)) {
+    // The same words as DistributedOptimizer._post_backward's (dear/deferred.py).
     throw std::runtime_error(
-        "gradient of " + name_ + " was computed 2 times before step(), but "
-        "backward_passes_per_step=1; call step() after each backward or raise "
-        "backward_passes_per_step");
+        "gradient of " + name_ + " was computed 2 times since this optimizer's last step(), "
+        "but backward_passes_per_step=1. dear reduces each gradient as backward produces it, "
+        "so a backward that reaches these parameters counts even if its gradients are meant "
+        "to be thrown away: typically another model's loss backpropagating through this one "
+        "(a GAN's generator loss through the discriminator). Keep that backward away from "
+        "these parameters (e.g. p.requires_grad_(False) for them around it, or detach the "
+        "input), call step() after each backward, or raise backward_passes_per_step if the "
+        "passes are meant to accumulate");
   }
   const at::Tensor& p = THPVariable_Unpack(param.ptr());
   switch_->any = true;

@@ -9,6 +9,7 @@ temporary file in the same directory, flushes it to disk, and renames it over th
 from __future__ import annotations
 
 import os
+import socket
 import tempfile
 from typing import Any, Union
 
@@ -18,11 +19,16 @@ PathLike = Union[str, "os.PathLike[str]"]
 
 
 def atomic_save(obj: Any, path: PathLike) -> None:
-    """torch.save(obj, path), all or nothing: readers see the old file or the new one."""
+    """torch.save(obj, path), all or nothing: readers see the old file or the new one. The file
+    gets the mode torch.save would give it (0666 less the umask). A temporary file left by a
+    process killed mid-write (named after its host and pid) is removed by the next save."""
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=directory)
+    prefix = f"{os.path.basename(path)}.{_HOST}.{os.getpid()}."
+    _remove_orphans(directory, os.path.basename(path))
+    fd, tmp = tempfile.mkstemp(prefix=prefix, suffix=_SUFFIX, dir=directory)
     try:
+        os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "wb") as fh:
             torch.save(obj, fh)
             fh.flush()
@@ -39,3 +45,50 @@ def atomic_save(obj: Any, path: PathLike) -> None:
         os.fsync(dir_fd)                       # the rename itself survives a power cut
     finally:
         os.close(dir_fd)
+
+
+_HOST = socket.gethostname().replace(".", "_") or "host"
+_SUFFIX = ".dear-tmp"
+
+
+def _remove_orphans(directory: str, name: str) -> None:
+    """Temporary files of `name` written on this host by processes that no longer exist."""
+    head = f"{name}.{_HOST}."
+    try:
+        entries = os.listdir(directory)
+    except OSError:
+        return
+    for entry in entries:
+        if not (entry.startswith(head) and entry.endswith(_SUFFIX)):
+            continue
+        pid_text = entry[len(head):].split(".", 1)[0]
+        if not pid_text.isdigit() or _alive(int(pid_text)):
+            continue
+        try:
+            os.unlink(os.path.join(directory, entry))
+        except OSError:
+            pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:                    # another user's live process
+        return True
+    return True
+
+
+def _umask() -> int:
+    """The process's umask, read without changing it where /proc says it (Linux 4.7+)."""
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask

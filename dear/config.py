@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 import os
 from typing import Any, Callable, ClassVar, Mapping, Optional, Union
 
@@ -25,11 +26,22 @@ def auto_threshold(gradient_bytes: int) -> int:
 def _parse_bytes(text: str) -> int:
     """Accept '25MB', '25M', '1048576', '0.5GB'; plain numbers are bytes."""
     value = text.strip().upper()
-    for suffix, scale in (("GB", 1024**3), ("G", 1024**3), ("MB", _MB), ("M", _MB),
-                          ("KB", 1024), ("K", 1024), ("B", 1)):
+    number, scale = value, 1
+    for suffix, size in (("GB", 1024**3), ("G", 1024**3), ("MB", _MB), ("M", _MB),
+                         ("KB", 1024), ("K", 1024), ("B", 1)):
         if value.endswith(suffix):
-            return int(float(value[: -len(suffix)]) * scale)
-    return int(float(value))
+            number, scale = value[: -len(suffix)], size
+            break
+    return int(_parse_finite(number) * scale)
+
+
+def _parse_finite(text: str) -> float:
+    """A float that is a number: nan and inf are refused (they would pass every comparison
+    check, or fail later without the setting's name)."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"expected a finite number, got {text.strip()!r}")
+    return value
 
 
 def _parse_bool(text: str) -> bool:
@@ -171,17 +183,17 @@ class Config:
         "schedule": ("DEAR_SCHEDULE", str),
         "plan_after": ("DEAR_PLAN_AFTER", int),
         "chunk_bytes": ("DEAR_CHUNK_BYTES", _parse_bytes),
-        "plan_slack": ("DEAR_PLAN_SLACK", float),
+        "plan_slack": ("DEAR_PLAN_SLACK", _parse_finite),
         "row_sparse": ("DEAR_ROW_SPARSE", str),
         "gradient_as_bucket_view": ("DEAR_GRADIENT_AS_BUCKET_VIEW", _parse_bool),
-        "timeout": ("DEAR_TIMEOUT", float),
+        "timeout": ("DEAR_TIMEOUT", _parse_finite),
         "trace": ("DEAR_TRACE", str),
         "trace_iterations": ("DEAR_TRACE_ITERATIONS", str),
         "gloo_collectives": ("DEAR_GLOO_COLLECTIVES", str),
         "horovod_data_plane": ("DEAR_HOROVOD_DATA_PLANE", str),
         "backend": ("DEAR_BACKEND", str),
         "mpi_progress": ("DEAR_MPI_PROGRESS", str),
-        "mpi_progress_interval": ("DEAR_MPI_PROGRESS_INTERVAL", float),
+        "mpi_progress_interval": ("DEAR_MPI_PROGRESS_INTERVAL", _parse_finite),
         "log_level": ("DEAR_LOG_LEVEL", str),
         "native": ("DEAR_NATIVE", _parse_bool),
     }
@@ -190,8 +202,12 @@ class Config:
         object.__setattr__(self, "autotune", parse_autotune(self.autotune))
         if self.fusion_threshold is not None and self.fusion_threshold < 0:
             raise ValueError(f"fusion_threshold must be >= 0 bytes, got {self.fusion_threshold}")
+        for name in ("timeout", "plan_slack", "mpi_progress_interval"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} ({self._ENV[name][0]}) must be a finite number, "
+                                 f"got {getattr(self, name)}")
         if self.timeout <= 0:
-            raise ValueError(f"timeout must be > 0 seconds, got {self.timeout}")
+            raise ValueError(f"timeout (DEAR_TIMEOUT) must be > 0 seconds, got {self.timeout}")
         start, _, stop = self.trace_iterations.partition(":")
         if not (start.strip().isdigit() and stop.strip().isdigit() and int(stop) > int(start)):
             raise ValueError(f"trace_iterations must be START:STOP with 0 <= START < STOP, "
@@ -232,7 +248,7 @@ class Config:
             if var in environ:
                 try:
                     values[field] = parse(environ[var])
-                except ValueError as exc:
+                except (ValueError, OverflowError) as exc:
                     raise ValueError(f"{var}={environ[var]!r} is invalid: {exc}") from None
         for field, value in overrides.items():
             if field not in cls._ENV:

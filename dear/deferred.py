@@ -190,9 +190,16 @@ class _DistributedOptimizer(ExtensionPoints, ReducedGradientMixin, torch.optim.O
                 return
             if it.passes[i] > self._passes_needed:
                 raise RuntimeError(
-                    f"gradient of {self._names[i]} was computed {it.passes[i]} times before "
-                    f"step(), but backward_passes_per_step={self._passes_needed}; call step() "
-                    "after each backward or raise backward_passes_per_step")
+                    f"gradient of {self._names[i]} was computed {it.passes[i]} times since "
+                    f"this optimizer's last step(), but backward_passes_per_step="
+                    f"{self._passes_needed}. dear reduces each gradient as backward produces "
+                    "it, so a backward that reaches these parameters counts even if its "
+                    "gradients are meant to be thrown away: typically another model's loss "
+                    "backpropagating through this one (a GAN's generator loss through the "
+                    "discriminator). Keep that backward away from these parameters (e.g. "
+                    "p.requires_grad_(False) for them around it, or detach the input), call "
+                    "step() after each backward, or raise backward_passes_per_step if the "
+                    "passes are meant to accumulate")
             it.grads_since_step = True
             if self._buckets is None:          # first iteration: the plan is built in step()
                 grad = param.grad

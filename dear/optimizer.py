@@ -26,10 +26,10 @@ from .deferred import _DistributedOptimizer
 from .fusion import fusion_config as fusion_file
 from .fusion.fusion_config import FusionConfig
 from .sparse import SparseGradients, sparse_parameters
-from .validation import (broadcast_model, check_not_wrapped, check_optimizer,
-                         check_process_set, check_same_across_ranks, check_settings_match,
-                         collective_knobs, horovod_groups, model_settings, named_params_of,
-                         warn_if_ddp)
+from .validation import (autotune_output_problem, broadcast_model, check_not_wrapped,
+                         check_optimizer, check_process_set, check_same_across_ranks,
+                         check_settings_match, collective_knobs, horovod_groups, model_settings,
+                         named_params_of, warn_if_ddp)
 
 log = logging.getLogger("dear")
 
@@ -183,8 +183,13 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         fusion, tune = _fusion_settings(named, fusion_threshold, mode, fusion_config, groups)
     except (OSError, ValueError) as exc:
         fusion_error = exc
+    # Only rank 0 writes the autotuner's files: a place it cannot write must stop every rank
+    # now, not rank 0 alone after the first trial.
+    output_problem = (autotune_output_problem(runtime.config())
+                      if fusion_error is None and tune and comm.rank == 0 else None)
     check_settings_match({
         **collective_knobs(runtime.config()), **model_settings(model),
+        "autotune output (written by rank 0)": output_problem or "writable",
         "op": op.name, "gradient_predivide_factor": repr(float(gradient_predivide_factor)),
         "compression": type(compressor).__name__,
         "backward_passes_per_step": str(backward_passes_per_step),
@@ -201,6 +206,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     }, comm)
     if fusion_error is not None:
         raise fusion_error
+    if output_problem is not None:             # a world of one: no exchange raised it
+        raise ValueError(f"dear: autotune output on rank 0: {output_problem}")
     if model is not None and init_sync:
         broadcast_model(model, comm)
     # One object: the user's optimizer becomes dear's in place (its class is swapped for a

@@ -4,6 +4,7 @@ instead of hanging or silently diverging later."""
 from __future__ import annotations
 
 import inspect
+import os
 import sys
 from typing import Any, Iterable, Optional
 
@@ -240,6 +241,30 @@ def check_settings_match(settings: dict[str, str], comm: Communicator) -> None:
             "dear: settings that must be the same on every rank differ (every rank raises "
             "this):\n  " + "\n  ".join(problems) + "\nGive every rank the same arguments, "
             "DEAR_* variables and fusion config file")
+
+
+def autotune_output_problem(config: Any) -> Optional[str]:
+    """Why this process could not write the autotuner's trial log (appended) or its best
+    layout (a temporary file renamed into place), or None."""
+    for var, path in (("DEAR_AUTOTUNE_LOG", config.autotune_log),
+                      ("DEAR_AUTOTUNE_OUT", config.autotune_out)):
+        if not path:
+            continue
+        target = os.path.abspath(path)
+        directory = os.path.dirname(target)
+        why = None
+        if os.path.isdir(target):
+            why = "is a directory"
+        elif not os.path.isdir(directory):
+            why = f"its directory {directory} does not exist"
+        elif not os.access(directory, os.W_OK | os.X_OK):
+            why = f"its directory {directory} is not writable"
+        elif os.path.exists(target) and not os.access(target, os.W_OK):
+            why = "is not writable"
+        if why is not None:
+            return (f"{var}={path!r} {why}; point it at a writable place (or set it to '' to "
+                    "not write it)")
+    return None
 
 
 def model_settings(model: Optional[torch.nn.Module]) -> dict[str, str]:

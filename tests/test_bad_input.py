@@ -107,6 +107,50 @@ def test_bad_environment_variable() -> None:
     assert not dear.is_initialized()
 
 
+@pytest.mark.parametrize("var,value", [
+    ("DEAR_TIMEOUT", "nan"), ("DEAR_TIMEOUT", "inf"), ("DEAR_FUSION_THRESHOLD", "inf"),
+    ("DEAR_FUSION_THRESHOLD", "1e400"), ("DEAR_MPI_PROGRESS_INTERVAL", "nan"),
+    ("DEAR_PLAN_SLACK", "nan"), ("DEAR_CHUNK_BYTES", "infKB")])
+def test_non_finite_settings_are_refused_with_their_name(var: str, value: str) -> None:
+    """nan passes every comparison check (a nan timeout waits forever, a nan progress interval
+    kills MPI's progress thread) and inf overflows int() without the setting's name."""
+    from dear.config import Config
+    with pytest.raises(ValueError, match=f"{var}=.*finite"):
+        Config.from_env({var: value})
+    field = {"DEAR_TIMEOUT": "timeout", "DEAR_PLAN_SLACK": "plan_slack",
+             "DEAR_MPI_PROGRESS_INTERVAL": "mpi_progress_interval"}.get(var)
+    if field is not None:                      # the same value given as an argument
+        with pytest.raises(ValueError, match=f"{field} \\({var}\\) must be a finite"):
+            Config(**{field: float(value)})
+
+
+def test_unwritable_autotune_log_is_refused_at_the_wrap(local_dear, monkeypatch, tmp_path) -> None:
+    """Checked when the optimizer is wrapped, not after the first trial."""
+    from dear import runtime
+    monkeypatch.setattr(runtime._state, "config", runtime.config().__class__.from_env(
+        {"DEAR_AUTOTUNE_LOG": str(tmp_path / "missing" / "trials.jsonl")}))
+    model = make_net()
+    with pytest.raises(ValueError, match="DEAR_AUTOTUNE_LOG=.*does not exist"):
+        dear.DistributedOptimizer(sgd(model), model=model, autotune=True)
+
+
+def _autotune_out_unwritable_on_rank_0(where: str) -> None:
+    if os.environ["RANK"] == "0":
+        os.environ["DEAR_AUTOTUNE_OUT"] = where
+    dear.init()
+    model = make_net()
+    dear.DistributedOptimizer(sgd(model), model=model, autotune=True)
+
+
+def test_unwritable_autotune_output_on_rank_0_stops_every_rank(tmp_path) -> None:
+    """Only rank 0 writes the best layout; every rank stops at the wrap, saying why."""
+    where = str(tmp_path / "missing" / "fusion.json")
+    outcomes = run_distributed(_autotune_out_unwritable_on_rank_0, 2, where, timeout=120,
+                               expect_failure=True)
+    for text in outcomes:
+        assert "DEAR_AUTOTUNE_OUT" in str(text) and "does not exist" in str(text), text
+
+
 def shapes_differ() -> None:
     dear.init()
     model = torch.nn.Linear(4, 4 + dear.rank())
@@ -181,5 +225,6 @@ def _more_backward_passes_than_declared() -> None:
         opt.step()
     F.mse_loss(model(batch(0, 1, 0)[0]), batch(0, 1, 0)[1]).backward()
     with pytest.raises(RuntimeError, match=r"gradient of \S+ was computed 2 times.*"
+                                           "another model's loss.*requires_grad_.*"
                                            "backward_passes_per_step"):
         F.mse_loss(model(batch(0, 1, 0)[0]), batch(0, 1, 0)[1]).backward()

@@ -404,3 +404,65 @@ def _load_through_parent() -> dict:
 def test_a_load_through_a_parent_module_is_not_overwritten_by_a_pending_update():
     for r in run_distributed(_load_through_parent, WORLD, timeout=120):
         assert max_diff(r["loaded"], r["saved"]) == 0.0
+
+
+# ------------------------------------------------------------------ a GAN: two optimizers
+def _gan(dtype: torch.dtype, rank: Optional[int], freeze: bool, steps: int = 4) -> dict:
+    """WGAN-style loop: D's step, then G's loss backpropagating through D. `rank` None: one
+    process on the global batch (the reference); else dear on 2 ranks, each half the batch."""
+    torch.manual_seed(0)
+    g, d = torch.nn.Linear(4, 8).to(dtype), torch.nn.Linear(8, 1).to(dtype)
+    opt_g = torch.optim.Adam(g.parameters(), lr=0.01)
+    opt_d = torch.optim.SGD(d.parameters(), lr=0.05, momentum=0.9)
+    if rank is not None:
+        import dear
+        dear.init()
+        opt_g = dear.DistributedOptimizer(opt_g, model=g)
+        opt_d = dear.DistributedOptimizer(opt_d, model=d)
+    error = None
+    try:
+        for step in range(steps):
+            gen = torch.Generator().manual_seed(100 + step)
+            z = torch.randn(8, 4, generator=gen).to(dtype)
+            real = torch.randn(8, 8, generator=gen).to(dtype)
+            if rank is not None:
+                z, real = z[rank * 4:(rank + 1) * 4], real[rank * 4:(rank + 1) * 4]
+            opt_d.zero_grad()
+            (d(g(z).detach()).mean() - d(real).mean()).backward()
+            opt_d.step()
+            for p in d.parameters():
+                p.requires_grad_(not freeze)
+            opt_g.zero_grad()
+            (-d(g(z)).mean()).backward()
+            opt_g.step()
+            for p in d.parameters():
+                p.requires_grad_(True)
+        if rank is not None:
+            opt_g.flush_updates()
+            opt_d.flush_updates()
+    except RuntimeError as exc:
+        error = str(exc)
+    out = {"error": error, "g": state_of(g), "d": state_of(d)}
+    if rank is not None:
+        import dear
+        dear.shutdown()
+    return out
+
+
+def _gan_rank(freeze: bool) -> dict:
+    import dear  # noqa: F401  (rank from the launcher's environment)
+    return _gan(torch.float32, int(os.environ["RANK"]), freeze)
+
+
+def test_a_gan_loop_trains_like_one_process_or_says_why_not():
+    """The generator's loss backpropagates through the discriminator. With D frozen around that
+    backward (the usual pattern), two dear optimizers train as one process on the global batch;
+    without, D's gradients from it would be reduced, so dear stops and names the cause."""
+    ref, peer = _gan(torch.float64, None, True), _gan(torch.float32, None, True)
+    for res in run_distributed(_gan_rank, 2, True, timeout=120):
+        assert res["error"] is None, res["error"]
+        for part in ("g", "d"):
+            assert_float32_close(res[part], ref[part], peer[part], what=part)
+    for res in run_distributed(_gan_rank, 2, False, timeout=120, expect_failure=True):
+        text = res["error"] if isinstance(res, dict) else str(res)
+        assert text is not None and "another model's loss" in text, text

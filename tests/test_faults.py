@@ -122,6 +122,22 @@ def test_a_checkpoint_write_that_dies_leaves_the_previous_one(tmp_path) -> None:
     assert res.returncode == 9, res.stdout
     ckpt = torch.load(path)
     assert ckpt["step"] == 1 and torch.equal(ckpt["w"], torch.arange(4.0))
+    assert len(os.listdir(tmp_path)) == 2          # the killed writer's temporary file...
+    dear.atomic_save({"step": 2}, path)
+    assert os.listdir(tmp_path) == ["ckpt.pt"]     # ...is removed by the next save
+    assert torch.load(path)["step"] == 2
+
+
+def test_a_checkpoint_gets_the_mode_torch_save_gives(tmp_path) -> None:
+    """0666 less the umask, as torch.save (open()) creates it; not mkstemp's 0600."""
+    old = os.umask(0o027)
+    try:
+        dear.atomic_save({"w": torch.ones(2)}, tmp_path / "a.pt")
+        torch.save({"w": torch.ones(2)}, tmp_path / "b.pt")
+    finally:
+        os.umask(old)
+    mode = os.stat(tmp_path / "a.pt").st_mode & 0o777
+    assert mode == os.stat(tmp_path / "b.pt").st_mode & 0o777 == 0o640
 
 
 # --------------------------------------------------------------------- dead or stalled rank

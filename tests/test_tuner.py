@@ -163,6 +163,20 @@ def test_config_file_round_trip_and_rejections(tmp_path) -> None:
         fusion_config.load(path, fp)
 
 
+@pytest.mark.parametrize("entry", [{"rs_threshold": float("inf")}, {"chunk_bytes": 1}],
+                         ids=["Infinity", "chunk_bytes-1"])
+def test_config_file_values_that_cannot_work_are_refused_with_the_file(tmp_path, entry) -> None:
+    """Infinity (json writes and reads it) would overflow int() without the file's name; a 1-byte
+    chunk is what DEAR_CHUNK_BYTES refuses (under 1KB: thousands of collectives a bucket)."""
+    fp = fusion_config.model_fingerprint(list(make_net().named_parameters()))
+    path = str(tmp_path / "fusion.json")
+    with open(path, "w") as f:
+        json.dump({"format": fusion_config.FORMAT, "model_fingerprint": fp,
+                   "config": {"rs_threshold": MB, "ag_threshold": MB, **entry}}, f)
+    with pytest.raises(ValueError, match=f"fusion config {path}"):
+        fusion_config.load(path, fp)
+
+
 # ------------------------------------------------------------------- switches mid-training
 STEPS = 14
 

@@ -124,12 +124,17 @@ def load(path: str, fingerprint: str) -> FusionConfig:
             f"names, shapes or dtypes differ); {hint}")
     raw: Any = payload.get("config")
     try:                                       # files from before chunk_bytes: None, the default
-        return FusionConfig(int(raw["rs_threshold"]), int(raw["ag_threshold"]),
-                            _optional_int(raw.get("first_bucket")),
-                            _optional_int(raw.get("chunk_bytes")))
-    except (TypeError, KeyError, ValueError) as exc:
+        config = FusionConfig(int(raw["rs_threshold"]), int(raw["ag_threshold"]),
+                              _optional_int(raw.get("first_bucket")),
+                              _optional_int(raw.get("chunk_bytes")))
+    except (TypeError, KeyError, ValueError, OverflowError) as exc:
+        # OverflowError: Infinity (json reads it as a float), int() cannot hold it
         raise ValueError(f"fusion config {path} has a malformed 'config' entry ({exc!r}); "
                          f"{hint}") from None
+    if config.chunk_bytes is not None and config.chunk_bytes < 1024:
+        raise ValueError(f"fusion config {path}: chunk_bytes must be >= 1KB, as "
+                         f"DEAR_CHUNK_BYTES must, got {config.chunk_bytes}; {hint}")
+    return config
 
 
 def _optional_int(value: Any) -> Optional[int]:
