@@ -64,12 +64,6 @@ except ImportError:                                   # the standalone package
         raise ImportError("dear.lightning needs PyTorch Lightning: pip install 'dear[lightning]' "
                           "(or pip install lightning)") from exc
 
-try:
-    from torch.distributed.constants import default_pg_timeout
-except ImportError:                                   # pragma: no cover
-    default_pg_timeout = timedelta(minutes=30)
-
-
 class _Forward(torch.nn.Module):
     """Makes Lightning call the LightningModule through its forward (see `_ForwardRedirection`),
     so dear's forward pre-hook on it runs before training_step / validation_step."""
@@ -102,8 +96,13 @@ class DeARStrategy(DDPStrategy):
                  accelerator: Any = None, parallel_devices: Optional[list[torch.device]] = None,
                  cluster_environment: Any = None, checkpoint_io: Any = None,
                  precision_plugin: Any = None, process_group_backend: Optional[str] = None,
-                 timeout: Optional[timedelta] = default_pg_timeout,
+                 timeout: Optional[timedelta] = None,
                  start_method: str = "popen") -> None:
+        if timeout is None:                    # DEAR_TIMEOUT, not torch's 30 minutes: a rank
+            # stuck in a collective on this group would otherwise outlive a fault by that long
+            from .config import Config
+            given = (dear_options or {}).get("timeout")
+            timeout = timedelta(seconds=Config.from_env(timeout=given).timeout)
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin,

@@ -165,3 +165,27 @@ def test_with_horovod_distributed_optimizer():
             grads = torch.load(f"{out}.{rank}", weights_only=False)
             for step in range(STEPS):
                 assert W.max_rel_diff(grads[step], want[step]) < 1e-9, step
+
+
+def _kfac_group_timeouts() -> list[float]:
+    """The timeouts of the process groups dear.KFAC made for itself (DDP user: torch's group)."""
+    from dear.kfac import comm as kfac_comm
+    dist.init_process_group("gloo")
+    model = torch.nn.parallel.DistributedDataParallel(W.make_model("embed"))
+    precond = KFAC(model, strategy="comm-opt", **ARGS)
+    x, y = W.batch("embed", 0, dist.get_world_size(), dist.get_rank())
+    W.loss_fn(model(x), y).backward()
+    precond.step()
+    groups = [g for _, t in kfac_comm._SHARED.values() for g in t._owned]
+    timeouts = [g._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+                for g in groups]
+    dist.destroy_process_group()
+    return timeouts
+
+
+def test_kfac_groups_time_out_after_dear_timeout():
+    """torch's new_group gives a group 30 minutes whatever the default group has: a rank stuck
+    in one of K-FAC's all-reduces kept its process alive 1800 s after a stalled peer."""
+    for timeouts in run_distributed(_kfac_group_timeouts, 2, timeout=120,
+                                    env={"DEAR_TIMEOUT": "7"}):
+        assert timeouts and all(t == 7.0 for t in timeouts), timeouts

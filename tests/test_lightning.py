@@ -276,3 +276,16 @@ def test_mpirun_with_mpi_data_plane() -> None:
         assert len(lines) == 1, out.stdout
         sums[strategy] = lines[0].split("parameter checksum ")[1]
     assert sums["dear"] == sums["ddp"]
+
+
+def test_the_strategys_process_group_times_out_after_dear_timeout(monkeypatch) -> None:
+    """Lightning's DDP strategy gives its group torch's 30 minutes; dear's takes DEAR_TIMEOUT
+    (or dear_options' timeout), so a rank stuck in a collective leaves with dear's error."""
+    pytest.importorskip("pytorch_lightning")
+    from datetime import timedelta
+
+    from dear.lightning import DeARStrategy
+    monkeypatch.setenv("DEAR_TIMEOUT", "9")
+    assert DeARStrategy()._timeout == timedelta(seconds=9)
+    assert DeARStrategy(dear_options={"timeout": 12.0})._timeout == timedelta(seconds=12)
+    assert DeARStrategy(timeout=timedelta(minutes=2))._timeout == timedelta(minutes=2)

@@ -11,10 +11,11 @@ from __future__ import annotations
 import abc
 import datetime
 import enum
-import pickle
 from typing import Any, Callable, Optional
 
 import torch
+
+from . import wire
 
 
 class ReduceOp(enum.Enum):
@@ -182,17 +183,18 @@ class Communicator(abc.ABC):
 
 def broadcast_object_with(comm: Communicator, obj: Any, root: int) -> Any:
     """`broadcast_object` through the communicator's own broadcast (which honours DEAR_TIMEOUT):
-    the pickled size, then the bytes. CPU tensors: for backends that move CPU tensors."""
+    the encoded size (dear/comm/wire.py), then the bytes. CPU tensors: for backends that move
+    CPU tensors."""
     if comm.size == 1:
         return obj
-    payload = pickle.dumps(obj) if comm.rank == root else b""
+    payload = wire.encode(obj) if comm.rank == root else b""
     size = torch.tensor([len(payload)], dtype=torch.int64)
     comm.broadcast(size, root).wait()
     data = (torch.frombuffer(bytearray(payload), dtype=torch.uint8) if comm.rank == root
             else torch.empty(int(size.item()), dtype=torch.uint8))
     if data.numel():
         comm.broadcast(data, root).wait()
-    return obj if comm.rank == root else pickle.loads(data.numpy().tobytes())
+    return obj if comm.rank == root else wire.decode(data.numpy().tobytes())
 
 
 def all_gather_object_with(comm: Communicator, obj: Any) -> list[Any]:
@@ -200,7 +202,7 @@ def all_gather_object_with(comm: Communicator, obj: Any) -> list[Any]:
     then the bytes padded to the largest."""
     if comm.size == 1:
         return [obj]
-    payload = pickle.dumps(obj)
+    payload = wire.encode(obj)
     sizes = torch.empty(comm.size, dtype=torch.int64)
     comm.all_gather(torch.tensor([len(payload)], dtype=torch.int64), sizes).wait()
     width = int(sizes.max().item())
@@ -209,7 +211,7 @@ def all_gather_object_with(comm: Communicator, obj: Any) -> list[Any]:
     table = torch.empty(comm.size * width, dtype=torch.uint8)
     comm.all_gather(mine, table).wait()
     rows = table.view(comm.size, width)
-    return [pickle.loads(rows[r, :int(sizes[r])].numpy().tobytes()) for r in range(comm.size)]
+    return [wire.decode(rows[r, :int(sizes[r])].numpy().tobytes()) for r in range(comm.size)]
 
 
 def check_flat(tensor: torch.Tensor, what: str) -> None:

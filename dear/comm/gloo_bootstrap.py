@@ -87,6 +87,24 @@ def _group(store: Any, name: str, rank: int, size: int, iface: Optional[str],
                                  options)
 
 
+def _store_listening_on(host: str, size: int, wait: datetime.timedelta) -> Any:
+    """Rank 0's TCPStore, listening on `host` only (TCPStore alone listens on every interface,
+    beside horovodrun's own rendezvous): a socket bound here, handed over as master_listen_fd
+    (the store owns the descriptor from then on)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.bind((host, 0))
+        sock.listen(max(128, size))
+        store = dist.TCPStore(host, sock.getsockname()[1], size, is_master=True, timeout=wait,
+                              wait_for_workers=False, master_listen_fd=sock.fileno())
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()                              # the store's now: not closed with the object
+    return store
+
+
 def start(rank: int, size: int, broadcast_object: Callable[[Any, int], Any],
           all_gather_object: Callable[[Any], list[Any]], timeout: float) -> GlooPair:
     """Start the pair on every rank (a collective: all ranks call it, in the same order)."""
@@ -96,8 +114,7 @@ def start(rank: int, size: int, broadcast_object: Callable[[Any, int], Any],
     if rank == 0:
         try:
             host, origin = reachable_address(iface)
-            store = dist.TCPStore(host, 0, size, is_master=True, timeout=wait,
-                                  wait_for_workers=False)
+            store = _store_listening_on(host, size, wait)
             where = (host, int(store.port), origin)
         except Exception as exc:            # noqa: BLE001 - told to every rank below
             problem = f"rank 0 could not open a rendezvous store: {exc}"

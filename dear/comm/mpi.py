@@ -39,6 +39,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
+from . import wire
 from .base import CallbackWork, Communicator, Work, check_flat, check_shard_sizes, overlaps
 
 log = logging.getLogger("dear")
@@ -290,22 +291,20 @@ class MPICommunicator(Communicator):
             raise ValueError(f"root rank {root} does not exist in a world of size {self._size}")
         if self._size == 1:
             return obj
-        # Two non-blocking broadcasts: the pickled length, then the bytes.
-        import pickle
-        data = pickle.dumps(obj) if self._rank == root else b""
+        # Two non-blocking broadcasts: the encoded length, then the bytes.
+        data = wire.encode(obj) if self._rank == root else b""
         length = torch.tensor([len(data)], dtype=torch.int64)
         self.broadcast(length, root).wait()
         buf = torch.empty(int(length.item()), dtype=torch.uint8)
         if self._rank == root:
             buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
         self.broadcast(buf, root).wait()
-        return obj if self._rank == root else pickle.loads(buf.numpy().tobytes())
+        return obj if self._rank == root else wire.decode(buf.numpy().tobytes())
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         if self._size == 1:
             return [obj]
-        import pickle
-        data = pickle.dumps(obj)
+        data = wire.encode(obj)
         lengths = torch.zeros(self._size, dtype=torch.int64)
         lengths[self._rank] = len(data)
         self.all_gather(lengths[self._rank:self._rank + 1], lengths).wait()
@@ -315,7 +314,7 @@ class MPICommunicator(Communicator):
         mine.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
         self.all_gather(rows[self._rank * width:(self._rank + 1) * width], rows).wait()
         table = rows.view(self._size, width).numpy()
-        return [pickle.loads(table[r, :int(lengths[r])].tobytes()) for r in range(self._size)]
+        return [wire.decode(table[r, :int(lengths[r])].tobytes()) for r in range(self._size)]
 
     def barrier(self) -> None:
         if self._size == 1:

@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import datetime
 import importlib.util
-import pickle
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
 from .. import launch, native
+from . import wire
 from .base import Communicator, Work, check_flat, check_shard_sizes
 
 _SUPPORTED = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8,
@@ -235,14 +235,14 @@ class NcclCommunicator(Communicator):
             raise ValueError(f"root rank {root} does not exist in a world of size {self._size}")
         key = self._key()
         if self._rank == root:
-            self._store.set(key, pickle.dumps(obj))  # type: ignore[arg-type]  # bytes: fine
+            self._store.set(key, wire.encode(obj))  # type: ignore[arg-type]  # bytes: fine
             return obj
-        return pickle.loads(self._store.get(key))
+        return wire.decode(self._store.get(key))
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         key = self._key()
-        self._store.set(f"{key}/{self._rank}", pickle.dumps(obj))  # type: ignore[arg-type]
-        return [obj if r == self._rank else pickle.loads(self._store.get(f"{key}/{r}"))
+        self._store.set(f"{key}/{self._rank}", wire.encode(obj))  # type: ignore[arg-type]
+        return [obj if r == self._rank else wire.decode(self._store.get(f"{key}/{r}"))
                 for r in range(self._size)]
 
     def barrier(self) -> None:

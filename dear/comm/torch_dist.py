@@ -15,6 +15,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from . import wire
 from .base import (CallbackWork, Communicator, Work, all_gather_object_with,
                    broadcast_object_with, check_shard_sizes)
 from .gloo_exchange import PairwiseExchange
@@ -135,16 +136,16 @@ class TorchCommunicator(Communicator):
             raise ValueError(f"root rank {root} does not exist in a world of size {self._size}")
         if self._gloo_cpu:                     # bounded by DEAR_TIMEOUT, as every wait
             return broadcast_object_with(self, obj, root)
-        box = [obj]
-        dist.broadcast_object_list(box, src=self._peer(root), group=self._group)
-        return box[0]
+        box: list[Any] = [wire.encode(obj) if self._rank == root else None]  # torch unpickles:
+        dist.broadcast_object_list(box, src=self._peer(root), group=self._group)  # bytes
+        return obj if self._rank == root else wire.decode(box[0])
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         if self._gloo_cpu:
             return all_gather_object_with(self, obj)
         out: list[Any] = [None] * self._size
-        dist.all_gather_object(out, obj, group=self._group)
-        return out
+        dist.all_gather_object(out, wire.encode(obj), group=self._group)
+        return [obj if r == self._rank else wire.decode(b) for r, b in enumerate(out)]
 
     def barrier(self) -> None:
         dist.barrier(group=self._group)

@@ -16,6 +16,7 @@ without the saving.
 
 from __future__ import annotations
 
+import datetime
 import functools
 import logging
 import statistics
@@ -29,6 +30,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .. import runtime
+from ..comm import wire
 from ..comm.base import CallbackWork, Communicator, DoneWork, Work
 from ..comm.local import LocalCommunicator
 from ..comm.torch_dist import carries_cpu_on_gloo
@@ -37,6 +39,15 @@ from .costs import NetworkModel
 log = logging.getLogger("dear")
 _TAG_OFFSET = 1 << 24     # above the tags dear's communicator uses on a shared group
 _SHARED: dict[tuple[int, int], tuple[Any, Transport]] = {}
+
+
+def group_timeout() -> datetime.timedelta:
+    """K-FAC's own process groups fail a collective after DEAR_TIMEOUT, as dear's do: torch's
+    new_group gives them its 30-minute default whatever the default group's timeout, and a
+    rank stuck in one kept its process alive that long after the fault."""
+    from ..config import Config
+    seconds = (runtime.config() if runtime.is_initialized() else Config.from_env()).timeout
+    return datetime.timedelta(seconds=seconds)
 
 
 class Transport:
@@ -56,10 +67,11 @@ class Transport:
             # point-to-point reduce below; CUDA tensors take the backend's own.
             self._gloo = carries_cpu_on_gloo(str(dist.get_backend(group)))
             if group is None and self.size > 1:        # groups of our own: every rank, now
-                self._group = dist.new_group(group_desc="dear_kfac")
+                self._group = dist.new_group(group_desc="dear_kfac", timeout=group_timeout())
                 self._owned.append(self._group)
                 if self._gloo:
-                    self._reverse = dist.new_group(backend="gloo", group_desc="dear_kfac_rev")
+                    self._reverse = dist.new_group(backend="gloo", group_desc="dear_kfac_rev",
+                                                   timeout=group_timeout())
                     self._owned.append(self._reverse)
         else:
             assert comm is not None
@@ -144,9 +156,9 @@ class Transport:
             return obj
         if not self._torch:
             return self._comm.broadcast_object(obj, root)  # type: ignore[union-attr]
-        box = [obj]
+        box: list[Any] = [wire.encode(obj) if self.rank == root else None]  # torch: bytes
         dist.broadcast_object_list(box, src=self._peer(root), group=self._group)
-        return box[0]
+        return obj if self.rank == root else wire.decode(box[0])
 
     def shutdown(self) -> None:
         """Release the groups this transport made (not the caller's)."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from .comm import Transport
+from .comm import Transport, group_timeout
 
 
 def grid_transports(world: Transport, columns: int) -> tuple[Transport, Transport]:
@@ -25,11 +25,13 @@ def grid_transports(world: Transport, columns: int) -> tuple[Transport, Transpor
     n, rank = world.size, world.rank
     column = row = None
     for c in range(columns):                  # same order on every rank: collective
-        group = dist.new_group([world._peer(r) for r in range(c, n, columns)])
+        group = dist.new_group([world._peer(r) for r in range(c, n, columns)],
+                               timeout=group_timeout())
         if rank % columns == c:
             column = group
     for r in range(n // columns):
-        group = dist.new_group([world._peer(x) for x in range(r * columns, (r + 1) * columns)])
+        group = dist.new_group([world._peer(x) for x in range(r * columns, (r + 1) * columns)],
+                               timeout=group_timeout())
         if rank // columns == r:
             row = group
     assert column is not None and row is not None
