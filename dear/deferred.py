@@ -476,6 +476,30 @@ class _DistributedOptimizer(ExtensionPoints, ReducedGradientMixin, torch.optim.O
         """Whether each .grad is a view of its bucket's buffer (DDP's option)."""
         return self._views is not None
 
+    def discard_pending_updates(self) -> int:
+        """After a collective failed (a peer died or stalled): forget the pending update whose
+        all-gathers cannot arrive, so that the model and this optimizer hold the last whole
+        step and `state_dict()`, an emergency checkpoint and `dear.shutdown()` work again.
+        Local, no collective. Returns how many buckets' updates were dropped. Refused when
+        part of that step was already applied (the model would mix two steps): then no whole
+        step exists to save. On healthy ranks it would throw away a step's work: use
+        flush_updates() there."""
+        buckets = self._buckets or []
+        if not self._num_pending:
+            return 0
+        if self._num_pending != len(buckets):
+            applied = len(buckets) - self._num_pending
+            raise RuntimeError(
+                f"dear: {applied} of the {len(buckets)} buckets of the last step were already "
+                "applied when its collectives failed, so the model mixes two steps and no whole "
+                "step can be saved; resume from the last checkpoint instead")
+        for bucket in buckets:
+            bucket.reset()                     # the failed collectives are not waited for
+        self._num_pending = 0
+        self._iteration = Iteration.start(len(self._params))
+        self._arm_hooks()
+        return len(buckets)
+
     def _shutdown(self) -> None:
         """dear.shutdown(): apply what is pending; an offline autotune still tracing detaches
         its tracer (its hooks would otherwise stay on the model)."""

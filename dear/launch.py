@@ -142,14 +142,28 @@ def detect(environ: Optional[Mapping[str, str]] = None) -> Optional[Placement]:
             hosts = expand_hostlist(nodes)
             addr = hosts[0] if hosts else None
         if port is None:
-            # The same on every task of the job; steps of one job differ (the step id).
-            job = _int(env, "SLURM_JOB_ID", "SLURM_JOBID") or 0
-            step = _int(env, "SLURM_STEP_ID", "SLURM_STEPID") or 0
-            port = 20000 + (job * 7 + step) % 20000
+            port = slurm_port(_int(env, "SLURM_JOB_ID", "SLURM_JOBID") or 0,
+                              _int(env, "SLURM_STEP_ID", "SLURM_STEPID") or 0)
         local_size = _slurm_tasks_on_node(env) or _int(env, "SLURM_NTASKS_PER_NODE") or size
         return Placement("slurm", _int(env, "SLURM_PROCID") or 0, size,
                          _int(env, "SLURM_LOCALID") or 0, local_size, addr, port)
     return None
+
+
+def slurm_port(job: int, step: int) -> int:
+    """The rendezvous port of a Slurm step, the same on every task, in [20000, 40000): the last
+    three digits of the job id and the step id modulo 20 side by side, so steps of jobs less
+    than 1000 apart never share one (job * 7 + step gave job J step 7 and job J+1 step 0 the
+    same). Steps 1000 jobs apart may: `job_identity` lets the rendezvous refuse a store that
+    belongs to another step."""
+    return 20000 + (job % 1000) * 20 + step % 20
+
+
+def job_identity(environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    """The job and step this process belongs to, where the launcher says (Slurm): written by
+    export() so that it outlives the translation to torchrun's variables."""
+    env = os.environ if environ is None else environ
+    return env.get("DEAR_LAUNCH_JOB") or None
 
 
 def _agree_through_mpi(placement: Placement) -> Placement:
@@ -214,6 +228,10 @@ def export(placement: Placement, environ: Optional[MutableMapping[str, str]] = N
               "MASTER_PORT": placement.master_port or DEFAULT_PORT}
     for name, value in values.items():
         env.setdefault(name, str(value))
+    if placement.launcher == "slurm":
+        env.setdefault("DEAR_LAUNCH_JOB", "Slurm job {} step {}".format(
+            env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID") or "?",
+            env.get("SLURM_STEP_ID") or env.get("SLURM_STEPID") or "?"))
     return placement
 
 

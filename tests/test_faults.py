@@ -262,3 +262,60 @@ def _horovod_main(fault: str, marker: str, out: str) -> None:
 
 if __name__ == "__main__":
     _horovod_main(*sys.argv[1:4])
+
+
+# ------------------------------------------------------------------ an emergency checkpoint
+def _emergency(path: str) -> dict:
+    """Rank 1 dies inside step 3's step() (after its reduce-scatters, before its all-gathers):
+    rank 0's pending update can never arrive. It drops it, saves, shuts down, starts again."""
+    dear.init()
+    rank = dear.rank()
+    model = make_net()
+    opt = dear.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                    model=model, fusion_threshold=2048)
+    for step in range(4):
+        opt.zero_grad()
+        x, y = batch(step, 2, rank)
+        F.mse_loss(model(x), y).backward()
+        if step == 3 and rank == 1:
+            opt.dear_schedule.gather_rest = lambda groups: os._exit(7)
+        opt.step()
+    error = None
+    try:
+        model(x)                               # the first update's all-gather never arrives
+    except RuntimeError as exc:
+        error = str(exc)
+    with pytest.raises(RuntimeError):          # still pending: a read cannot flush it
+        opt.state_dict()
+    dropped = opt.discard_pending_updates()
+    dear.atomic_save({"model": model.state_dict(), "optimizer": opt.state_dict()}, path)
+    dear.shutdown()
+    dear.init(backend="local")                 # not refused: the process can go on
+    dear.shutdown()
+    return {"error": error, "dropped": dropped}
+
+
+def test_after_a_fault_the_last_whole_step_can_be_saved(tmp_path) -> None:
+    path = str(tmp_path / "emergency.pt")
+    outcomes = run_distributed(_emergency, 2, path, timeout=180, expect_failure=True,
+                               env={"DEAR_TIMEOUT": "20"})
+    res = outcomes[0]
+    assert isinstance(res, dict) and res["error"] is not None and res["dropped"] > 0, res
+    # The reference: one process, the global batch, the three whole steps (0, 1, 2).
+    model = make_net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step in range(3):
+        opt.zero_grad()
+        x, y = batch(step, 2)
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+    saved = torch.load(path)
+    for name, value in model.state_dict().items():
+        # the same sums in another order (two halves vs one batch): float32 rounding
+        torch.testing.assert_close(saved["model"][name], value, rtol=1e-5, atol=1e-6)
+    state = saved["optimizer"]["state"]
+    reference = [opt.state[p]["momentum_buffer"] for p in model.parameters()]
+    assert sorted(state) == list(range(len(reference)))
+    momentum = [state[i]["momentum_buffer"] for i in range(len(reference))]
+    for got, want in zip(momentum, reference):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

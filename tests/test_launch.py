@@ -116,7 +116,7 @@ def test_detect_each_launcher() -> None:
              "SLURM_NODEID": "2", "SLURM_STEP_TASKS_PER_NODE": "2(x3),1",
              "SLURM_JOB_NODELIST": "gpu[003-006]", "SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0"}
     p = launch.detect(slurm)
-    assert p == launch.Placement("slurm", 5, 8, 1, 2, "gpu003", 20000 + 4242 * 7 % 20000)
+    assert p == launch.Placement("slurm", 5, 8, 1, 2, "gpu003", launch.slurm_port(4242, 0))
     # The step's own node list wins over the job's; an explicit master wins over both.
     p = launch.detect({**slurm, "SLURM_STEP_NODELIST": "gpu[005-006]"})
     assert p is not None and p.master_addr == "gpu005"
@@ -178,8 +178,16 @@ def test_every_backend_reads_srun_variables_through_launch(monkeypatch) -> None:
 def test_slurm_variables_by_hand() -> None:
     """Two processes with the variables srun gives two tasks on one node; the port is the one
     dear derives from the job id (chosen here so that it is free)."""
-    port = _free_port()
-    job = (port - 20000) * 17143 % 20000           # 17143 = 1/7 mod 20000: job*7 % 20000
+    rng = random.Random()
+    while True:                                    # a job id whose derived port is free now
+        job = rng.randrange(1, 10**6)
+        port = launch.slurm_port(job, 0)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        break
     envs = []
     for rank in range(2):
         env = _clean_env()
@@ -247,3 +255,33 @@ def test_real_mpirun_without_mpi4py() -> None:
     assert out.returncode == 0, out.stdout
     assert _ok_lines([out.stdout]) == [
         f"OK rank={r} size=2 local={r} sum=3 pg=True master=127.0.0.1:{port}" for r in range(2)]
+
+
+def test_slurm_ports_of_neighbouring_steps_differ() -> None:
+    """job * 7 + step gave job J step 7 and job J+1 step 0 the same port on one host."""
+    ports = {launch.slurm_port(job, step) for job in range(5000, 5040) for step in range(12)}
+    assert len(ports) == 40 * 12 and all(20000 <= p < 40000 for p in ports)
+    assert launch.slurm_port(77, 3) == launch.slurm_port(77, 3)      # the same on every task
+
+
+def _slurm_rank(job_of_rank_1: str, timeout: str) -> str:
+    """A 2-task Slurm step on this host whose rank 1 belongs to another job (same port)."""
+    import dear
+    rank = int(os.environ.pop("RANK"))
+    for name in ("WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        os.environ.pop(name, None)
+    os.environ.update(SLURM_PROCID=str(rank), SLURM_NTASKS="2", SLURM_LOCALID=str(rank),
+                      SLURM_JOB_NODELIST="localhost", SLURM_STEP_ID="0", DEAR_TIMEOUT=timeout,
+                      SLURM_JOB_ID=job_of_rank_1 if rank == 1 else "900")
+    dear.init()
+    dear.shutdown()
+    return "joined"
+
+
+def test_a_rank_refuses_the_rendezvous_of_another_slurm_job() -> None:
+    """Two steps that derived one port: the stray task stops with an error naming both jobs
+    instead of joining the other job's group."""
+    from tests.distributed import run_distributed
+    outcomes = run_distributed(_slurm_rank, 2, "901", "5", timeout=120, expect_failure=True)
+    assert "belongs to Slurm job 900 step 0, not to this Slurm job 901 step 0" in outcomes[1]
+    assert run_distributed(_slurm_rank, 2, "900", "60", timeout=120) == ["joined", "joined"]

@@ -15,6 +15,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from .. import launch
 from . import wire
 from .base import (CallbackWork, Communicator, Work, all_gather_object_with,
                    broadcast_object_with, check_shard_sizes)
@@ -191,6 +192,26 @@ def default_backend() -> str:
 
 
 def init_process_group_from_env(timeout: float) -> None:
-    """Start the default group from torchrun's variables (default_backend())."""
-    dist.init_process_group(backend=default_backend(),
-                            timeout=datetime.timedelta(seconds=timeout))
+    """Start the default group from torchrun's variables (default_backend()). Under Slurm, where
+    dear derived the port, the store is dear's: a rank refuses a store that another job or
+    step started on the same port, instead of joining its group."""
+    wait = datetime.timedelta(seconds=timeout)
+    job = launch.job_identity()
+    if job is None:
+        dist.init_process_group(backend=default_backend(), timeout=wait)
+        return
+    place = launch.process_env()
+    assert place.master_addr is not None and place.master_port is not None  # export() set them
+    store = dist.TCPStore(place.master_addr, place.master_port, place.size,
+                          is_master=place.rank == 0, timeout=wait, wait_for_workers=False)
+    if place.rank == 0:
+        store.set("dear/job", job)
+    else:
+        owner = store.get("dear/job").decode()
+        if owner != job:
+            raise RuntimeError(
+                f"dear.init(): the rendezvous at {place.master_addr}:{place.master_port} "
+                f"belongs to {owner}, not to this {job}: two jobs derived the same port. "
+                "Set MASTER_PORT to a free port for this step (the same on every task)")
+    dist.init_process_group(backend=default_backend(), store=store, rank=place.rank,
+                            world_size=place.size, timeout=wait)

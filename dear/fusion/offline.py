@@ -31,10 +31,12 @@ from __future__ import annotations
 import dataclasses
 import enum
 import logging
+import threading
 import time
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
+from .. import runtime
 from ..comm.base import Communicator
 from . import fusion_config
 from .fusion_config import FusionConfig
@@ -200,13 +202,8 @@ class OfflineAutotuner(TrialDriver):
         # cost model needs every rank's collectives (a few per bucket), rank 0's profile only.
         collectives = self._comm.all_gather_object(mine)
         plan: Any = doc if isinstance(doc, str) else None
-        if self._comm.rank == 0 and plan is None:
-            try:
-                plan = self._plan(doc, collectives)
-            except Exception as exc:           # the fallback must be the same on every rank
-                plan = f"{type(exc).__name__}: {exc}"
+        plan = self._search_on_rank_0(plan, doc, collectives)
         self.search_s = time.perf_counter() - start
-        plan = self._comm.broadcast_object(plan, 0)
         if isinstance(plan, str):
             log.warning("dear autotune (offline): the traced iterations could not be simulated "
                         "(%s); keeping %s", plan, self.current.describe())
@@ -215,6 +212,32 @@ class OfflineAutotuner(TrialDriver):
         self.plan = plan
         self._phase = _Phase.CONFIRM
         self._timer.restart()
+
+    def _search_on_rank_0(self, plan: Any, doc: Any, collectives: list[Any]) -> Any:
+        """Rank 0 searches (6-48 s) in a thread while every rank meets it in a small broadcast
+        every few seconds, so no rank waits longer than DEAR_TIMEOUT for the plan: a healthy
+        search is never mistaken for a stalled peer. Returns rank 0's plan (or why none)."""
+        found: dict[str, Any] = {}
+        search = None
+        if self._comm.rank == 0 and plan is None:
+            def run() -> None:
+                try:
+                    found["plan"] = self._plan(doc, collectives)
+                except Exception as exc:       # the fallback must be the same on every rank
+                    found["plan"] = f"{type(exc).__name__}: {exc}"
+            search = threading.Thread(target=run, name="dear-autotune-search", daemon=True)
+            search.start()
+        poll = min(5.0, max(0.05, runtime.config().timeout / 4))
+        while True:
+            message = None
+            if self._comm.rank == 0:
+                if search is not None:
+                    search.join(poll)
+                done = search is None or not search.is_alive()
+                message = (done, found.get("plan", plan) if done else None)
+            done, value = self._comm.broadcast_object(message, 0)
+            if done:
+                return value
 
     def _plan(self, doc: dict[str, Any], collectives: list[list[dict[str, Any]]]
               ) -> list[tuple[FusionConfig, float]]:
