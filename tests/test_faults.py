@@ -319,3 +319,16 @@ def test_after_a_fault_the_last_whole_step_can_be_saved(tmp_path) -> None:
     momentum = [state[i]["momentum_buffer"] for i in range(len(reference))]
     for got, want in zip(momentum, reference):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("case", ["user-group", "kfac"])
+def test_the_survivor_of_a_stalled_peer_leaves_its_process(case: str) -> None:
+    """Not only the exception: the process itself must end. A collective on a group made with
+    torch's 30-minute default (the user's, Lightning's, dear.KFAC's own) held Gloo's worker
+    thread, and so the process after it raised, for those 30 minutes. Now the Gloo operation
+    itself is bounded by DEAR_TIMEOUT (5 s here); the bound below leaves a minute for a busy
+    machine's teardown (measured: 0.6-1.5 s after the error, benchmarks/results/fault_exit.md)."""
+    from benchmarks.fault_exit import _measure
+    result = _measure(case, "stalls", 5.0)
+    assert result.get("raised_s") is not None, result
+    assert result["exited_s"] is not None and result["exited_s"] < 5.0 + 60, result

@@ -45,7 +45,9 @@ class TorchCommunicator(Communicator):
         self._exchange: Optional[PairwiseExchange] = None
         if self._pairwise:
             if group is None and self._size > 1:
-                self._reverse = dist.new_group(backend="gloo", timeout=_timeout_of(group),
+                twin = (_timeout_of(group) if timeout is None
+                        else datetime.timedelta(seconds=timeout))
+                self._reverse = dist.new_group(backend="gloo", timeout=twin,
                                                group_desc="dear_pairwise_reverse")
             # The exchange talks to the ProcessGroup objects directly, in group ranks.
             own = group if group is not None else dist.group.WORLD
@@ -122,13 +124,36 @@ class TorchCommunicator(Communicator):
             return exchange.all_gather_columns(input, output, start, length)
         return super().all_gather_columns(input, output, start, length)
 
+    def _bounded(self, tensor: torch.Tensor) -> Optional[datetime.timedelta]:
+        """DEAR_TIMEOUT for the Gloo operation itself (CPU tensors), not only for our wait: on
+        a group the user made with torch's 30 minutes, a collective a stalled peer never joins
+        would otherwise hold Gloo's worker thread, and the process after it raised, that long."""
+        if self._timeout is None or tensor.device.type != "cpu" or not self._gloo_cpu:
+            return None
+        return datetime.timedelta(seconds=self._timeout)
+
     def all_reduce(self, tensor: torch.Tensor) -> Work:
+        bound = self._bounded(tensor)
+        if bound is not None:
+            opts = dist.AllreduceOptions()
+            opts.reduceOp = dist.ReduceOp(dist.ReduceOp.SUM)
+            opts.timeout = bound
+            pg = self._group if self._group is not None else dist.group.WORLD
+            return CallbackWork([pg.allreduce([tensor], opts)],  # type: ignore[union-attr]
+                                timeout=self._wait_timeout(tensor))
         return CallbackWork([dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self._group,
                                              async_op=True)], timeout=self._wait_timeout(tensor))
 
     def broadcast(self, tensor: torch.Tensor, root: int) -> Work:
         if not 0 <= root < self._size:
             raise ValueError(f"root rank {root} does not exist in a world of size {self._size}")
+        bound = self._bounded(tensor)
+        if bound is not None:
+            opts = dist.BroadcastOptions()
+            opts.rootRank, opts.rootTensor, opts.timeout = root, 0, bound
+            pg = self._group if self._group is not None else dist.group.WORLD
+            return CallbackWork([pg.broadcast([tensor], opts)],  # type: ignore[union-attr]
+                                timeout=self._wait_timeout(tensor))
         return CallbackWork([dist.broadcast(tensor, self._peer(root), group=self._group,
                                             async_op=True)], timeout=self._wait_timeout(tensor))
 

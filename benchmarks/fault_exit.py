@@ -1,0 +1,138 @@
+"""How long a surviving rank takes to raise, and to exit, after its peer dies or stalls.
+
+    python -m benchmarks.fault_exit [--timeout 5] [--name fault_exit]
+
+Two ranks (Gloo, loopback) train with dear; at step 3 rank 1 dies (SIGKILL on itself) or stalls
+(sleeps far longer than DEAR_TIMEOUT) and writes the time it did so. Rank 0 writes when it
+caught the error; this script notes when rank 0's process ended (its handler re-raises, as a
+training script would). Cases: dear.DistributedOptimizer alone, with dear.KFAC (comm-opt: its
+own process groups), and on a process group the user made with torch's 30-minute default,
+the fault met in `dear.allreduce` (user-group) or in backward's reduce-scatters
+(user-group-backward). The goal (issue 34): every rank leaves within DEAR_TIMEOUT + 5 s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+CASES = ("optimizer", "kfac", "user-group", "user-group-backward")
+FAULTS = ("dies", "stalls")
+
+
+def _rank(case: str, fault: str, marker: str) -> None:
+    import datetime
+    import signal
+
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    import dear
+    rank = int(os.environ["RANK"])
+    if case.startswith("user-group"):          # the user's own group, torch's 30 minutes
+        dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=30))
+    dear.init()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4))
+    opt = dear.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model=model)
+    precond = dear.KFAC(model, strategy="comm-opt") if case == "kfac" else None
+    def fault_here(step: int) -> None:
+        if step == 3 and rank == 1:
+            with open(marker, "w") as fh:
+                fh.write(repr(time.time()))
+            if fault == "dies":
+                os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(3600)
+
+    try:
+        for step in range(50):
+            if case != "user-group":           # the peer is missing from the next backward
+                fault_here(step)
+            x, y = torch.randn(16, 32), torch.randn(16, 4)
+            opt.zero_grad()
+            loss = F.mse_loss(model(x), y)
+            loss.backward()
+            if precond is not None:
+                precond.step()
+            opt.step()
+            if case == "user-group":           # ... from the all-reduce on the user's group
+                fault_here(step)
+                dear.allreduce(loss.detach())
+    except Exception as exc:
+        with open(marker + ".caught", "w") as fh:
+            fh.write(json.dumps({"t": time.time(), "error": f"{type(exc).__name__}: {exc}"[:300]}))
+        raise
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _measure(case: str, fault: str, timeout: float) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp:
+        marker = os.path.join(tmp, "fault")
+        port = _free_port()
+        procs = []
+        for rank in range(2):
+            env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
+                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+                       DEAR_TIMEOUT=str(timeout))
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "benchmarks.fault_exit", "--rank-of", case, fault, marker],
+                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+        limit = time.time() + timeout + 120
+        while procs[0].poll() is None and time.time() < limit:
+            time.sleep(0.02)
+        ended = time.time() if procs[0].poll() is not None else None
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        fault_t = float(open(marker).read()) if os.path.exists(marker) else None
+        caught = (json.load(open(marker + ".caught")) if os.path.exists(marker + ".caught")
+                  else None)
+    out: dict[str, Any] = {"case": case, "fault": fault}
+    if fault_t is None:
+        return {**out, "error": "rank 1 never reached the fault"}
+    out["raised_s"] = None if caught is None else round(caught["t"] - fault_t, 2)
+    out["exited_s"] = None if ended is None else round(ended - fault_t, 2)
+    out["error"] = None if caught is None else caught["error"]
+    out["within_timeout_plus_5"] = ended is not None and ended - fault_t <= timeout + 5
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--timeout", type=float, default=5.0, help="DEAR_TIMEOUT, seconds")
+    parser.add_argument("--name", default=None, help="write benchmarks/results/<name>.{json,md}")
+    parser.add_argument("--rank-of", nargs=3, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.rank_of:
+        _rank(*args.rank_of)
+        return
+    rows = [_measure(case, fault, args.timeout) for case in CASES for fault in FAULTS]
+    for row in rows:
+        print(json.dumps(row))
+    if args.name:
+        from benchmarks.results import markdown_table, write
+        table = markdown_table(
+            ["case", "fault", "rank 0 raised (s after fault)", "rank 0 exited (s)",
+             f"within DEAR_TIMEOUT + 5 ({args.timeout:g} + 5 s)"],
+            [[r["case"], r["fault"], r.get("raised_s"), r.get("exited_s"),
+              r.get("within_timeout_plus_5")] for r in rows])
+        print(write(args.name, "Time to raise and to exit after a peer's fault", {"rows": rows},
+                    table))
+
+
+if __name__ == "__main__":
+    main()
