@@ -130,14 +130,12 @@ class _DistributedOptimizer(ExtensionPoints, ReducedGradientMixin, torch.optim.O
         self._forward_seen: set[int] = set()
         self._grad_order: list[int] = []       # parameters in first-gradient order
         self._triggers: dict[torch.nn.Module, list[Bucket]] = {}
-        self._synchronized = False             # synchronize() put averaged gradients in .grad
         self._skip_sync = False
         # dear.KFAC's eigenbasis path (dear/kfac/overlap.py): it edits buckets before the
         # reduce-scatter and after the all-gather, and needs `_ties` kept in one bucket each.
         self._transform: Any = None
         self._ties: list[list[int]] = []
         self._relayout_wanted = False          # new ties: re-plan when nothing is in flight
-        self._preconditioner_synced = False    # dear.KFAC called synchronize() for this step
         self._hooks: list[Any] = []
         self._update_observers: list[Callable[[Bucket], Any]] = []   # dear_observe_updates
         if model is not None:
@@ -279,7 +277,7 @@ class _DistributedOptimizer(ExtensionPoints, ReducedGradientMixin, torch.optim.O
             raise ValueError("dear.DistributedOptimizer.step() does not take a closure: the "
                              "update is applied later, in the next forward pass")
         amp.check_contract(self, grad_scaler)
-        if not self._synchronized and self._had_gradients:
+        if not self._iteration.synchronized and self._had_gradients:
             if grad_scaler is not None and amp.unscaled_by_user(grad_scaler, self):
                 self._abandon_iteration()
                 raise RuntimeError(
@@ -291,22 +289,22 @@ class _DistributedOptimizer(ExtensionPoints, ReducedGradientMixin, torch.optim.O
                     "optimizer.synchronize(); scaler.unscale_(optimizer); <clip>; with "
                     "optimizer.skip_synchronize(): scaler.step(optimizer)")
             self._refuse_edited_grads()
-        elif not self._synchronized and self._zero_grads_only():
+        elif not self._iteration.synchronized and self._zero_grads_only():
             # Horovod's broadcast_optimizer_state: on ranks whose state is empty it sets every
             # .grad to zeros and calls step() (rank 0 does not). Averaging zeros gives zeros, so
             # the wrapped optimizer's own step is the same update, with no collective to hang.
             self.flush_updates()
             self._inner_step(self)
             return
-        if not self._synchronized and self._parameter_set_changed():
+        if not self._iteration.synchronized and self._parameter_set_changed():
             self._step_with_new_parameters(grad_scaler)
             return
-        if self._synchronized:                 # Horovod loop: .grad already holds the average
-            if not self._skip_sync and not self._preconditioner_synced:
+        if self._iteration.synchronized:       # Horovod loop: .grad already holds the average
+            if not self._skip_sync and not self._iteration.preconditioner_synced:
                 warnings.warn("optimizer.step() after optimizer.synchronize() without "
                               "optimizer.skip_synchronize(): the gradients are already "
                               "averaged and are applied as they are")
-            self._synchronized = self._preconditioner_synced = False
+            self._end_iteration()              # its synchronize() flags with it
             if grad_scaler is None or not amp.unscale_averaged_grads(grad_scaler, self):
                 self._inner_step(self)
             if self._relayout_wanted:          # nothing is in flight after a synchronized step
@@ -538,15 +536,15 @@ class _DistributedOptimizer(ExtensionPoints, ReducedGradientMixin, torch.optim.O
                     p.grad.copy_(view)
             bucket.reset()
         self._num_pending = 0
-        self._synchronized = True
+        self._iteration.synchronized = True
         self._discard_provisional_plan()
 
     def dear_synchronize_for_preconditioner(self) -> None:
         """dear.KFAC on a step that preconditions .grad: synchronize(), and the step() that
         follows applies .grad as after Horovod's skip_synchronize(), without a warning."""
-        if self._had_gradients and not self._synchronized:
+        if self._had_gradients and not self._iteration.synchronized:
             self.synchronize()
-            self._preconditioner_synced = self._synchronized
+            self._iteration.preconditioner_synced = self._iteration.synchronized
 
     def _attach_transform(self, transform: Any, ties: list[list[int]]) -> None:
         """dear.KFAC's eigenbasis path; with buckets already planned, `ties` take effect at the
@@ -679,7 +677,7 @@ class _DistributedOptimizer(ExtensionPoints, ReducedGradientMixin, torch.optim.O
                 f"requires_grad), which {what} does not support: freeze nothing after the "
                 "wrap, or wrap again with the final parameter set")
         self._synchronize_now()               # checks every rank's new parameter set
-        self._synchronized = False
+        self._iteration.synchronized = False
         self._average_outside_layout([p for p in self._trainable() if p not in self._index])
         if grad_scaler is None or not amp.unscale_averaged_grads(grad_scaler, self):
             self._inner_step(self)

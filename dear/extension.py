@@ -34,7 +34,6 @@ class ExtensionPoints:
         _transform: Any
         _schedule: ScheduleDriver
         _buffer_sync: Optional[BufferBroadcast]
-        _synchronized: bool
         _comm: Any
         _update_observers: list[Callable[[Bucket], Any]]
 
@@ -94,7 +93,7 @@ class ExtensionPoints:
     @property
     def dear_synchronized(self) -> bool:
         """synchronize() has put this iteration's averaged gradients in .grad."""
-        return self._synchronized
+        return self._iteration.synchronized
 
     @property
     def dear_had_gradients(self) -> bool:

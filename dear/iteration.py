@@ -27,6 +27,8 @@ class Iteration:
     stream_verified: bool = False           # dear/stream.py's check issued
     amp_found_inf: Optional[torch.Tensor] = None   # shards unscaled; the agreed found-inf
     clipped_scaled: bool = False            # clipped without knowing of a GradScaler
+    synchronized: bool = False              # synchronize() put the averaged gradients in .grad
+    preconditioner_synced: bool = False     # dear.KFAC called synchronize() for this step
     # clip / unscale factors that must reach chunks gathered before step(): applied to the
     # gathered gradients instead of the shards (the same multiplications, the same bits)
     deferred: list[torch.Tensor] = dataclasses.field(default_factory=list)

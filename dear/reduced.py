@@ -20,7 +20,7 @@ from . import amp, clip
 
 class ReducedGradientMixin:
     """Methods of dear.DistributedOptimizer; they use its bucket state (see dear/deferred.py:
-    `_finish_reduce`, `_end_iteration`, `_buckets`, `_comm`, `_synchronized`, `_params`)."""
+    `_finish_reduce`, `_end_iteration`, `_buckets`, `_comm`, `_iteration`, `_params`)."""
 
     # GradScaler.step() then calls step(grad_scaler=scaler) and leaves the inf check to the
     # optimizer: see dear/amp.py for why it must look at the reduced gradient.
@@ -30,7 +30,6 @@ class ReducedGradientMixin:
         _buckets: Any
         _comm: Any
         _params: list
-        _synchronized: bool
         _iteration: Any
         _schedule: Any
 
@@ -67,7 +66,7 @@ class ReducedGradientMixin:
         last backward and before step(). With a GradScaler pass grad_scaler=scaler instead of
         calling scaler.unscale_(optimizer): the reduced gradient is unscaled first."""
         norm_type = clip.check_norm_type(norm_type)
-        if self._synchronized:                 # .grad holds the average, the same on every rank
+        if self._iteration.synchronized:       # .grad holds the average, the same on every rank
             if grad_scaler is not None and not amp.unscaled_by_user(grad_scaler, self):
                 grad_scaler.unscale_(self)
             return torch.nn.utils.clip_grad_norm_(
