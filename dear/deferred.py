@@ -494,8 +494,7 @@ class _DistributedOptimizer(ExtensionPoints, ReducedGradientMixin, torch.optim.O
         for bucket in buckets:
             bucket.reset()                     # the failed collectives are not waited for
         self._num_pending = 0
-        self._iteration = Iteration.start(len(self._params))
-        self._arm_hooks()
+        self._end_iteration()                  # nothing is REDUCING now: it waits for nothing
         return len(buckets)
 
     def _shutdown(self) -> None:
@@ -779,7 +778,7 @@ class _DistributedOptimizer(ExtensionPoints, ReducedGradientMixin, torch.optim.O
         self._gather_groups = layout.gather_groups
         if self._views is not None:            # .grad moves into the new buffers
             self._views.attach(layout.buckets)
-            for i in self._iteration.taken:              # taken before the buckets existed
+            for i in self._iteration.taken:    # taken before the buckets existed
                 p = self._params[i]
                 if self._views.owns(p) and p.grad is not None:
                     self._iteration.taken[i] = (weakref.ref(p.grad), _VIEW)
@@ -827,7 +826,7 @@ class _DistributedOptimizer(ExtensionPoints, ReducedGradientMixin, torch.optim.O
                 tuner.samples_per_iteration = (0 if first is None
                                                else first.shape[0] * self._comm.size)
             if module is self._model and self._buffer_sync is not None:
-                self._buffer_sync.apply_staged()   # DDP's broadcast_buffers point (dear/buffers.py)
+                self._buffer_sync.apply_staged()   # DDP's broadcast_buffers point (buffers.py)
             if module is self._model and not module.training:
                 self.flush_updates()               # evaluation reads every parameter
             elif self._num_pending:
@@ -928,12 +927,16 @@ def _hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
 
 
 def _observed(observers: list[Callable[[Bucket], Any]], bucket: Bucket) -> Any:
-    if not observers:
-        return contextlib.nullcontext()
-    stack = contextlib.ExitStack()
-    for observer in observers:
-        stack.enter_context(observer(bucket))
-    return stack
+    """The observers' context managers around one bucket's update (dear_observe_updates)."""
+    return _all_entered(observers, bucket) if observers else contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _all_entered(observers: list[Callable[[Bucket], Any]], bucket: Bucket) -> Iterator[None]:
+    with contextlib.ExitStack() as stack:      # one that fails to enter exits the others
+        for observer in observers:
+            stack.enter_context(observer(bucket))
+        yield
 
 
 def _scope(name: str) -> Any:

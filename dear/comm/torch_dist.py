@@ -50,9 +50,8 @@ class TorchCommunicator(Communicator):
                 self._reverse = dist.new_group(backend="gloo", timeout=twin,
                                                group_desc="dear_pairwise_reverse")
             # The exchange talks to the ProcessGroup objects directly, in group ranks.
-            own = group if group is not None else dist.group.WORLD
-            self._exchange = PairwiseExchange(self._rank, self._size, own, self._reverse,
-                                              timeout)
+            self._exchange = PairwiseExchange(self._rank, self._size, self._process_group,
+                                              self._reverse, timeout)
         self.name = f"{self._backend}-pairwise" if self._pairwise else self._backend
 
     @property
@@ -124,6 +123,13 @@ class TorchCommunicator(Communicator):
             return exchange.all_gather_columns(input, output, start, length)
         return super().all_gather_columns(input, output, start, length)
 
+    @property
+    def _process_group(self) -> dist.ProcessGroup:
+        """The ProcessGroup object itself (the default one when the group is None)."""
+        group = self._group if self._group is not None else dist.group.WORLD
+        assert group is not None
+        return group
+
     def _bounded(self, tensor: torch.Tensor) -> Optional[datetime.timedelta]:
         """DEAR_TIMEOUT for the Gloo operation itself (CPU tensors), not only for our wait: on
         a group the user made with torch's 30 minutes, a collective a stalled peer never joins
@@ -138,8 +144,7 @@ class TorchCommunicator(Communicator):
             opts = dist.AllreduceOptions()
             opts.reduceOp = dist.ReduceOp(dist.ReduceOp.SUM)
             opts.timeout = bound
-            pg = self._group if self._group is not None else dist.group.WORLD
-            return CallbackWork([pg.allreduce([tensor], opts)],  # type: ignore[union-attr]
+            return CallbackWork([self._process_group.allreduce([tensor], opts)],
                                 timeout=self._wait_timeout(tensor))
         return CallbackWork([dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self._group,
                                              async_op=True)], timeout=self._wait_timeout(tensor))
@@ -151,8 +156,7 @@ class TorchCommunicator(Communicator):
         if bound is not None:
             opts = dist.BroadcastOptions()
             opts.rootRank, opts.rootTensor, opts.timeout = root, 0, bound
-            pg = self._group if self._group is not None else dist.group.WORLD
-            return CallbackWork([pg.broadcast([tensor], opts)],  # type: ignore[union-attr]
+            return CallbackWork([self._process_group.broadcast([tensor], opts)],
                                 timeout=self._wait_timeout(tensor))
         return CallbackWork([dist.broadcast(tensor, self._peer(root), group=self._group,
                                             async_op=True)], timeout=self._wait_timeout(tensor))
