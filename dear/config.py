@@ -97,6 +97,10 @@ class Config:
     #: directory where dear.diagnose writes a trace of each DistributedOptimizer's run
     #: ("" = no tracing) (DEAR_TRACE).
     trace: str = ""
+    #: directory where, when a collective fails, each rank writes which rank did not issue it
+    #: and what every rank last issued (dear/hang.py); "" = the system's temporary
+    #: directory's dear-hang/ (DEAR_HANG_REPORT).
+    hang_report: str = ""
     #: iterations DEAR_TRACE records, START:STOP counted from the optimizer's creation
     #: (DEAR_TRACE_ITERATIONS).
     trace_iterations: str = "10:20"
@@ -188,6 +192,7 @@ class Config:
         "gradient_as_bucket_view": ("DEAR_GRADIENT_AS_BUCKET_VIEW", _parse_bool),
         "timeout": ("DEAR_TIMEOUT", _parse_finite),
         "trace": ("DEAR_TRACE", str),
+        "hang_report": ("DEAR_HANG_REPORT", str),
         "trace_iterations": ("DEAR_TRACE_ITERATIONS", str),
         "gloo_collectives": ("DEAR_GLOO_COLLECTIVES", str),
         "horovod_data_plane": ("DEAR_HOROVOD_DATA_PLANE", str),

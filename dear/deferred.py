@@ -34,6 +34,7 @@ import torch
 
 from . import amp, model_guard, native, runtime
 from .buffers import BufferBroadcast, issue_pending
+from .comm import flight
 from .comm.base import ReduceOp
 from .compiled import PreForwardHook
 from .compression import Compressor
@@ -76,6 +77,9 @@ class _DistributedOptimizer(ExtensionPoints, ReducedGradientMixin, torch.optim.O
                     row_sparse: Any = None, gradient_as_bucket_view: bool = False) -> None:
         comm = runtime.communicator()
         self._comm = comm
+        recorder = getattr(comm, "recorder", None)   # the flight record (dear/comm/flight.py)
+        if recorder is not None:
+            recorder.describers.append(_weak_method(self._describe_buffer))
         step = super(_DistributedOptimizer, type(self)).step
         # The wrapped class's step minus its profiling/step-hook layer: step hooks run once, in
         # our step(), not once per bucket. The inner layer keeps torch's no_grad handling.
@@ -250,6 +254,7 @@ class _DistributedOptimizer(ExtensionPoints, ReducedGradientMixin, torch.optim.O
     def _launch(self) -> None:
         """Phase 2: start the reduce-scatters of the full buckets, in reduce order."""
         with _scope("dear::launch"):
+            flight.mark("backward", self._step_number)
             buckets = self._buckets
             assert buckets is not None
             while self._iteration.next_launch < len(buckets):
@@ -276,6 +281,7 @@ class _DistributedOptimizer(ExtensionPoints, ReducedGradientMixin, torch.optim.O
         if closure is not None:
             raise ValueError("dear.DistributedOptimizer.step() does not take a closure: the "
                              "update is applied later, in the next forward pass")
+        flight.mark("step", self._step_number)
         amp.check_contract(self, grad_scaler)
         if not self._iteration.synchronized and self._had_gradients:
             if grad_scaler is not None and amp.unscaled_by_user(grad_scaler, self):
@@ -397,6 +403,7 @@ class _DistributedOptimizer(ExtensionPoints, ReducedGradientMixin, torch.optim.O
         buckets = self._buckets
         assert buckets is not None
         if grad_scaler is None or not self._amp_skips(grad_scaler):
+            flight.mark_phase("step")
             self._schedule.maybe_plan([b.wire.element_size() for b in buckets])
             self._schedule.gather_rest(self._gather_groups)   # forward order: 0 needed first
             # The update runs later, after e.g. an LR scheduler has moved on: it must use the
@@ -427,6 +434,7 @@ class _DistributedOptimizer(ExtensionPoints, ReducedGradientMixin, torch.optim.O
             bucket.pack_missing()              # unused parameters count as zero
         self._launch()
         self._schedule.drain()                 # what backward submitted is issued: our turn
+        flight.mark_phase("reduced")           # the stream check, clipping's all-reduce
         for bucket in reversed(buckets):
             bucket.finish_reduce_scatter(self._postscale)
         self._schedule.reduced()
@@ -799,6 +807,18 @@ class _DistributedOptimizer(ExtensionPoints, ReducedGradientMixin, torch.optim.O
             self._bind_hooks()
 
     # ------------------------------------------------------------------------- module hooks
+    @property
+    def _step_number(self) -> int:
+        """The step() this iteration ends, counted from 1 (labels in the hang report)."""
+        return self._stream.steps + (0 if self._iteration.stream_verified else 1)
+
+    def _describe_buffer(self, ptr: int) -> Optional[str]:
+        """Which bucket a collective's tensor belongs to, for the hang report (dear/hang.py)."""
+        for bucket in self._buckets or ():
+            if bucket.holds(ptr):
+                return f"bucket {bucket.spec.index} ({len(bucket.params)} parameters)"
+        return None
+
     def _hook_model(self, model: torch.nn.Module) -> None:
         for module in model.modules():
             if module is model or any(p in self._index for p in module.parameters(recurse=False)):

@@ -12,8 +12,10 @@ import torch.distributed as dist
 
 from . import launch
 from .comm.base import Communicator, ReduceOp, resolve_op
+from .comm.flight import RecordedCommunicator, mark_phase
 from .comm.local import LocalCommunicator
 from .config import Config
+from .hang import HangReporter, out_of_band_store
 
 log = logging.getLogger("dear")
 
@@ -34,6 +36,7 @@ class _State:
     comm: Optional[Communicator] = None
     config: Config = Config()
     owns_group: bool = False
+    reporter: Optional[HangReporter] = None       # dear/hang.py
     optimizers: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
 
@@ -57,7 +60,9 @@ def init(backend: str = "auto", **config: Any) -> None:
         if backend not in _BACKENDS:
             raise ValueError(f"DEAR_BACKEND={backend!r} is not one of {_BACKENDS}")
     logging.getLogger("dear").setLevel(cfg.log_level.upper())
-    comm, owns = _make_communicator(backend, cfg)
+    backend_comm, owns = _make_communicator(backend, cfg)
+    comm = RecordedCommunicator(backend_comm)     # the flight record: dear/comm/flight.py
+    _state.reporter = HangReporter(comm, out_of_band_store(backend_comm), cfg.hang_report)
     _state.comm, _state.config, _state.owns_group = comm, cfg, owns
     log.info("dear: rank %d of %d on %s", comm.rank, comm.size, comm.name)
 
@@ -113,6 +118,9 @@ def shutdown() -> None:
         opt._shutdown()
     from .fusion.executor import close_shared
     close_shared()
+    if _state.reporter is not None:
+        _state.reporter.close()
+        _state.reporter = None
     _state.comm.shutdown()
     if _state.owns_group and dist.is_initialized():
         dist.destroy_process_group()
@@ -175,6 +183,7 @@ def broadcast_parameters(params: Union[Mapping[str, torch.Tensor],
     or a list of tensors), in the same order on every rank."""
     comm = communicator()
     _flush_all()
+    mark_phase("dear.broadcast_parameters")
     items = params.items() if isinstance(params, Mapping) else params
     tensors = [t[1] if isinstance(t, tuple) else t for t in items]
     works = []
@@ -191,6 +200,7 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
     """Give every rank rank `root_rank`'s optimizer state and hyperparameters."""
     comm = communicator()
     _flush_all()
+    mark_phase("dear.broadcast_optimizer_state")
     # Sent with its tensors on the CPU: pickled CUDA tensors would be unpickled onto the root's
     # GPU index on every rank (a CUDA context on GPU 0 for each); load_state_dict() moves each
     # state tensor to its parameter's device.
@@ -226,6 +236,7 @@ def allreduce(tensor: torch.Tensor, op: Any = ReduceOp.Average) -> torch.Tensor:
     for opt in list(_state.optimizers):        # keep its place after what backward submitted
         opt.dear_schedule.drain()
     out = tensor.detach().clone().contiguous()
+    mark_phase("dear.allreduce")
     comm.all_reduce(out).wait()
     if op is ReduceOp.Average:
         if out.is_floating_point() or out.is_complex():

@@ -200,7 +200,7 @@ def explicit_groups(groups: Any, index: dict[torch.nn.Parameter, int]) -> Any:
 # --------------------------------------------------------- what DDP's constructor guarantees
 #: DEAR_* knobs that change nothing another rank sees (local logging, paths, timeouts, how this
 #: process drives progress): they may differ across ranks. Every other knob must match.
-_LOCAL_KNOBS = frozenset({"timeout", "trace_iterations", "log_level", "autotune_log",
+_LOCAL_KNOBS = frozenset({"timeout", "trace_iterations", "log_level", "autotune_log", "hang_report",
                           "autotune_out", "fusion_config", "native", "mpi_progress",
                           "mpi_progress_interval"})
 

@@ -1,4 +1,4 @@
-"""python -m dear.diagnose report|simulate TRACE_DIR [...]"""
+"""python -m dear.diagnose report|simulate TRACE_DIR [...] | hang [DIR]"""
 
 from __future__ import annotations
 
@@ -19,6 +19,12 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _hang(args: argparse.Namespace) -> int:
+    from ..hang import show
+    print(show(args.directory))
+    return 0
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dear.diagnose",
                                      description="Read and replay dear.diagnose traces.")
@@ -29,6 +35,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     rep.add_argument("--png", default="", help="timeline image (default: TRACE/timeline.png)")
     rep.add_argument("--top", type=int, default=5, help="how many slowest layers and buckets")
     rep.set_defaults(run=_report)
+    hang = sub.add_parser("hang", help="the reports written when a collective failed: which "
+                                       "rank did not issue it, what each rank last issued")
+    hang.add_argument("directory", help="DEAR_HANG_REPORT's directory (default: the temporary "
+                                        "directory's dear-hang/), or one job's folder in it")
+    hang.set_defaults(run=_hang)
     from .simulate_cli import add_parser as add_simulate
     add_simulate(sub)
     args = parser.parse_args(argv)

@@ -174,7 +174,8 @@ class TracingCommunicator(Communicator):
         self._track(rec, work, buffer.is_cuda)
         return TracedWork(work, rec, self._recorder, self._active)
 
-    def _track(self, rec: CollectiveRecord, work: Work, cuda: bool) -> None:
+    def _track(self, rec: CollectiveRecord, issued: Work, cuda: bool) -> None:
+        work: Any = getattr(issued, "backend_work", issued)    # under the flight record
         inner = getattr(work, "_inner", None)           # dear.comm.base.CallbackWork
         handle = getattr(work, "_handle", None)         # dear.comm.horovod.HorovodWork
         if isinstance(work, DoneWork) or (isinstance(inner, list) and not inner):

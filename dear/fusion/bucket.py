@@ -197,6 +197,11 @@ class Bucket:
             if not self.packed[j]:
                 self.pack(j, p.grad)
 
+    def holds(self, ptr: int) -> bool:
+        """Whether address `ptr` lies in one of this bucket's buffers (the hang report)."""
+        return any(t.data_ptr() <= ptr < t.data_ptr() + t.numel() * t.element_size()
+                   for t in (self.buffer, self.shard, self.wire, self.wire_shard))
+
     def start_reduce_scatter(self, comm: Communicator, prescale: float,
                              submit: Optional[Callable[..., Work]] = None) -> None:
         """`submit` (the schedule's executor) fills the buffer and issues the collective in its

@@ -83,11 +83,13 @@ class Transport:
     def from_environment(cls) -> Transport:
         """dear's communicator if dear.init() ran; else torch.distributed's default group (DDP
         users); else Horovod if hvd.init() ran; else a world of one."""
+        from ..comm.flight import backend_of
         from ..comm.torch_dist import TorchCommunicator
         if runtime.is_initialized():
             comm = runtime.communicator()
-            if isinstance(comm, TorchCommunicator):
-                return cls._shared(comm.group)
+            backend = backend_of(comm)
+            if isinstance(backend, TorchCommunicator):
+                return cls._shared(backend.group)
             return cls(comm)
         if dist.is_available() and dist.is_initialized():
             return cls._shared(None)

@@ -1,0 +1,303 @@
+"""When a collective fails: which rank did not issue it, and what every rank last issued.
+
+A collective that times out only says "Operation timed out!" on the ranks that waited; a peer
+that died says "Connection closed". Neither names the rank that is missing or what it was doing.
+So each rank publishes its flight record (dear/comm/flight.py: counters and recent collectives)
+to the rendezvous store once a second from a small thread, out of band, never through the
+group that may be stuck. When a collective fails, the rank publishes at once, reads every rank's
+record twice `grace` seconds apart (a record whose heartbeat did not move belongs to a rank
+that died or froze; one that moved, to a rank that is alive but somewhere else), and compares
+sequence numbers: every rank issues dear's collectives in the same order, so a rank whose last
+issued number is below the failed one never issued it, and one that issued it as another kind
+or size took a different branch. The text goes into the exception and, with the records, into
+`<DEAR_HANG_REPORT>/<store>/rank<r>.json`; `python -m dear.diagnose hang DIR` shows them.
+
+Records travel as JSON (numbers and strings): nothing read from the store is unpickled.
+"""
+
+from __future__ import annotations
+
+import datetime
+import glob
+import json
+import os
+import tempfile
+import threading
+import time
+from typing import Any, Callable, Optional
+
+from .comm.flight import FlightRecord, RecordedCommunicator
+
+_KEY = "dear/flight/rank{}"
+#: seconds between two publications of a rank's record (its heartbeat)
+INTERVAL = 1.0
+#: collectives of each rank shown in a report
+SHOWN = 16
+
+
+def default_directory() -> str:
+    return os.path.join(tempfile.gettempdir(), "dear-hang")
+
+
+def out_of_band_store(comm: Any) -> Optional[Any]:
+    """A new client of the store the ranks met at, with short timeouts, or None: torch's
+    default store (torchrun, dear.init), or the Horovod backend's own Gloo store."""
+    store = None
+    try:
+        import torch.distributed as dist
+        if dist.is_available() and dist.is_initialized():
+            store = dist.distributed_c10d._get_default_store()
+    except Exception:                          # noqa: BLE001 - no store: a local report only
+        store = None
+    if store is None:
+        pair = getattr(comm, "_gloo", None)     # dear/comm/horovod.py's GlooPair
+        store = getattr(pair, "store", None)
+    if store is None:
+        return None
+    try:
+        store = store.clone()  # type: ignore[attr-defined]  # its own connection: never blocks the group's
+        store.set_timeout(datetime.timedelta(seconds=3))
+    except Exception:                          # noqa: BLE001
+        return None
+    return store
+
+
+def _where(store: Any) -> str:
+    inner = store
+    while hasattr(inner, "underlying_store"):
+        inner = inner.underlying_store
+    host, port = getattr(inner, "host", None), getattr(inner, "port", None)
+    return f"{host}_{port}" if host is not None else f"pid{os.getpid()}"
+
+
+class HangReporter:
+    """Publishes this rank's flight record and, on the first failure, writes the report."""
+
+    def __init__(self, comm: RecordedCommunicator, store: Optional[Any], directory: str = "",
+                 interval: float = INTERVAL) -> None:
+        self._comm = comm
+        self._store = store
+        self._interval = interval
+        self._dir = os.path.join(directory or default_directory(),
+                                 _where(store) if store is not None else f"pid{os.getpid()}")
+        self._beat = 0
+        self._failed: Optional[dict[str, Any]] = None
+        self._lock = threading.Lock()          # one publication at a time
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        comm.on_failure = self.report
+        if store is not None and comm.size > 1:
+            self._thread = threading.Thread(target=self._run, name="dear-flight", daemon=True)
+            self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        if self._comm.on_failure == self.report:
+            self._comm.on_failure = None
+
+    # -- publishing --------------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            if not self._publish():
+                return                         # the store is gone: nothing left to publish to
+
+    def _record(self) -> dict[str, Any]:
+        snap = self._comm.recorder.snapshot()
+        snap["recent"] = snap["recent"][-SHOWN:]
+        snap.update(rank=self._comm.rank, beat=self._beat, failed=self._failed,
+                    host=os.uname().nodename, pid=os.getpid())
+        return snap
+
+    def _publish(self) -> bool:
+        if self._store is None:
+            return False
+        with self._lock:
+            self._beat += 1
+            try:
+                self._store.set(_KEY.format(self._comm.rank), json.dumps(self._record()))
+            except Exception:                  # noqa: BLE001 - the store's host may be gone
+                return False
+        return True
+
+    def _read(self) -> Optional[dict[int, dict[str, Any]]]:
+        """Every rank's record, or None if the store cannot be reached (its host is gone)."""
+        records: dict[int, dict[str, Any]] = {}
+        if self._store is None:
+            return None
+        keys = [_KEY.format(r) for r in range(self._comm.size)]
+        try:
+            present = [r for r in range(self._comm.size) if self._store.check([keys[r]])]
+            values = self._store.multi_get([keys[r] for r in present]) if present else []
+        except Exception:                      # noqa: BLE001 - unreachable: said in the report
+            return None
+        for r, value in zip(present, values):
+            try:
+                records[r] = json.loads(value)
+            except ValueError:
+                continue
+        return records
+
+    # -- the report --------------------------------------------------------------------------
+    def report(self, rec: FlightRecord, exc: BaseException, grace: Optional[float] = None) -> str:
+        """Called once, by the first collective that fails on this rank."""
+        started = time.monotonic()
+        self._failed = {"seq": rec.seq, "kind": rec.kind, "error": str(exc)[:400]}
+        self._stop.set()                       # the thread publishes no more; this does
+        self._publish()
+        first = self._read()
+        grace = 2 * self._interval + 0.2 if grace is None else grace
+        second = None if first is None else self._await(
+            lambda now: self._settled(first, now), started + grace)
+        me = self._record()
+        reachable = second is not None
+        records = dict(second or {})
+        records[self._comm.rank] = me
+        text = compose(self._comm.rank, self._comm.size, rec, records, first or {}, reachable)
+        path = self._write(text, me, records)
+        if reachable and self._hosts_store():
+            # The store lives in this process: stay until the other ranks still waiting have
+            # failed too and read it (bounded: every rank leaves within DEAR_TIMEOUT + 5 s).
+            self._await(lambda now: self._peers_done(rec.seq, first or {}, now), started + 4.0)
+        where = (f"\nThe report is in {path}; every rank's: python -m dear.diagnose hang "
+                 f"{os.path.dirname(path)}" if path else "")
+        return text + where
+
+    def _settled(self, first: dict[int, dict[str, Any]], now: dict[int, dict[str, Any]]) -> bool:
+        """Every other rank either failed too or showed a heartbeat since `first`."""
+        return all(r in now and (now[r].get("failed") or r in first and
+                                 now[r].get("beat", 0) > first[r].get("beat", 0))
+                   for r in range(self._comm.size) if r != self._comm.rank)
+
+    def _peers_done(self, seq: int, first: dict[int, dict[str, Any]],
+                    now: dict[int, dict[str, Any]]) -> bool:
+        """No other rank is still waiting in a collective: each failed too, is gone (no record,
+        or a heartbeat that stopped), or never issued collective `seq` (it is elsewhere)."""
+        gone = _gone(first, now)
+        return all(r not in now or r in gone or now[r].get("failed") or now[r]["issued"] < seq
+                   for r in range(self._comm.size) if r != self._comm.rank)
+
+    def _await(self, done: Callable[[dict[int, dict[str, Any]]], bool],
+               deadline: float) -> Optional[dict[int, dict[str, Any]]]:
+        """Read the records every 0.1 s until `done(records)` or the deadline; None if the
+        store went away."""
+        while True:
+            time.sleep(0.1)
+            now = self._read()
+            if now is None or done(now) or time.monotonic() >= deadline:
+                self._publish()
+                return now
+
+    def _hosts_store(self) -> bool:
+        """Rank 0 holds the TCPStore unless torchrun's agent does."""
+        return (self._comm.rank == 0 and
+                os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true")
+
+    def _write(self, text: str, me: dict[str, Any],
+               records: dict[int, dict[str, Any]]) -> Optional[str]:
+        path = os.path.join(self._dir, f"rank{self._comm.rank}.json")
+        try:
+            os.makedirs(self._dir, exist_ok=True)
+            with open(path + ".tmp", "w") as f:
+                json.dump({"rank": self._comm.rank, "size": self._comm.size, "text": text,
+                           "time": datetime.datetime.now().isoformat(timespec="seconds"),
+                           "records": {str(r): v for r, v in sorted(records.items())}}, f,
+                          indent=1)
+            os.replace(path + ".tmp", path)
+        except OSError:
+            return None
+        return path
+
+
+def _gone(before: dict[int, dict[str, Any]], now: dict[int, dict[str, Any]]) -> list[int]:
+    """Ranks whose heartbeat did not move between the two reads and that did not fail."""
+    return [r for r, record in now.items() if not record.get("failed") and
+            record.get("beat", 0) <= before.get(r, {}).get("beat", -1)]
+
+
+def _describe(entry: Optional[dict[str, Any]]) -> str:
+    if entry is None:
+        return "nothing"
+    what = f", {entry['what']}" if entry.get("what") else ""
+    return (f"#{entry['seq']} {entry['kind']} of {entry['bytes']} B{what} "
+            f"(iteration {entry['iteration']}, {entry['phase']}"
+            f"{'' if entry.get('done') else ', not complete'})")
+
+
+def _entry(record: dict[str, Any], seq: int) -> Optional[dict[str, Any]]:
+    for entry in record.get("recent", []):
+        if entry["seq"] == seq:
+            return entry
+    return None
+
+
+def compose(rank: int, size: int, rec: FlightRecord, now: dict[int, dict[str, Any]],
+            before: dict[int, dict[str, Any]], reachable: bool) -> str:
+    """The report's text, from the records read `before` and `now` (a pure function: tested
+    on records made by hand)."""
+    mine = _entry(now[rank], rec.seq) or {"seq": rec.seq, "kind": rec.kind, "bytes": rec.nbytes,
+                                          "iteration": rec.iteration, "phase": rec.phase,
+                                          "what": None, "done": False}
+    lines = [f"dear hang report from rank {rank}: collective {_describe(mine)} failed."]
+    if not reachable:
+        lines.append("  The other ranks' records could not be read: no rendezvous store "
+                     "reachable (the MPI backend has none; or rank 0, which held it, is gone).")
+        return "\n".join(lines)
+    missing, differ, gone = [], [], []
+    for r in range(size):
+        record = now.get(r)
+        if r == rank:
+            continue
+        if record is None:
+            gone.append(r)
+            lines.append(f"  rank {r}: published no record (it died or froze before its first, "
+                         "or cannot reach the store)")
+            continue
+        last = record["recent"][-1] if record.get("recent") else None
+        theirs = _entry(record, rec.seq)
+        alive = r in before and record.get("beat", 0) > before[r].get("beat", 0)
+        if not alive and not record.get("failed"):
+            gone.append(r)
+            lines.append(f"  rank {r}: NOT RESPONDING (died or froze); its last record "
+                         f"(published at most {INTERVAL:g} s before it stopped) had issued up to "
+                         f"#{record['issued']}, last {_describe(last)}")
+            continue
+        state = "also failed" if record.get("failed") else "alive, busy outside dear's collectives"
+        if record["issued"] < rec.seq:
+            missing.append(r)
+            lines.append(f"  rank {r}: did NOT issue #{rec.seq}; its last was {_describe(last)}; "
+                         f"{state}")
+        elif theirs is not None and (theirs["kind"], theirs["bytes"]) != (mine["kind"],
+                                                                          mine["bytes"]):
+            differ.append(r)
+            lines.append(f"  rank {r}: issued #{rec.seq} as {_describe(theirs)}: a different "
+                         f"collective (the ranks took different branches); {state}")
+        else:
+            lines.append(f"  rank {r}: issued #{rec.seq} too; its last was {_describe(last)}; "
+                         f"{state}")
+    summary = []
+    if gone:
+        summary.append(f"Rank(s) not responding: {', '.join(map(str, gone))}.")
+    if missing:
+        summary.append(f"Rank(s) that did not issue it: {', '.join(map(str, missing))}.")
+    if differ:
+        summary.append(f"Rank(s) that issued another collective in its place: "
+                       f"{', '.join(map(str, differ))}.")
+    if summary:
+        lines.insert(1, "  " + " ".join(summary))
+    return "\n".join(lines)
+
+
+def show(directory: str) -> str:
+    """Every report under `directory` (python -m dear.diagnose hang DIR)."""
+    paths = sorted(glob.glob(os.path.join(directory, "rank*.json")) +
+                   glob.glob(os.path.join(directory, "*", "rank*.json")))
+    if not paths:
+        raise FileNotFoundError(f"no rank*.json hang report under {directory}")
+    texts = []
+    for path in paths:
+        with open(path) as f:
+            data = json.load(f)
+        texts.append(f"{path} ({data.get('time', '?')}):\n{data['text']}")
+    return "\n\n".join(texts)
