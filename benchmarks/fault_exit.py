@@ -8,7 +8,8 @@ caught the error; this script notes when rank 0's process ended (its handler re-
 training script would). Cases: dear.DistributedOptimizer alone, with dear.KFAC (comm-opt: its
 own process groups), and on a process group the user made with torch's 30-minute default,
 the fault met in `dear.allreduce` (user-group) or in backward's reduce-scatters
-(user-group-backward). The goal (issue 34): every rank leaves within DEAR_TIMEOUT + 5 s.
+(user-group-backward), and on the Horovod backend under horovodrun, whose own exit is timed
+(horovod). The goal (issue 34): every rank leaves within DEAR_TIMEOUT + 5 s.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -23,7 +25,7 @@ import tempfile
 import time
 from typing import Any
 
-CASES = ("optimizer", "kfac", "user-group", "user-group-backward")
+CASES = ("optimizer", "kfac", "user-group", "user-group-backward", "horovod")
 FAULTS = ("dies", "stalls")
 
 
@@ -36,9 +38,13 @@ def _rank(case: str, fault: str, marker: str) -> None:
     import torch.nn.functional as F
 
     import dear
-    rank = int(os.environ["RANK"])
+    rank = int(os.environ.get("RANK") or os.environ.get("HOROVOD_RANK", "0"))
     if case.startswith("user-group"):          # the user's own group, torch's 30 minutes
         dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=30))
+    if case == "horovod":                      # under horovodrun: dear on Horovod
+        import horovod.torch as hvd
+        hvd.init()
+        rank = hvd.rank()
     dear.init()
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4))
@@ -78,25 +84,40 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def _launch(case: str, fault: str, marker: str, timeout: float) -> list[subprocess.Popen]:
+    """Two ranks: torchrun's variables set by hand, or horovodrun itself (its exit is what a
+    Horovod user waits for)."""
+    rank_args = ["-m", "benchmarks.fault_exit", "--rank-of", case, fault, marker]
+    if case == "horovod":
+        runner = os.path.join(os.path.dirname(sys.executable), "horovodrun")
+        env = dict(os.environ, OMP_NUM_THREADS="1", DEAR_TIMEOUT=str(timeout))
+        return [subprocess.Popen([runner, "-np", "2", "-H", "localhost:2", "--gloo",
+                                  sys.executable, *rank_args],
+                                 env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                 text=True, start_new_session=True)]
+    port = _free_port()
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+                   DEAR_TIMEOUT=str(timeout))
+        procs.append(subprocess.Popen([sys.executable, *rank_args], env=env,
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                      text=True, start_new_session=True))
+    return procs
+
+
 def _measure(case: str, fault: str, timeout: float) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         marker = os.path.join(tmp, "fault")
-        port = _free_port()
-        procs = []
-        for rank in range(2):
-            env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
-                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-                       DEAR_TIMEOUT=str(timeout))
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "benchmarks.fault_exit", "--rank-of", case, fault, marker],
-                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+        procs = _launch(case, fault, marker, timeout)
         limit = time.time() + timeout + 120
         while procs[0].poll() is None and time.time() < limit:
             time.sleep(0.02)
         ended = time.time() if procs[0].poll() is not None else None
         for p in procs:
             if p.poll() is None:
-                p.kill()
+                os.killpg(p.pid, signal.SIGKILL)
             p.wait()
         fault_t = float(open(marker).read()) if os.path.exists(marker) else None
         caught = (json.load(open(marker + ".caught")) if os.path.exists(marker + ".caught")
