@@ -15,8 +15,10 @@ Checked in that order: under `mpirun` inside a Slurm allocation the SLURM_* vari
 the batch step, not the MPI job, so MPI's own variables win. Master address and port: MASTER_ADDR
 and MASTER_PORT when set; under srun the first host of SLURM_STEP_NODELIST (or SLURM_JOB_NODELIST,
 compressed lists like `node[01-04,07]` expanded) and a port derived from the job id, the same on
-every task; under mpirun, agreed through MPI when mpi4py is importable (rank 0's address and a
-port free on it, broadcast), else 127.0.0.1 when every rank is on this host.
+every task; under mpirun with every rank on this host, 127.0.0.1 and a port derived from the
+launcher's process that all of them descend from (no MPI is started: mpi4py's MPI_Init would open
+listeners on the external interface in every rank, for nothing); across hosts, agreed through MPI
+(rank 0's address and a port free on it, broadcast by mpi4py).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import dataclasses
 import os
 import re
 import socket
+import zlib
 from typing import Mapping, MutableMapping, Optional
 
 #: first port tried when nothing names one (torchrun's default)
@@ -42,6 +45,7 @@ class Placement:
     local_size: int
     master_addr: Optional[str]       # None: to be agreed (MPI) or unknown
     master_port: Optional[int]
+    job: Optional[str] = None        # whose rendezvous this is, where dear derived its port
 
 
 def _int(env: Mapping[str, str], *names: str) -> Optional[int]:
@@ -166,10 +170,52 @@ def job_identity(environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
     return env.get("DEAR_LAUNCH_JOB") or None
 
 
-def _agree_through_mpi(placement: Placement) -> Placement:
-    """Rank 0's address and a port free on it, broadcast through MPI (mpi4py), for an mpirun
-    launch without MASTER_ADDR/MASTER_PORT. Without mpi4py: 127.0.0.1 if the whole job is on this
-    host, else an error that says what to set."""
+#: the per-host processes of MPI launchers (MPICH's Hydra, Open MPI's ORTE / PRRTE), or the
+#: launcher itself, that every rank on a host descends from (names as /proc shows them)
+_MPI_DAEMONS = frozenset({"hydra_pmi_proxy", "orted", "prted", "mpiexec.hydra", "mpiexec",
+                          "mpirun", "prterun"})
+
+
+def mpi_launcher_process(pid: Optional[int] = None) -> Optional[tuple[int, int]]:
+    """(pid, start time in clock ticks) of this process's nearest ancestor that is an MPI
+    launcher's per-host process, read from /proc; None without /proc or such an ancestor. The
+    pair names one launch: a pid alone may be reused by a later one."""
+    pid = os.getppid() if pid is None else pid
+    for _ in range(32):
+        try:
+            with open(f"/proc/{pid}/stat") as fh:
+                stat = fh.read()
+        except OSError:
+            return None
+        name = stat[stat.index("(") + 1:stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2:].split()   # from field 3 (state) on
+        if name in _MPI_DAEMONS:
+            return pid, int(fields[19])                 # field 22: starttime
+        pid = int(fields[1])                            # field 4: ppid
+        if pid <= 1:
+            return None
+    return None
+
+
+def mpirun_port(launcher: tuple[int, int]) -> int:
+    """The rendezvous port of one mpirun launch on one host, in [20000, 40000), the same on
+    every rank (they share the launcher's process)."""
+    return 20000 + zlib.crc32(f"{launcher[0]}:{launcher[1]}".encode()) % 20000
+
+
+def _agree_on_master(placement: Placement) -> Placement:
+    """MASTER_ADDR/MASTER_PORT for an mpirun launch that gave none. Every rank on this host:
+    127.0.0.1 and a port derived from the launcher's process, without starting MPI. Across
+    hosts: rank 0's address and a port free on it, broadcast through MPI (mpi4py)."""
+    if placement.local_size == placement.size:
+        launcher = mpi_launcher_process()
+        if launcher is not None:
+            job = (f"{placement.launcher} launch (launcher process {launcher[0]}, started at "
+                   f"tick {launcher[1]})")
+            return dataclasses.replace(
+                placement, master_addr=placement.master_addr or "127.0.0.1",
+                master_port=placement.master_port or mpirun_port(launcher),
+                job=None if placement.master_port else job)
     try:
         from mpi4py import MPI
     except ImportError:
@@ -218,7 +264,7 @@ def export(placement: Placement, environ: Optional[MutableMapping[str, str]] = N
     env = os.environ if environ is None else environ
     if placement.launcher in ("openmpi", "pmi") and (placement.master_addr is None
                                                      or placement.master_port is None):
-        placement = _agree_through_mpi(placement)
+        placement = _agree_on_master(placement)
     if placement.master_addr is None:
         raise RuntimeError(f"dear.init(): no master address for the {placement.launcher} "
                            "launch: set MASTER_ADDR (and MASTER_PORT)")
@@ -228,6 +274,8 @@ def export(placement: Placement, environ: Optional[MutableMapping[str, str]] = N
               "MASTER_PORT": placement.master_port or DEFAULT_PORT}
     for name, value in values.items():
         env.setdefault(name, str(value))
+    if placement.job is not None:
+        env.setdefault("DEAR_LAUNCH_JOB", placement.job)
     if placement.launcher == "slurm":
         env.setdefault("DEAR_LAUNCH_JOB", "Slurm job {} step {}".format(
             env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID") or "?",

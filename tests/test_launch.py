@@ -230,18 +230,43 @@ def _mpirun_env(env: dict[str, str]) -> dict[str, str]:
     return {**env, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
 
 
-def test_real_mpirun_agrees_through_mpi() -> None:
-    """mpirun -np 2 with nothing else: the master address and a free port come from rank 0,
-    broadcast through mpi4py."""
+def test_real_mpirun_on_one_host_starts_no_mpi() -> None:
+    """mpirun -np 2 with nothing else, mpi4py installed: 127.0.0.1 and a port derived from the
+    launcher's process, the same on both ranks, and MPI never started (mpi4py's MPI_Init opens
+    listeners on the external interface in every rank)."""
     pytest.importorskip("mpi4py")
-    out = run([_mpirun(), "-np", "2", sys.executable, "-c", BODY], timeout=120,
+    body = BODY.replace('flush=True)', 'flush=True)\nprint(f"MPI {rank}", flush=True)'.replace(
+        "{rank}", "{'mpi4py.MPI' in sys.modules}"))
+    out = run([_mpirun(), "-np", "2", sys.executable, "-c", body], timeout=120,
               env=_mpirun_env(_clean_env()))
     assert out.returncode == 0, out.stdout
     lines = _ok_lines([out.stdout])
     assert [line.split(" master=")[0] for line in lines] == [
         f"OK rank={r} size=2 local={r} sum=3 pg=True" for r in range(2)]
     masters = {line.split(" master=")[1] for line in lines}
-    assert len(masters) == 1 and masters.pop().startswith("127.0.0.1:")
+    assert len(masters) == 1, masters
+    addr, port = masters.pop().split(":")
+    assert addr == "127.0.0.1" and 20000 <= int(port) < 40000, (addr, port)
+    assert re.findall(r"MPI (True|False)", out.stdout) == ["False", "False"], out.stdout
+
+
+def test_mpirun_launcher_process_names_one_launch() -> None:
+    """The launcher process is found through /proc whatever sits between it and the rank (a
+    shell here), and two launches get different ports."""
+    if not os.path.exists("/proc/self/stat"):
+        pytest.skip("no /proc")
+    probe = ("import sys; sys.path.insert(0, %r); from dear import launch; "
+             "p = launch.mpi_launcher_process(); print('L', p, launch.mpirun_port(p))" % ROOT)
+    ports = []
+    for _ in range(2):
+        out = run([_mpirun(), "-np", "1", "sh", "-c", f'{sys.executable} -c "{probe}"'],
+                  timeout=60, env=_mpirun_env(_clean_env()))
+        assert out.returncode == 0, out.stdout
+        found = re.search(r"L \((\d+), (\d+)\) (\d+)", out.stdout)
+        assert found, out.stdout
+        ports.append(found.group(3))
+    assert ports[0] != ports[1], ports                 # equal with probability 1/20000
+    assert launch.mpi_launcher_process(os.getpid()) is None   # pytest is no MPI launch
 
 
 def test_real_mpirun_without_mpi4py() -> None:
