@@ -8,8 +8,8 @@ caught the error; this script notes when rank 0's process ended (its handler re-
 training script would). Cases: dear.DistributedOptimizer alone, with dear.KFAC (comm-opt: its
 own process groups), and on a process group the user made with torch's 30-minute default,
 the fault met in `dear.allreduce` (user-group) or in backward's reduce-scatters
-(user-group-backward), and on the Horovod backend under horovodrun, whose own exit is timed
-(horovod). The goal (issue 34): every rank leaves within DEAR_TIMEOUT + 5 s.
+(user-group-backward), on the Horovod backend under horovodrun (horovod) and on the MPI backend
+under mpirun (mpi), whose own exits are timed. The goal (issue 34): every rank leaves within DEAR_TIMEOUT + 5 s.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import tempfile
 import time
 from typing import Any
 
-CASES = ("optimizer", "kfac", "user-group", "user-group-backward", "horovod")
+CASES = ("optimizer", "kfac", "user-group", "user-group-backward", "horovod", "mpi")
 FAULTS = ("dies", "stalls")
 
 
@@ -45,7 +45,11 @@ def _rank(case: str, fault: str, marker: str) -> None:
         import horovod.torch as hvd
         hvd.init()
         rank = hvd.rank()
-    dear.init()
+    if case == "mpi":                          # under mpirun: MPI's collectives
+        rank = int(os.environ.get("PMI_RANK") or os.environ.get("OMPI_COMM_WORLD_RANK", "0"))
+        dear.init(backend="mpi")
+    else:
+        dear.init()
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4))
     opt = dear.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model=model)
@@ -88,6 +92,13 @@ def _launch(case: str, fault: str, marker: str, timeout: float) -> list[subproce
     """Two ranks: torchrun's variables set by hand, or horovodrun itself (its exit is what a
     Horovod user waits for)."""
     rank_args = ["-m", "benchmarks.fault_exit", "--rank-of", case, fault, marker]
+    if case == "mpi":
+        runner = os.path.join(os.path.dirname(sys.executable), "mpirun")
+        env = dict(os.environ, OMP_NUM_THREADS="1", DEAR_TIMEOUT=str(timeout),
+                   OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+        return [subprocess.Popen([runner, "-np", "2", sys.executable, *rank_args],
+                                 env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                 text=True, start_new_session=True)]
     if case == "horovod":
         runner = os.path.join(os.path.dirname(sys.executable), "horovodrun")
         env = dict(os.environ, OMP_NUM_THREADS="1", DEAR_TIMEOUT=str(timeout))
