@@ -117,9 +117,9 @@ class DeARAccelerator(Accelerator):
     def _dear_setup(self, passes: Optional[int], options: Optional[Mapping[str, Any]]) -> None:
         refused = _REFUSED.get(self.distributed_type)
         config = self.parallelism_config
-        if refused is None and (self.is_fsdp2 or (config is not None and (
-                config.tp_enabled or config.cp_enabled or config.sp_enabled
-                or config.dp_shard_enabled))):
+        sharded = ("tp_enabled", "cp_enabled", "sp_enabled", "dp_shard_enabled")
+        if refused is None and (self.is_fsdp2 or (config is not None and any(
+                getattr(config, name, False) for name in sharded))):
             refused = "a ParallelismConfig that shards the model or its inputs"
         if refused is not None:
             raise ValueError(f"dear replaces DistributedDataParallel (data parallelism with a "

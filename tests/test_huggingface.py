@@ -37,6 +37,7 @@ at most N eps ||g|| + L sqrt(N) times the parameter bound at t-1.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 import sys
@@ -49,10 +50,11 @@ import torch
 from tests.distributed import run_distributed
 from tests.subprocesses import ROOT, run
 
-pytest.importorskip("transformers", reason="transformers is not installed: pip install "
-                    "'dear[huggingface]' (tests of dear.huggingface.DeARTrainer)")
-pytest.importorskip("accelerate", reason="accelerate is not installed: pip install "
-                    "'dear[huggingface]' (tests of dear.huggingface.DeARAccelerator)")
+needs_hf = pytest.mark.skipif(
+    importlib.util.find_spec("transformers") is None
+    or importlib.util.find_spec("accelerate") is None,
+    reason="transformers or accelerate is not installed: pip install '.[huggingface]' "
+           "(tests of dear.huggingface against Trainer / Accelerate with DDP)")
 
 EPS = torch.finfo(torch.float32).eps
 SEQ, BATCH, TRAIN, VAL = 16, 4, 48, 16      # 2 ranks x 4 = 8 samples a step: 6 steps an epoch
@@ -126,6 +128,7 @@ def fit(kind: str, out: str, *, clip: float = 0.0, accumulate: int = 1, bf16: bo
         "steps": trainer.state.global_step, "trainer": type(trainer).__name__, "out": out,
         "optimizer": type(trainer.optimizer.optimizer).__mro__[1].__name__,
         "fused": bool(trainer.optimizer.optimizer.defaults.get("fused")),
+        "autocast": hasattr(model, "_original_forward"),     # Accelerate's autocast wrapper
         "model_wrapped": type(trainer.model_wrapped).__name__,
     }
 
@@ -163,7 +166,8 @@ def runs(tmp_path_factory: Any) -> dict[str, list[dict[str, Any]]]:
         for kind in ("ddp", "dear"):
             plan.append((f"{case}/{kind}", kind, {**kwargs, "out": str(root / case / kind)}))
     for kind in ("ddp", "dear"):
-        plan.append((f"resume/{kind}", kind, {"evaluate": True, "out": str(root / "r" / kind),
+        plan.append((f"resume/{kind}", kind, {"evaluate": True, "save_at": 3,
+                                              "out": str(root / "r" / kind),
                                               "resume": str(root / "plain" / kind /
                                                             "checkpoint-3")}))
     plan.append(("clip-off/dear", "dear", {"optim": "sgd", "lr": LR_SGD,
@@ -200,6 +204,7 @@ def _grad_norm_rdiff(ddp: dict[str, Any], dear_: dict[str, Any]) -> float:
     return max(abs(a - b) / abs(a) for a, b in zip(ddp["grad_norm"], dear_["grad_norm"]))
 
 
+@needs_hf
 @pytest.mark.parametrize("case", ["plain", "accumulate", "bf16", "given-optimizer"])
 def test_dear_trainer_equals_ddp(runs: dict[str, Any], case: str) -> None:
     ddp, dear_ = runs[f"{case}/ddp"], runs[f"{case}/dear"]
@@ -216,8 +221,10 @@ def test_dear_trainer_equals_ddp(runs: dict[str, Any], case: str) -> None:
     if case == "plain":
         assert len(ddp[0]["eval_loss"]) >= 3          # evaluation ran during training
         assert dear_[0]["fused"]                      # Trainer's default optimizer
+    assert dear_[0]["autocast"] == ddp[0]["autocast"] == (case == "bf16")
 
 
+@needs_hf
 def test_clipping_equals_ddp_within_rounding(runs: dict[str, Any]) -> None:
     ddp, dear_ = runs["clip/ddp"], runs["clip/dear"]
     _check_ranks_and_kinds(ddp, dear_)
@@ -238,6 +245,7 @@ def test_clipping_equals_ddp_within_rounding(runs: dict[str, Any]) -> None:
         assert abs(a - b) <= tol, f"step {t + 1}: grad_norm {b} (dear) vs {a} (DDP)"
 
 
+@needs_hf
 def test_resume_from_checkpoint(runs: dict[str, Any]) -> None:
     """Resumed at step 3 of 12 (mid-epoch): the same end as the uninterrupted run, and as DDP
     resumed from its own checkpoint."""
@@ -257,6 +265,7 @@ def _saved(out: str, step: int) -> dict[str, torch.Tensor]:
     return load_file(os.path.join(out, f"checkpoint-{step}", "model.safetensors"))
 
 
+@needs_hf
 def test_checkpoints_hold_the_applied_update(runs: dict[str, Any]) -> None:
     """The weights rank 0 saved (save_steps=3: steps 3, 6, 9, 12) are DDP's at every step,
     and the last are the final ones: the save applied the pending update first."""
@@ -268,10 +277,12 @@ def test_checkpoints_hold_the_applied_update(runs: dict[str, Any]) -> None:
     assert _max_diff({n: last[n] for n in dear_["params"]}, dear_["params"]) == 0.0
 
 
-def accelerate_loop(kind: str) -> dict[str, Any]:
+def accelerate_loop(kind: str, scaler: bool = False) -> dict[str, Any]:
     """A plain Accelerate loop (accumulate(), clip_grad_norm_, prepare() given the optimizer
     before the model) with Accelerator (DDP) or DeARAccelerator; then, under dear, a model
-    prepared for training without its optimizer."""
+    prepared for training without its optimizer. `scaler`: a GradScaler (Accelerate makes one
+    for fp16 on GPUs only, so it is set by hand here, without autocast) and an inf in rank 1's
+    loss at the third step, which every rank must skip."""
     warnings.filterwarnings("ignore")
     from accelerate import Accelerator
 
@@ -279,25 +290,38 @@ def accelerate_loop(kind: str) -> dict[str, Any]:
     torch.manual_seed(3)
     accelerator = (DeARAccelerator if kind == "dear" else Accelerator)(
         cpu=True, gradient_accumulation_steps=2)
+    if scaler:
+        accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16)
     model = _model(seed=int(os.environ["RANK"]))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     loader = torch.utils.data.DataLoader(_Data(TRAIN, 1), batch_size=BATCH, shuffle=True)
     optimizer, model, loader = accelerator.prepare(optimizer, model, loader)
-    norms = []
+    norms, skipped = [], []
     for _ in range(2):
         for batch in loader:
             with accelerator.accumulate(model):
-                accelerator.backward(model(**batch).loss)
+                loss = model(**batch).loss
+                if scaler and len(norms) == 2 and os.environ["RANK"] == "1":
+                    loss = loss * math.inf
+                accelerator.backward(loss)
                 if accelerator.sync_gradients:
-                    norms.append(float(accelerator.clip_grad_norm_(model.parameters(), 1e6)))
+                    # a clip that never bites (DDP's is on the scaled gradient there)
+                    max_norm = math.inf if scaler else 1e6
+                    norms.append(float(accelerator.clip_grad_norm_(model.parameters(),
+                                                                   max_norm)))
                 optimizer.step()
+                if accelerator.sync_gradients:
+                    skipped.append(accelerator.optimizer_step_was_skipped)
                 optimizer.zero_grad()
     if kind == "dear":
         accelerator.flush_updates()           # (reading through the model would do it too)
     out: dict[str, Any] = {"params": {n: p.detach().clone() for n, p in
                                       accelerator.unwrap_model(model).named_parameters()},
-                           "grad_norm": norms, "wrapped": type(model).__name__}
-    if kind == "dear":
+                           "grad_norm": norms, "wrapped": type(model).__name__,
+                           "skipped": skipped}
+    if scaler:
+        out["scale"] = accelerator.scaler.get_scale()
+    if kind == "dear" and not scaler:
         lone, data = accelerator.prepare(_model()), _Data(4, 0)
         try:
             accelerator.backward(lone(input_ids=data.ids, labels=data.labels).loss)
@@ -306,15 +330,22 @@ def accelerate_loop(kind: str) -> dict[str, Any]:
     return out
 
 
-def accelerate_both() -> list[dict[str, Any]]:
-    return [accelerate_loop("ddp"), accelerate_loop("dear")]
+def accelerate_all() -> list[dict[str, Any]]:
+    return [accelerate_loop(kind, scaler) for scaler in (False, True)
+            for kind in ("ddp", "dear")]
 
 
-def test_accelerate_loop_equals_ddp() -> None:
+@pytest.fixture(scope="module")
+def accelerate_runs() -> list[dict[str, Any]]:
+    return run_distributed(accelerate_all, 2, timeout=240)[0]
+
+
+@needs_hf
+def test_accelerate_loop_equals_ddp(accelerate_runs: list[dict[str, Any]]) -> None:
     """DeARAccelerator in a hand-written Accelerate loop: accumulation by accumulate(), the
     norm by clip_grad_norm_ (a clip that never bites), prepare(optimizer, model, loader):
     bitwise DDP's parameters, the norms within N eps (module docstring)."""
-    ddp, dear_ = run_distributed(accelerate_both, 2, timeout=240)[0]
+    ddp, dear_ = accelerate_runs[:2]
     assert ddp["wrapped"] == "DistributedDataParallel"
     assert dear_["wrapped"] == "BertForSequenceClassification"
     n = _count(ddp["params"])
@@ -325,6 +356,17 @@ def test_accelerate_loop_equals_ddp() -> None:
           f"{rdiff:.3g}")
     assert diff == 0.0 and rdiff <= n * EPS
     assert "has no prepared optimizer" in dear_["lone"]
+
+
+@needs_hf
+def test_accelerate_grad_scaler_skips_with_ddp(accelerate_runs: list[dict[str, Any]]) -> None:
+    """With a GradScaler, an inf on one rank skips that step on every rank, Accelerate reports
+    it (optimizer_step_was_skipped: the LR scheduler is not stepped), the scale backs off the
+    same way, and the parameters stay DDP's (unscaling by a power of two is exact)."""
+    ddp, dear_ = accelerate_runs[2:]
+    assert ddp["skipped"] == dear_["skipped"] == [False, False, True, False, False, False]
+    assert dear_["scale"] == ddp["scale"]
+    assert _max_diff(dear_["params"], ddp["params"]) == 0.0
 
 
 def _trainer_with_dear_optimizer() -> None:
@@ -347,6 +389,7 @@ def _trainer_with_dear_optimizer() -> None:
             optimizers=(opt, scheduler)).train()
 
 
+@needs_hf
 def test_plain_trainer_error_names_ddp_and_the_fix() -> None:
     outcomes = run_distributed(_trainer_with_dear_optimizer, 2, timeout=240,
                                expect_failure=True)
