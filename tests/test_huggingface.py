@@ -90,7 +90,7 @@ class _Data(torch.utils.data.Dataset):
 def fit(kind: str, out: str, *, clip: float = 0.0, accumulate: int = 1, bf16: bool = False,
         optim: str = "", lr: float = 1e-3, scheduler: str = "linear",
         evaluate: bool = False, save_at: int = 0, resume: str = "",
-        given_optimizer: bool = False) -> dict[str, Any]:
+        given_optimizer: str = "") -> dict[str, Any]:
     """One rank's Trainer.train() (kind "ddp") or DeARTrainer.train() (kind "dear")."""
     warnings.filterwarnings("ignore")
     import transformers
@@ -111,6 +111,9 @@ def fit(kind: str, out: str, *, clip: float = 0.0, accumulate: int = 1, bf16: bo
     optimizers: Any = (None, None)
     if given_optimizer:                             # Trainer(optimizers=(opt, scheduler))
         opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+        if given_optimizer == "dear":               # wrapped by the script (the workaround)
+            import dear
+            opt = dear.DistributedOptimizer(opt, model=model)
         optimizers = (opt, torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5))
     cls = DeARTrainer if kind == "dear" else Trainer
     trainer = cls(model=model, args=args, train_dataset=_Data(TRAIN, 1),
@@ -150,8 +153,9 @@ CASES: dict[str, dict[str, Any]] = {
     "accumulate": {"accumulate": 4, "scheduler": "cosine"},
     # bf16 autocast; a clip that never bites (coefficient exactly 1.0) on the clipping path.
     "bf16": {"bf16": True, "clip": 1e6},
-    # the user's own optimizer and scheduler, given as Trainer(optimizers=...).
-    "given-optimizer": {"given_optimizer": True},
+    # the user's own optimizer and scheduler, given as Trainer(optimizers=...); also (below,
+    # "given-dear") one the script wrapped in dear.DistributedOptimizer itself, accumulating 2.
+    "given-optimizer": {"given_optimizer": "torch"},
 }
 
 
@@ -170,6 +174,10 @@ def runs(tmp_path_factory: Any) -> dict[str, list[dict[str, Any]]]:
                                               "out": str(root / "r" / kind),
                                               "resume": str(root / "plain" / kind /
                                                             "checkpoint-3")}))
+    plan.append(("given-dear/dear", "dear", {"given_optimizer": "dear", "accumulate": 2,
+                                             "out": str(root / "given-dear")}))
+    plan.append(("given-dear/ddp", "ddp", {"given_optimizer": "torch", "accumulate": 2,
+                                           "out": str(root / "given-dear-ddp")}))
     plan.append(("clip-off/dear", "dear", {"optim": "sgd", "lr": LR_SGD,
                                            "out": str(root / "clip-off")}))
     outcomes = run_distributed(fit_many, 2, [(k, kw) for _, k, kw in plan], timeout=540)
@@ -205,7 +213,8 @@ def _grad_norm_rdiff(ddp: dict[str, Any], dear_: dict[str, Any]) -> float:
 
 
 @needs_hf
-@pytest.mark.parametrize("case", ["plain", "accumulate", "bf16", "given-optimizer"])
+@pytest.mark.parametrize("case", ["plain", "accumulate", "bf16", "given-optimizer",
+                                  "given-dear"])
 def test_dear_trainer_equals_ddp(runs: dict[str, Any], case: str) -> None:
     ddp, dear_ = runs[f"{case}/ddp"], runs[f"{case}/dear"]
     _check_ranks_and_kinds(ddp, dear_)
