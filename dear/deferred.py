@@ -51,7 +51,7 @@ from .iteration import Iteration
 from .reduced import ReducedGradientMixin
 from .sparse import SparseGradients
 from .stream import StreamCheck, parameter_digest
-from .validation import explicit_groups, refuse_construction
+from .validation import explicit_groups, held_by_ddp, refuse_construction
 
 log = logging.getLogger("dear")
 
@@ -369,6 +369,16 @@ class _DistributedOptimizer(ExtensionPoints, ReducedGradientMixin, torch.optim.O
         name = self._names[i]
         if self._views is not None and self._views.owns(self._params[i]):
             name += " (or of another parameter in its bucket: .grad is a view of it)"
+        if held_by_ddp(self._params[i]):    # the usual writer: DDP (Accelerate's prepare())
+            raise RuntimeError(
+                f"dear: the gradient of {name} was overwritten after backward handed it to "
+                "dear.DistributedOptimizer: the model is wrapped in DistributedDataParallel "
+                "(by your script, or by Accelerate's prepare(), which Hugging Face's Trainer "
+                "calls), and DDP all-reduces into .grad while dear averages the gradients "
+                "itself. Train the plain model, not a DDP wrapper: with Hugging Face's Trainer "
+                "use dear.huggingface.DeARTrainer in place of transformers.Trainer; with "
+                "Accelerate, dear.huggingface.DeARAccelerator in place of Accelerator "
+                "(docs/huggingface.md). This step was dropped on this rank.")
         raise RuntimeError(
             f"dear: the gradient of {name} was changed after backward handed it to "
             "dear.DistributedOptimizer (edited in place, replaced or set to None), e.g. by "
@@ -379,7 +389,9 @@ class _DistributedOptimizer(ExtensionPoints, ReducedGradientMixin, torch.optim.O
             "optimizer.clip_grad_norm_(max_norm, grad_scaler=scaler), without "
             "scaler.unscale_); to edit the averaged gradients in any other way, use Horovod's "
             "pattern: optimizer.synchronize(); <edit .grad>; with "
-            "optimizer.skip_synchronize(): optimizer.step()")
+            "optimizer.skip_synchronize(): optimizer.step(). Hugging Face's Trainer clips, "
+            "and measures the norm it logs, with torch's clip_grad_norm_ at every step: use "
+            "dear.huggingface.DeARTrainer (docs/huggingface.md).")
 
     def _abandon_iteration(self) -> None:
         """Drop this iteration's gradients: finish the reduce-scatters already issued (every

@@ -129,6 +129,13 @@ def _ddp_owning(param: torch.nn.Parameter) -> bool:
     return False
 
 
+def held_by_ddp(param: torch.nn.Parameter) -> bool:
+    """Whether a live DistributedDataParallel wraps the module holding `param` (for error
+    messages: DDP writes the averaged gradient into .grad at the end of backward)."""
+    import torch.distributed as dist
+    return dist.is_available() and dist.is_initialized() and _ddp_owning(param)
+
+
 def warn_if_ddp(model: Optional[torch.nn.Module],
                 named: list[tuple[str, torch.nn.Parameter]]) -> None:
     """A DDP-wrapped model under dear's optimizer all-reduces every gradient twice (DDP's own,
