@@ -15,7 +15,7 @@ $(VENV)/.installed: setup.py pyproject.toml Makefile $(wildcard csrc/*.* csrc/cu
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install "$(TORCH)"
 	$(PIP) install "setuptools>=64,<81" wheel
-	$(PIP) install --no-build-isolation -e ".[dev,lightning,mpi,docs]"
+	$(PIP) install --no-build-isolation -e ".[dev,lightning,mpi,docs,huggingface]"
 	$(PY) -m dear.info
 	PYTHON=$(PY) tools/install_horovod.sh
 	touch $@
