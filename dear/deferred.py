@@ -35,7 +35,7 @@ import torch
 from . import amp, model_guard, native, runtime
 from .buffers import BufferBroadcast, issue_pending
 from .comm import flight
-from .comm.base import ReduceOp
+from .comm.base import Communicator, ReduceOp
 from .compiled import PreForwardHook
 from .compression import Compressor
 from .config import Autotune
@@ -74,9 +74,11 @@ class _DistributedOptimizer(ExtensionPoints, ReducedGradientMixin, torch.optim.O
                     fusion: FusionConfig, overlap_allgather: bool,
                     compression: Compressor, groups: Any, sparse_as_dense: bool,
                     autotune: Autotune, schedule: Optional[str] = None,
-                    row_sparse: Any = None, gradient_as_bucket_view: bool = False) -> None:
-        comm = runtime.communicator()
+                    row_sparse: Any = None, gradient_as_bucket_view: bool = False,
+                    comm: Optional[Communicator] = None, owns_comm: bool = False) -> None:
+        comm = runtime.communicator() if comm is None else comm   # a process set's, or dear's
         self._comm = comm
+        self._owned_comm = comm if owns_comm else None
         recorder = getattr(comm, "recorder", None)   # the flight record (dear/comm/flight.py)
         if recorder is not None:
             recorder.describers.append(_weak_method(self._describe_buffer))
@@ -149,6 +151,7 @@ class _DistributedOptimizer(ExtensionPoints, ReducedGradientMixin, torch.optim.O
         # (add_param_group, requires_grad): the layout is then rebuilt (_adopt_parameter_set).
         self._stream = StreamCheck(comm)
         self._name_of = {p: n for n, p in named}
+        self._parameter_names = self._name_of  # Horovod's name for it (its tests read it)
         self._sparse_ids = {id(p) for p in (self._sparse.params if self._sparse else ())}
         self._param_key: tuple[int, ...] = tuple(id(p) for p in self._params)
         self._param_digest = parameter_digest(named)
@@ -524,6 +527,9 @@ class _DistributedOptimizer(ExtensionPoints, ReducedGradientMixin, torch.optim.O
         self._schedule.close()
         if self._autotuner is not None:
             self._autotuner.close()
+        if self._owned_comm is not None:       # a process set's communicator
+            self._owned_comm.shutdown()
+            self._owned_comm = None
 
     def synchronize(self) -> None:
         """Horovod's meaning. After backward: finish averaging now and put the averaged gradients

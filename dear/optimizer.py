@@ -27,7 +27,7 @@ from .fusion import fusion_config as fusion_file
 from .fusion.fusion_config import FusionConfig
 from .sparse import SparseGradients, sparse_parameters
 from .validation import (autotune_output_problem, broadcast_model, check_not_wrapped,
-                         check_optimizer, check_process_set, check_same_across_ranks,
+                         check_optimizer, process_set_communicator, check_same_across_ranks,
                          check_settings_match, collective_knobs, horovod_groups, model_settings,
                          named_params_of, warn_if_ddp)
 
@@ -155,7 +155,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     check_not_wrapped(optimizer)               # dear or hvd over dear / hvd: clear errors
     op = resolve_op(op)
     compressor = resolve_compression(compression)
-    check_process_set(process_set)             # Horovod's global set (or None) only
+    # A Horovod process set of some ranks: the optimizer averages over those ranks only.
+    set_comm = process_set_communicator(process_set, runtime.config().timeout)
+    if set_comm is not None:
+        comm = set_comm
     groups = horovod_groups(num_groups, groups)
     if backward_passes_per_step < 1:
         raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
@@ -230,7 +233,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                            if sparse_named else None)
         wrapped._dear_setup(named, model, backward_passes_per_step, op, gradient_predivide_factor,
                             fusion, overlap_allgather, compressor, groups, sparse_as_dense, tune,
-                            schedule, row_sparse, views)
+                            schedule, row_sparse, views, comm=comm, owns_comm=set_comm is not None)
     except BaseException:
         wrapped.__class__ = original_class     # nothing half-converted is left behind
         raise

@@ -157,21 +157,28 @@ def warn_if_ddp(model: Optional[torch.nn.Module],
 
 
 # ------------------------------------------------------------------------ Horovod's arguments
-def check_process_set(process_set: object) -> None:
-    """Horovod's process_set=: the global set (its default) or None; dear averages over every
-    rank of its communicator, so a subset is refused."""
+def process_set_communicator(process_set: object, timeout: float) -> Optional[Any]:
+    """Horovod's process_set=: None or the global set gives None (dear's own communicator);
+    a set of some ranks gives a communicator over those ranks only, so the optimizer averages
+    over its set (Horovod's meaning; every rank of the set must create the optimizer); on a
+    rank outside the set, a world of one (Horovod's optimizer there averages nothing)."""
     if process_set is None:
-        return
+        return None
     hvd = sys.modules.get("horovod.torch")
     global_set = getattr(hvd, "global_process_set", None) if hvd is not None else None
     if global_set is not None and (process_set is global_set
                                    or getattr(process_set, "process_set_id", None) == 0):
-        return
-    ranks = getattr(process_set, "ranks", None)
-    raise ValueError(
-        f"process_set={process_set!r}{f' (ranks {ranks})' if ranks else ''} is not supported: "
-        "dear averages over every rank it was started with. Pass hvd.global_process_set (or "
-        "leave the default)")
+        return None
+    if hvd is None or not callable(getattr(process_set, "included", None)):
+        raise ValueError(f"process_set={process_set!r} is not a Horovod process set: pass one "
+                         "made by hvd.add_process_set (or hvd.ProcessSet at hvd.init), or "
+                         "leave the default")
+    if not process_set.included():  # type: ignore[attr-defined]
+        # Horovod's optimizer on a rank outside its set reduces nothing: a local optimizer.
+        from .comm.local import LocalCommunicator
+        return LocalCommunicator()
+    from .comm.horovod import HorovodCommunicator
+    return HorovodCommunicator(timeout=timeout, process_set=process_set)
 
 
 def horovod_groups(num_groups: int, groups: object) -> object:

@@ -128,3 +128,72 @@ def test_concurrent_large_collectives_on_horovod(tmp_path):
             errors = torch.load(tmp_path / f"{plane}{r}.pt")
             assert errors["name"] == name
             assert errors["rs"] < 1e-5 and errors["ag"] < 1e-5, (plane, errors)
+
+
+def process_set_training(out: str) -> None:
+    """3 ranks; the optimizer averages over Horovod's process set {0, 2} on every rank (rank 1
+    is outside it and trains alone, as under Horovod). Each rank saves its parameters and the
+    names Horovod's tests read (`_parameter_names`)."""
+    import horovod.torch as hvd
+
+    import dear
+    hvd.init()
+    pair = hvd.add_process_set([0, 2])
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+    torch.manual_seed(0)
+    for p in model.parameters():
+        torch.nn.init.normal_(p)
+    opt = dear.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                    named_parameters=model.named_parameters(),
+                                    process_set=pair)
+    for step in range(4):
+        x, y = _set_batch(step, hvd.rank())
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    names = sorted(opt._parameter_names.values())
+    torch.save({"state": state, "names": names}, f"{out}.{hvd.rank()}")
+    dear.shutdown()
+    hvd.remove_process_set(pair)
+
+
+def _set_batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randn(4, 6, generator=g), torch.randn(4, 3, generator=g)
+
+
+def test_a_process_set_averages_over_its_own_ranks(tmp_path, monkeypatch):
+    """Horovod's process_set= for a subset of ranks: the ranks of the set train as one process
+    on their concatenated batches; a rank outside it trains on its own batch (Horovod's
+    optimizer averages nothing there)."""
+    out = str(tmp_path / "ps")
+    script = tmp_path / "ps.py"
+    script.write_text("import sys\nfrom tests.test_horovod import process_set_training\n"
+                      f"process_set_training({out!r})\n")
+    monkeypatch.setenv("HOROVOD_DYNAMIC_PROCESS_SETS", "1")
+    run_horovod([str(script)], np=3, timeout=180)
+
+    def reference(ranks: list[int]) -> dict:
+        model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(),
+                                    torch.nn.Linear(5, 3))
+        torch.manual_seed(0)
+        for p in model.parameters():
+            torch.nn.init.normal_(p)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        for step in range(4):
+            xs, ys = zip(*(_set_batch(step, r) for r in ranks))
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(torch.cat(xs)), torch.cat(ys)).backward()
+            opt.step()
+        return model.state_dict()
+
+    results = [torch.load(f"{out}.{r}") for r in range(3)]
+    for ranks, members in (([0, 2], (0, 2)), ([1], (1,))):
+        ref = reference(ranks)
+        for r in members:
+            for name, value in ref.items():
+                # the set's average: sums of two halves instead of one batch (float32 rounding)
+                torch.testing.assert_close(results[r]["state"][name], value, rtol=1e-5,
+                                           atol=1e-6, msg=f"rank {r}, {name}")
+    assert results[0]["names"] == ["0.bias", "0.weight", "2.bias", "2.weight"]

@@ -94,12 +94,18 @@ class HorovodCommunicator(Communicator):
     calls (dear.init() does)."""
 
     def __init__(self, timeout: float = 300.0,
-                 data_plane: Union[DataPlane, str, None] = None) -> None:
+                 data_plane: Union[DataPlane, str, None] = None,
+                 process_set: Any = None) -> None:
         self._hvd = _hvd()
         self._timeout = timeout                # seconds a wait may take (DEAR_TIMEOUT)
-        self._owns = not self._hvd.is_initialized()
+        self._owns = not self._hvd.is_initialized() and process_set is None
         if self._owns:
             self._hvd.init()
+        # Over some ranks only (Horovod's process_set=): ranks are the set's, every Horovod
+        # call names the set, and a broadcast's root is given to Horovod as a global rank.
+        self._set = process_set
+        self._in_set: dict[str, Any] = {} if process_set is None else {
+            "process_set": process_set}
         self._count = 0
         if data_plane is None:
             from ..config import Config
@@ -118,11 +124,11 @@ class HorovodCommunicator(Communicator):
 
     @property
     def rank(self) -> int:
-        return int(self._hvd.rank())
+        return int(self._hvd.rank() if self._set is None else self._set.rank())
 
     @property
     def size(self) -> int:
-        return int(self._hvd.size())
+        return int(self._hvd.size() if self._set is None else self._set.size())
 
     @property
     def local_rank(self) -> int:
@@ -130,7 +136,8 @@ class HorovodCommunicator(Communicator):
 
     def _name(self, kind: str) -> str:
         self._count += 1
-        return f"dear.{kind}.{self._count}"
+        where = "" if self._set is None else f"set{self._set.process_set_id}."
+        return f"dear.{where}{kind}.{self._count}"
 
     def check_dtype(self, dtype: torch.dtype) -> None:
         if dtype in _UNSUPPORTED and self._exchange is None:
@@ -154,7 +161,7 @@ class HorovodCommunicator(Communicator):
             return self._exchange.reduce_scatter(input, output)   # type: ignore[union-attr]
         check_shard_sizes(input, output, self.size)
         self._check_dtype(input)
-        handle = self._hvd.alltoall_async(input, name=self._name("rs"))
+        handle = self._hvd.alltoall_async(input, name=self._name("rs"), **self._in_set)
         n = self.size
 
         def finish(res: Any) -> None:
@@ -178,7 +185,7 @@ class HorovodCommunicator(Communicator):
             return self._exchange.all_gather(input, output)       # type: ignore[union-attr]
         check_shard_sizes(output, input, self.size)
         self._check_dtype(input)
-        handle = self._hvd.allgather_async(input, name=self._name("ag"))
+        handle = self._hvd.allgather_async(input, name=self._name("ag"), **self._in_set)
         return HorovodWork(handle, lambda res: output.copy_(res.view(-1)), self._timeout)
 
     def all_gather_columns(self, input: torch.Tensor, output: torch.Tensor, start: int,
@@ -198,7 +205,8 @@ class HorovodCommunicator(Communicator):
                 return DoneWork()
             return CallbackWork([self._gloo.forward.allreduce([tensor])])
         self._check_dtype(tensor)
-        handle = self._hvd.allreduce_async_(tensor, name=self._name("ar"), op=self._hvd.Sum)
+        handle = self._hvd.allreduce_async_(tensor, name=self._name("ar"), op=self._hvd.Sum,
+                                            **self._in_set)
         return HorovodWork(handle, timeout=self._timeout)
 
     def broadcast(self, tensor: torch.Tensor, root: int) -> Work:
@@ -209,7 +217,9 @@ class HorovodCommunicator(Communicator):
                 return DoneWork()
             return CallbackWork([self._gloo.forward.broadcast(tensor, root)])
         self._check_dtype(tensor)
-        handle = self._hvd.broadcast_async_(tensor, root, name=self._name("bc"))
+        root_rank = root if self._set is None else self._set.ranks[root]
+        handle = self._hvd.broadcast_async_(tensor, root_rank, name=self._name("bc"),
+                                            **self._in_set)
         return HorovodWork(handle, timeout=self._timeout)
 
     def broadcast_object(self, obj: Any, root: int) -> Any:
@@ -223,7 +233,7 @@ class HorovodCommunicator(Communicator):
         return all_gather_object_with(self, obj)
 
     def barrier(self) -> None:
-        self._hvd.barrier()
+        self._hvd.barrier(**self._in_set)
 
     def shutdown(self) -> None:
         gloo, self._gloo, exchange, self._exchange = self._gloo, None, self._exchange, None
