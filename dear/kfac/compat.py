@@ -12,8 +12,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from .enums import AssignmentStrategy, ComputeMethod, DistributedStrategy
+import warnings
+
+from .enums import AllreduceMethod, AssignmentStrategy, ComputeMethod, DistributedStrategy, parse
 from .preconditioner import KFAC
+
+# kfac-pytorch keeps each hyperparameter as given (a value or a callable of the step) in these
+# attributes, which its LambdaParamScheduler reads and writes; here they are views of dear's.
+_KFAC_PRIVATE = {"_factor_update_steps": "factor_update_freq",
+                 "_inv_update_steps": "inv_update_freq", "_damping": "damping",
+                 "_factor_decay": "factor_decay", "_kl_clip": "kl_clip", "_lr": "lr"}
 
 
 class KFACPreconditioner(KFAC):
@@ -43,6 +51,17 @@ class KFACPreconditioner(KFAC):
                  update_factors_in_hook: bool = True,
                  loglevel: int = logging.DEBUG,
                  **dear_options: Any) -> None:
+        method = parse(ComputeMethod, compute_method, "compute_method")
+        if method is ComputeMethod.EIGEN and compute_eigenvalue_outer_product \
+                and not colocate_factors:
+            raise ValueError("colocate_factors must be True to use "
+                             "compute_eigenvalue_outer_product (kfac-pytorch's rule: the "
+                             "outer product of the two eigenvalue vectors needs both on one rank)")
+        if not colocate_factors and _fraction_and_strategy(
+                grad_worker_fraction, _world())[1] is DistributedStrategy.MEM_OPT:
+            warnings.warn("grad_worker_frac=1/world_size (MEM_OPT) requires "
+                          "colocate_factors=True. Enabling colocate_factors.", stacklevel=2)
+            colocate_factors = True
         super().__init__(
             model, lr=lr, damping=damping, factor_decay=factor_decay, kl_clip=kl_clip,
             factor_update_steps=factor_update_steps, inv_update_steps=inv_update_steps,
@@ -55,3 +74,69 @@ class KFACPreconditioner(KFAC):
             grad_scaler=grad_scaler, factor_dtype=factor_dtype, inv_dtype=inv_dtype,
             skip_layers=skip_layers, update_factors_in_hook=update_factors_in_hook,
             loglevel=loglevel, **dear_options)
+
+        # kfac-pytorch's read-only description of the choices made.
+        self.compute_method = method
+        self.assignment_strategy = parse(AssignmentStrategy, assignment_strategy,
+                                         "assignment_strategy")
+        self.allreduce_bucket_cap_mb = allreduce_bucket_cap_mb
+        self.allreduce_method = (AllreduceMethod.ALLREDUCE_BUCKETED if allreduce_bucket_cap_mb > 0
+                                 else AllreduceMethod.ALLREDUCE)
+        self.colocate_factors = colocate_factors
+        self.compute_eigenvalue_outer_product = compute_eigenvalue_outer_product
+        self.grad_worker_fraction, self.distributed_strategy = _fraction_and_strategy(
+            grad_worker_fraction, self.size)
+        self.symmetry_aware = symmetry_aware
+        self.factor_dtype, self.inv_dtype = factor_dtype, inv_dtype
+        self.skip_layers = list(skip_layers or [])
+        self.grad_scaler = grad_scaler
+
+    def __getattr__(self, name: str) -> Any:
+        source = _KFAC_PRIVATE.get(name)
+        if source is not None:                 # as given: a value or a callable
+            return self._sources[source]
+        if name == "_steps":
+            return self.steps
+        return super().__getattr__(name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        source = _KFAC_PRIVATE.get(name)
+        if source is not None:
+            # Unchecked, as kfac-pytorch's own attributes: its LambdaParamScheduler multiplies
+            # them step after step (a callable's results are still checked when read).
+            self._sources[source] = value
+            self._step_cache = (-1, False, 0.0)
+        elif name == "_steps":
+            super().__setattr__("steps", value)
+        else:
+            super().__setattr__(name, value)
+
+
+def _world() -> int:
+    """The world K-FAC will run in, before its transport exists (kfac-pytorch's get_world_size)."""
+    from .. import runtime
+    if runtime.is_initialized():
+        return runtime.size()
+    import torch.distributed as dist
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _fraction_and_strategy(fraction: Any, world: int) -> tuple[float, DistributedStrategy]:
+    """kfac-pytorch's grad_worker_fraction (a float) and distributed_strategy attributes."""
+    try:
+        member = parse(DistributedStrategy, fraction, "grad_worker_fraction")
+    except ValueError:
+        member = None
+    if member is not None:
+        value = {DistributedStrategy.COMM_OPT: 1.0, DistributedStrategy.HYBRID_OPT: 0.5,
+                 DistributedStrategy.MEM_OPT: 1.0 / world}[member]
+        return value, member
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)):
+        raise ValueError(f"grad_worker_fraction must be in [0, 1] or a DistributedStrategy, "
+                         f"got {fraction!r}")
+    value = float(fraction) if fraction else 1.0 / world
+    if value == 1.0:
+        return 1.0, DistributedStrategy.COMM_OPT
+    if value <= 1.0 / world:
+        return value, DistributedStrategy.MEM_OPT
+    return value, DistributedStrategy.HYBRID_OPT

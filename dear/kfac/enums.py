@@ -75,3 +75,11 @@ def parse(cls: type[E], value: Any, what: str) -> E:
                 return member
     choices = ", ".join(repr(m.value) for m in cls)
     raise ValueError(f"{what} must be one of {choices} (or {cls.__name__}.*), got {value!r}")
+
+
+class AllreduceMethod(enum.Enum):
+    """kfac-pytorch's: how factors are all-reduced; from allreduce_bucket_cap_mb (0: one
+    collective per factor, else fused into buckets of that size)."""
+
+    ALLREDUCE = "allreduce"
+    ALLREDUCE_BUCKETED = "allreduce-bucketed"

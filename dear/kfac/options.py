@@ -48,8 +48,9 @@ def check(name: str, value: Any, step: int | None = None) -> Any:
         fail("a finite number")
     if name == "damping" and value <= 0:
         fail("> 0 (it keeps (F + damping I) invertible; kfac-pytorch's default is 0.001)")
-    if name == "factor_decay" and not 0 <= value < 1:
-        fail("in [0, 1) (the weight of the old factor in the running average)")
+    if name == "factor_decay" and not 0 <= value <= 1:
+        fail("in [0, 1] (the weight of the old factor in the running average; 1 keeps the "
+             "factors at their start, as kfac-pytorch allows)")
     if name in ("lr", "kl_clip") and value < 0:
         fail(">= 0")
     return float(value)

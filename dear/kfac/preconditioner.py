@@ -107,10 +107,12 @@ class KFAC:
                 f"weight); modules with parameters: {others or 'none'}")
         self.layers = [LayerState(i, layer, self.settings.factor_dtype, self.settings.inv_dtype)
                        for i, layer in enumerate(layers)]
-        log.info("dear.KFAC: preconditioning %d layers; left to the optimizer: %s",
-                 len(layers), ", ".join(others) if others else "none")
+        log.log(loglevel, "dear.KFAC: preconditioning %d layers; left to the optimizer: %s",
+                len(layers), ", ".join(others) if others else "none")
         for s in self.layers:
-            log.log(loglevel, "dear.KFAC: registered %s: %r", s.name, s.layer)
+            log.log(loglevel, "dear.KFAC: Registered name=%r: %r", s.name, s.layer)
+        log.log(loglevel, "dear.KFAC: layer assignments (kfac-pytorch's KAISAAssignment) are "
+                "planned at the first step, strategy %s", self.settings.strategy.value)
         self.symmetric, self.redundancy = self.settings.symmetric, self.settings.redundancy
         self.pipeline = self.settings.pipeline
         self._cap_bytes = self.settings.bucket_cap_bytes
