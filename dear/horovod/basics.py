@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import socket
 import warnings
 from typing import Iterable, Optional, Sequence, Union
@@ -80,7 +81,8 @@ global_process_set.process_set_id = 0
 class _State:
     initialized = False
     owns_runtime = False             # hvd.init() called dear.init(), so hvd.shutdown() ends it
-    owns_world = False               # hvd.init() started a world of one process
+    owns_world = False               # hvd.init() started the default group itself
+    generation = 0                   # hvd.init() calls so far in this process
     next_id = 1
     sets: dict[int, ProcessSet] = {}
     topology: dict[str, int] = {}
@@ -118,6 +120,8 @@ def init(comm: Optional[Sequence[int]] = None,
             dist.init_process_group(default_backend(), store=dist.HashStore(), rank=0,
                                     world_size=1, timeout=_timeout())
             _state.owns_world = True
+        elif not dist.is_initialized() and _state.generation and _agent_store():
+            _restart_under_torchrun()
         runtime.init(backend="torch")
         _state.owns_runtime = True
     size = dist.get_world_size()
@@ -133,9 +137,25 @@ def init(comm: Optional[Sequence[int]] = None,
     _state.sets = {0: global_process_set}
     _state.topology = _topology(global_process_set.control)
     _state.initialized = True
+    _state.generation += 1
     if process_sets is not None and not isinstance(process_sets, str):   # "dynamic": nothing
         for ps in process_sets:
             add_process_set(ps)
+
+
+def _agent_store() -> bool:
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+
+
+def _restart_under_torchrun() -> None:
+    """hvd.init() after hvd.shutdown() under torchrun: the agent's store outlives the groups and
+    torch names groups again from 0, so a rank could read the address a peer published for the
+    previous group ("Connection refused"). Each restart gets keys of its own."""
+    store, rank_, world = next(dist.rendezvous("env://", timeout=_timeout()))
+    prefixed = dist.PrefixStore(f"dear.horovod/init{_state.generation}", store)
+    dist.init_process_group(default_backend(), store=prefixed, rank=rank_, world_size=world,
+                            timeout=_timeout())
+    _state.owns_world = True
 
 
 def _abandon() -> None:
