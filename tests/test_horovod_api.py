@@ -172,6 +172,13 @@ def _movement_ranks() -> None:
     extra = torch.cat([x, torch.full((3, 2), -1.0)])
     out3, _ = hvd.alltoall(extra, splits=splits)
     assert torch.equal(out3, out)
+    # sparse: all-gathered indices and values, summed (averaged) when densified
+    dense = torch.zeros(6, 2)
+    dense[r] = float(r + 1)
+    dense[5] = 1.0
+    handle_fn = hvd.sparse_allreduce_async(dense.to_sparse(), name="sp", op=hvd.Average)
+    expect = _torch_allreduce(dense, dist.ReduceOp.SUM) / n
+    assert torch.equal(handle_fn().to_dense(), expect)
     # topology: one host here
     assert (hvd.local_rank(), hvd.local_size()) == (r, n)
     assert (hvd.cross_rank(), hvd.cross_size()) == (0, 1) and hvd.is_homogeneous()
