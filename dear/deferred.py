@@ -310,9 +310,10 @@ class _DistributedOptimizer(ExtensionPoints, ReducedGradientMixin, torch.optim.O
             return
         if self._iteration.synchronized:       # Horovod loop: .grad already holds the average
             if not self._skip_sync and not self._iteration.preconditioner_synced:
-                warnings.warn("optimizer.step() after optimizer.synchronize() without "
-                              "optimizer.skip_synchronize(): the gradients are already "
-                              "averaged and are applied as they are")
+                # Horovod's wording first: scripts filter this warning by its message.
+                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() "
+                              "context after optimizer.synchronize(): the gradients are "
+                              "already averaged and are applied as they are")
             self._end_iteration()              # its synchronize() flags with it
             if grad_scaler is None or not amp.unscale_averaged_grads(grad_scaler, self):
                 self._inner_step(self)

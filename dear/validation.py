@@ -162,13 +162,9 @@ def process_set_communicator(process_set: object, timeout: float) -> Optional[An
     a set of some ranks gives a communicator over those ranks only, so the optimizer averages
     over its set (Horovod's meaning; every rank of the set must create the optimizer); on a
     rank outside the set, a world of one (Horovod's optimizer there averages nothing)."""
-    if process_set is None:
-        return None
+    if process_set is None or getattr(process_set, "process_set_id", None) == 0:
+        return None                            # the global set
     hvd = sys.modules.get("horovod.torch")
-    global_set = getattr(hvd, "global_process_set", None) if hvd is not None else None
-    if global_set is not None and (process_set is global_set
-                                   or getattr(process_set, "process_set_id", None) == 0):
-        return None
     if hvd is None or not callable(getattr(process_set, "included", None)):
         raise ValueError(f"process_set={process_set!r} is not a Horovod process set: pass one "
                          "made by hvd.add_process_set (or hvd.ProcessSet at hvd.init), or "
