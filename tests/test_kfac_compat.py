@@ -235,5 +235,67 @@ def test_loglevel_of_the_registration_lines(caplog):
     with caplog.at_level(logging.INFO, logger="dear"):
         KFAC(W.make_model("cnn"), loglevel=logging.INFO)
         KFAC(W.make_model("mlp"))                      # kfac-pytorch's default: DEBUG
-    registered = [r.getMessage() for r in caplog.records if "registered" in r.getMessage()]
-    assert [line.split(":")[1].split()[-1] for line in registered] == ["conv1", "conv2", "fc"]
+    messages = [r.getMessage() for r in caplog.records]
+    registered = [m for m in messages if "Registered" in m]        # kfac-pytorch's word
+    assert [re.search(r"name='(\w+)'", m).group(1) for m in registered] == ["conv1", "conv2", "fc"]
+    # at kfac-pytorch's default level nothing reaches INFO (its tests count the records)
+    assert sum("KAISAAssignment" in m for m in messages) == 1, messages
+    assert len(messages) == 5, messages
+
+
+class _ParamScheduler:
+    """What kfac-pytorch's LambdaParamScheduler does to a preconditioner (kfac/scheduler.py,
+    v0.4.2): refuse a hyperparameter that is already a callable, then multiply the stored
+    values by the lambdas' factors at each step, through the underscore attributes."""
+
+    NAMES = ("factor_update_steps", "inv_update_steps", "damping", "factor_decay", "kl_clip",
+             "lr")
+
+    def __init__(self, preconditioner, **lambdas):
+        self.p, self.lambdas = preconditioner, lambdas
+        for name in lambdas:
+            if callable(getattr(preconditioner, f"_{name}")):
+                raise ValueError(f"preconditioner.{name} is already a callable")
+
+    def step(self, step=None):
+        for name, fn in self.lambdas.items():
+            factor = fn(step if step is not None else self.p.steps)
+            value = getattr(self.p, f"_{name}") * factor
+            setattr(self.p, f"_{name}", int(value) if name.endswith("steps") else value)
+
+
+def test_kfac_pytorchs_param_scheduler_drives_the_preconditioner():
+    """kfac-pytorch's CIFAR example builds its LambdaParamScheduler on the preconditioner: it
+    reads and writes `_factor_update_steps`, `_damping`, ... (it crashed on AttributeError)."""
+    p = KFACPreconditioner(W.make_model("mlp"), factor_update_steps=2, inv_update_steps=4,
+                           damping=0.01, lr=0.1)
+    with pytest.raises(ValueError):
+        _ParamScheduler(KFACPreconditioner(W.make_model("mlp"), damping=lambda s: 0.01),
+                        damping=lambda s: 2)
+    sched = _ParamScheduler(p, damping=lambda s: 0.5, inv_update_steps=lambda s: 2,
+                            lr=lambda s: 0.1)
+    p._steps = 3                               # kfac-pytorch's own counter, as its tests set it
+    assert p.steps == 3
+    sched.step()
+    assert (p.damping, p.inv_update_steps, p.factor_update_steps) == (0.005, 8, 2)
+    assert p.lr == pytest.approx(0.01) and p._damping == 0.005
+    p._damping = lambda step: 0.001 * step     # a callable, as given, evaluated when read
+    assert callable(p._damping) and p.damping == pytest.approx(0.003)
+
+
+def test_kfac_pytorchs_read_only_attributes_and_argument_rules():
+    p = KFACPreconditioner(W.make_model("mlp"), allreduce_bucket_cap_mb=0,
+                           assignment_strategy="memory", compute_method="inverse")
+    assert p.allreduce_method.name == "ALLREDUCE"
+    assert p.assignment_strategy is AssignmentStrategy.MEMORY
+    assert p.compute_method is ComputeMethod.INVERSE
+    assert p.distributed_strategy is DistributedStrategy.COMM_OPT and p.grad_worker_fraction == 1
+    assert KFACPreconditioner(W.make_model("mlp")).allreduce_method.name == "ALLREDUCE_BUCKETED"
+    with pytest.raises(ValueError, match="colocate_factors"):
+        KFACPreconditioner(W.make_model("mlp"), compute_method="eigen", colocate_factors=False)
+    with pytest.warns(UserWarning, match="Enabling colocate_factors"):
+        p = KFACPreconditioner(W.make_model("mlp"), compute_method="inverse",
+                               colocate_factors=False,
+                               grad_worker_fraction=DistributedStrategy.MEM_OPT)
+    assert p.colocate_factors is True
+    KFACPreconditioner(W.make_model("mlp"), factor_decay=1)   # (0, 1] as kfac-pytorch
