@@ -87,7 +87,8 @@ def parse_autotune(value: Union[bool, str, None, "Autotune"]) -> Autotune:
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """Runtime configuration. Each field has an environment variable, listed in README.md."""
+    """Runtime configuration. Each field has an environment variable, listed in
+    docs/configuration.md (tests/test_docs.py checks the table against these fields)."""
 
     #: bytes of gradient per fusion bucket (DEAR_FUSION_THRESHOLD, e.g. "25MB"); None: 25 MB,
     #: or an eighth of the model's gradient bytes where that is smaller (`auto_threshold`).

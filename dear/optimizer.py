@@ -122,9 +122,16 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          ) -> torch.optim.Optimizer:
     """Wrap `optimizer` so its gradients are averaged with DeAR's decoupled all-reduce.
 
-    Accepts everything hvd.DistributedOptimizer accepts, in the same positions. Returns an
-    instance of a subclass of the optimizer's own class that shares its state, so isinstance
-    checks, LR schedulers and checkpoint code keep working (as in Horovod).
+    Accepts everything hvd.DistributedOptimizer accepts, in the same positions. Returns the
+    same object, converted in place into a dear subclass of its own class: whatever held it
+    (LR schedulers made before or after, GradScaler, resume code) sees dear's, and isinstance
+    checks keep working.
+    `model`: the model it trains. dear hooks its forward pass (each bucket's update lands just
+    before its first module runs) and, as DDP's constructor does, broadcasts rank 0's weights.
+    `process_set`: Horovod's; a set of some ranks averages over those ranks only.
+    `fusion_threshold`: bytes of gradient per bucket (None: DEAR_FUSION_THRESHOLD, else 25 MB
+    or an eighth of the model's gradient). `fusion_config`: a saved layout (dear_fusion.json).
+    `overlap_allgather` (with model=): False completes the all-gathers inside step().
     `autotune`: True or "online" tunes the fusion layout on measured iterations, "offline" on
     the simulator's predictions from a traced window, then confirms the best few (None:
     DEAR_AUTOTUNE).

@@ -1,7 +1,7 @@
 """`KFACPreconditioner`: dear.KFAC with kfac-pytorch's signature AND its defaults, so that
 `from kfac.preconditioner import KFACPreconditioner` becomes
 `from dear.kfac import KFACPreconditioner` and nothing else changes. dear.KFAC itself keeps
-dear's defaults; README.md ("Second-order") lists where they differ."""
+dear's defaults; docs/kfac.md lists where they differ."""
 
 from __future__ import annotations
 
