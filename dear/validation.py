@@ -169,6 +169,10 @@ def process_set_communicator(process_set: object, timeout: float) -> Optional[An
         raise ValueError(f"process_set={process_set!r} is not a Horovod process set: pass one "
                          "made by hvd.add_process_set (or hvd.ProcessSet at hvd.init), or "
                          "leave the default")
+    if getattr(process_set, "process_set_id", None) is None or not hvd.is_initialized():
+        raise ValueError(f"process_set={process_set!r} is not registered with Horovod: call "
+                         "hvd.init() and hvd.add_process_set(ranks) (or hvd.init(process_sets="
+                         "[...])) on every rank first")
     if not process_set.included():  # type: ignore[attr-defined]
         # Horovod's optimizer on a rank outside its set reduces nothing: a local optimizer.
         from .comm.local import LocalCommunicator

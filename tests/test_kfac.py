@@ -200,7 +200,7 @@ def test_bad_input_is_refused_clearly():
         with pytest.raises(ValueError, match="damping must be"):
             KFAC(model, damping=bad)
     with pytest.raises(ValueError, match="factor_decay must be in"):
-        KFAC(model, factor_decay=1.0)
+        KFAC(model, factor_decay=1.5)          # [0, 1]: 1 allowed, as kfac-pytorch
     with pytest.raises(ValueError, match="inv_update_freq must be an integer"):
         KFAC(model, inv_update_freq=0)
     precond = KFAC(model, damping=lambda s: 0.0)

@@ -240,7 +240,13 @@ def test_loglevel_of_the_registration_lines(caplog):
     assert [re.search(r"name='(\w+)'", m).group(1) for m in registered] == ["conv1", "conv2", "fc"]
     # at kfac-pytorch's default level nothing reaches INFO (its tests count the records)
     assert sum("KAISAAssignment" in m for m in messages) == 1, messages
-    assert len(messages) == 5, messages
+    # dear.KFAC says at INFO which layers it left to the optimizer (both constructions)
+    assert sum("left to the optimizer" in m for m in messages) == 2, messages
+    assert len(messages) == 6, messages
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="dear"):   # kfac-pytorch's class: nothing
+        KFACPreconditioner(W.make_model("mlp"))
+    assert not caplog.records, [r.getMessage() for r in caplog.records]
 
 
 class _ParamScheduler:

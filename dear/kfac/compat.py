@@ -91,6 +91,10 @@ class KFACPreconditioner(KFAC):
         self.skip_layers = list(skip_layers or [])
         self.grad_scaler = grad_scaler
 
+    @staticmethod
+    def _summary_level(loglevel: int) -> int:
+        return loglevel                        # kfac-pytorch logs nothing above loglevel
+
     def __getattr__(self, name: str) -> Any:
         source = _KFAC_PRIVATE.get(name)
         if source is not None:                 # as given: a value or a callable

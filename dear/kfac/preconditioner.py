@@ -107,7 +107,8 @@ class KFAC:
                 f"weight); modules with parameters: {others or 'none'}")
         self.layers = [LayerState(i, layer, self.settings.factor_dtype, self.settings.inv_dtype)
                        for i, layer in enumerate(layers)]
-        log.log(loglevel, "dear.KFAC: preconditioning %d layers; left to the optimizer: %s",
+        log.log(self._summary_level(loglevel),
+                "dear.KFAC: preconditioning %d layers; left to the optimizer: %s",
                 len(layers), ", ".join(others) if others else "none")
         for s in self.layers:
             log.log(loglevel, "dear.KFAC: Registered name=%r: %r", s.name, s.layer)
@@ -141,6 +142,12 @@ class KFAC:
         self.overlapped_steps = 0                  # steps preconditioned on DeAR's shards
         self._hooks = [s.layer.module.register_forward_hook(functools.partial(self._on_forward, s))
                        for s in self.layers]
+
+    @staticmethod
+    def _summary_level(loglevel: int) -> int:
+        """dear.KFAC says at INFO which layers it left to the optimizer (kfac-pytorch's class
+        logs nothing above its loglevel: dear/kfac/compat.py)."""
+        return max(loglevel, logging.INFO)
 
     # ------------------------------------------------------------------ hyperparameters
     def __getattr__(self, name: str) -> Any:
