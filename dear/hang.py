@@ -29,8 +29,10 @@ from typing import Any, Callable, Optional
 from .comm.flight import FlightRecord, RecordedCommunicator
 
 _KEY = "dear/flight/rank{}"
-#: seconds between two publications of a rank's record (its heartbeat)
+#: seconds between two publications of a rank's record (its heartbeat) while it issues nothing
 INTERVAL = 1.0
+#: while it issues collectives, one publication every EVERY intervals
+EVERY = 10
 #: collectives of each rank shown in a report
 SHOWN = 16
 
@@ -99,9 +101,21 @@ class HangReporter:
 
     # -- publishing --------------------------------------------------------------------------
     def _run(self) -> None:
+        """Publish once a second while this rank issues nothing new (stalled, waiting in a
+        collective, or between phases), and every EVERY-th second regardless. A store write
+        each second while training made dear 1.5% slower on the emulated benchmark
+        (benchmarks/results/ab_hang_report.md); a report needs beats only from ranks that
+        stopped issuing, and a recent record of the others."""
+        recorder = self._comm.recorder
+        last: Optional[tuple[int, int]] = None
+        wakes = 0
         while not self._stop.wait(self._interval):
-            if not self._publish():
-                return                         # the store is gone: nothing left to publish to
+            wakes += 1
+            now = (recorder.issued, recorder.completed)
+            if now == last or wakes % EVERY == 0:
+                if not self._publish():
+                    return                     # the store is gone: nothing left to publish to
+            last = now
 
     def _record(self) -> dict[str, Any]:
         snap = self._comm.recorder.snapshot()
@@ -166,8 +180,7 @@ class HangReporter:
 
     def _settled(self, first: dict[int, dict[str, Any]], now: dict[int, dict[str, Any]]) -> bool:
         """Every other rank either failed too or showed a heartbeat since `first`."""
-        return all(r in now and (now[r].get("failed") or r in first and
-                                 now[r].get("beat", 0) > first[r].get("beat", 0))
+        return all(r in now and (now[r].get("failed") or _beat_moved(r, first, now))
                    for r in range(self._comm.size) if r != self._comm.rank)
 
     def _peers_done(self, seq: int, first: dict[int, dict[str, Any]],
@@ -213,7 +226,14 @@ class HangReporter:
 def _gone(before: dict[int, dict[str, Any]], now: dict[int, dict[str, Any]]) -> list[int]:
     """Ranks whose heartbeat did not move between the two reads and that did not fail."""
     return [r for r, record in now.items() if not record.get("failed") and
-            record.get("beat", 0) <= before.get(r, {}).get("beat", -1)]
+            not _beat_moved(r, before, now)]
+
+
+def _beat_moved(r: int, before: dict[int, dict[str, Any]], now: dict[int, dict[str, Any]]) -> bool:
+    """Rank r published between the two reads (a first record counts: a rank publishes once a
+    second only after it stops issuing collectives)."""
+    return r in now and (r not in before or
+                         now[r].get("beat", 0) > before[r].get("beat", 0))
 
 
 def _describe(entry: Optional[dict[str, Any]]) -> str:
@@ -256,11 +276,12 @@ def compose(rank: int, size: int, rec: FlightRecord, now: dict[int, dict[str, An
             continue
         last = record["recent"][-1] if record.get("recent") else None
         theirs = _entry(record, rec.seq)
-        alive = r in before and record.get("beat", 0) > before[r].get("beat", 0)
+        alive = _beat_moved(r, before, now)
         if not alive and not record.get("failed"):
             gone.append(r)
             lines.append(f"  rank {r}: NOT RESPONDING (died or froze); its last record "
-                         f"(published at most {INTERVAL:g} s before it stopped) had issued up to "
+                         f"(published at most {INTERVAL * EVERY:g} s before it stopped) had "
+                         f"issued up to "
                          f"#{record['issued']}, last {_describe(last)}")
             continue
         state = "also failed" if record.get("failed") else "alive, busy outside dear's collectives"
