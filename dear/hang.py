@@ -6,8 +6,8 @@ So each rank publishes its flight record (dear/comm/flight.py: counters and rece
 to the rendezvous store from a small thread (once a second while it issues nothing new, every
 10 s while it trains), out of band, never through the group that may be stuck. When a
 collective fails, the rank publishes at once, reads every rank's record twice `grace` seconds
-apart (a record whose heartbeat did not move belongs to a rank that died or froze; one that moved, to a rank that is alive but somewhere else), and compares
-sequence numbers: every rank issues dear's collectives in the same order, so a rank whose last
+apart (a record whose heartbeat did not move belongs to a rank that died or froze; one that
+moved, to a rank that is alive but somewhere else), and compares sequence numbers: every rank issues dear's collectives in the same order, so a rank whose last
 issued number is below the failed one never issued it, and one that issued it as another kind
 or size took a different branch. The text goes into the exception and, with the records, into
 `<DEAR_HANG_REPORT>/<store>/rank<r>.json`; `python -m dear.diagnose hang DIR` shows them.
