@@ -2,14 +2,15 @@
 
 A collective that times out only says "Operation timed out!" on the ranks that waited; a peer
 that died says "Connection closed". Neither names the rank that is missing or what it was doing.
-So each rank publishes its flight record (dear/comm/flight.py: counters and recent collectives)
-to the rendezvous store from a small thread (once a second while it issues nothing new, every
-10 s while it trains), out of band, never through the group that may be stuck. When a
-collective fails, the rank publishes at once, reads every rank's record twice `grace` seconds
-apart (a record whose heartbeat did not move belongs to a rank that died or froze; one that
-moved, to a rank that is alive but somewhere else), and compares sequence numbers: every rank issues dear's collectives in the same order, so a rank whose last
-issued number is below the failed one never issued it, and one that issued it as another kind
-or size took a different branch. The text goes into the exception and, with the records, into
+So each rank publishes its flight record (dear/comm/flight.py: counters and recent
+collectives) to the rendezvous store from a small thread, out of band, never through the group
+that may be stuck: once a second while it issues nothing new, every 10 s while it trains. When
+a collective fails, the rank publishes at once and reads every rank's record twice, `grace`
+seconds apart: a record whose heartbeat did not move belongs to a rank that died or froze, one
+that moved to a rank that is alive but somewhere else. Then it compares sequence numbers: every
+rank issues dear's collectives in the same order, so a rank whose last issued number is below
+the failed one never issued it, and one that issued it as another kind or size took a
+different branch. The text goes into the exception and, with the records, into
 `<DEAR_HANG_REPORT>/<store>/rank<r>.json`; `python -m dear.diagnose hang DIR` shows them.
 
 Records travel as JSON (numbers and strings): nothing read from the store is unpickled.
