@@ -119,8 +119,7 @@ class HangReporter:
             last = now
 
     def _record(self) -> dict[str, Any]:
-        snap = self._comm.recorder.snapshot()
-        snap["recent"] = snap["recent"][-SHOWN:]
+        snap = self._comm.recorder.snapshot(SHOWN)
         snap.update(rank=self._comm.rank, beat=self._beat, failed=self._failed,
                     host=os.uname().nodename, pid=os.getpid())
         return snap

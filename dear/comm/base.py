@@ -181,6 +181,39 @@ class Communicator(abc.ABC):
         """Release the group's resources (the backend may own them)."""
 
 
+class WrappedCommunicator(Communicator):
+    """A communicator around another (`inner`): rank, size and the backend's own extras
+    (`.group`, ...) are the inner one's. dear's flight record (comm/flight.py) and the
+    diagnose tracer (diagnose/comm.py) wrap this way; subclasses define the collectives."""
+
+    def __init__(self, inner: Communicator) -> None:
+        self.inner = inner
+        self.name = inner.name
+
+    @property
+    def rank(self) -> int:
+        return self.inner.rank
+
+    @property
+    def size(self) -> int:
+        return self.inner.size
+
+    @property
+    def local_rank(self) -> int:
+        return self.inner.local_rank
+
+    def __getattr__(self, name: str) -> Any:        # backend extras (.group, ...)
+        if name == "inner":                          # not set yet (unpickling, __init__)
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def check_dtype(self, dtype: torch.dtype) -> None:
+        self.inner.check_dtype(dtype)
+
+    def shutdown(self) -> None:
+        self.inner.shutdown()
+
+
 def broadcast_object_with(comm: Communicator, obj: Any, root: int) -> Any:
     """`broadcast_object` through the communicator's own broadcast (which honours DEAR_TIMEOUT):
     the encoded size (dear/comm/wire.py), then the bytes. CPU tensors: for backends that move

@@ -23,7 +23,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .base import Communicator, Work
+from .base import Communicator, Work, WrappedCommunicator
 
 #: collectives kept per rank: enough to see the last iteration of a model with many buckets
 DEPTH = 64
@@ -95,9 +95,10 @@ class FlightRecorder:
                 return what
         return None
 
-    def snapshot(self) -> dict[str, Any]:
-        """What this rank publishes: its counters and its recent collectives."""
-        records = list(self._records)
+    def snapshot(self, last: int = DEPTH) -> dict[str, Any]:
+        """What this rank publishes: its counters and its `last` collectives (only those are
+        described: the bucket lookup runs in the publishing thread)."""
+        records = list(self._records)[-last:]
         return {"issued": self.issued, "completed": self.completed,
                 "phase": _where[0], "iteration": _where[1],
                 "recent": [r.as_dict(self.describe) for r in records]}
@@ -138,13 +139,12 @@ def _with_text(exc: BaseException, text: str) -> Exception:
     return error if isinstance(error, Exception) else RuntimeError(message)
 
 
-class RecordedCommunicator(Communicator):
+class RecordedCommunicator(WrappedCommunicator):
     """`inner` with every collective recorded; nothing else changes."""
 
     def __init__(self, inner: Communicator, recorder: Optional[FlightRecorder] = None) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.recorder = recorder or FlightRecorder()
-        self.name = inner.name
         self.issue_from_any_thread = inner.issue_from_any_thread
         self.stream_ordered = inner.stream_ordered
         #: builds the text a failed collective raises with (dear/hang.py)
@@ -168,24 +168,7 @@ class RecordedCommunicator(Communicator):
             text = self._failure
         return _with_text(exc, text)
 
-    # -- the Communicator interface, forwarded ---------------------------------------------
-    @property
-    def rank(self) -> int:
-        return self.inner.rank
-
-    @property
-    def size(self) -> int:
-        return self.inner.size
-
-    @property
-    def local_rank(self) -> int:
-        return self.inner.local_rank
-
-    def __getattr__(self, name: str) -> Any:        # backend extras (.group, ...)
-        if name == "inner":                          # not set yet (unpickling, __init__)
-            raise AttributeError(name)
-        return getattr(self.inner, name)
-
+    # -- the collectives, recorded -------------------------------------------------------
     def _recorded(self, kind: str, tensor: torch.Tensor, work: Callable[[], Work]) -> Work:
         # Recorded once issued: a call refused on this rank (bad arguments) issues nothing,
         # and must not shift this rank's sequence numbers against the others'.
@@ -237,14 +220,8 @@ class RecordedCommunicator(Communicator):
     def all_gather_object(self, obj: Any) -> list[Any]:
         return self._blocking("all_gather_object", lambda: self.inner.all_gather_object(obj))
 
-    def check_dtype(self, dtype: torch.dtype) -> None:
-        self.inner.check_dtype(dtype)
-
     def barrier(self) -> None:
         self._blocking("barrier", self.inner.barrier)
-
-    def shutdown(self) -> None:
-        self.inner.shutdown()
 
 
 def backend_of(comm: Communicator) -> Communicator:

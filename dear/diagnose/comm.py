@@ -33,7 +33,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ..comm.base import Communicator, DoneWork, Work
+from ..comm.base import Communicator, DoneWork, Work, WrappedCommunicator
 from .recorder import CollectiveKind, CollectiveRecord, Ev, Recorder
 
 _POLL_S = 0.0005
@@ -135,33 +135,17 @@ class TracedWork(Work):
         rec.complete(end, "wait")
 
 
-class TracingCommunicator(Communicator):
+class TracingCommunicator(WrappedCommunicator):
     """Delegates every call to `inner`; records collectives while `active()` says so."""
 
     def __init__(self, inner: Communicator, recorder: Recorder, watcher: CompletionWatcher,
                  active: Callable[[], Optional[int]],
                  bucket_of: Callable[[torch.Tensor], Optional[int]]) -> None:
-        self.inner = inner
-        self.name = inner.name
+        super().__init__(inner)
         self._recorder = recorder
         self._watcher = watcher
         self._active = active          # the iteration being recorded, or None
         self._bucket_of = bucket_of
-
-    @property
-    def rank(self) -> int:
-        return self.inner.rank
-
-    @property
-    def size(self) -> int:
-        return self.inner.size
-
-    @property
-    def local_rank(self) -> int:
-        return self.inner.local_rank
-
-    def __getattr__(self, name: str) -> Any:    # backend extras (e.g. .group)
-        return getattr(self.inner, name)
 
     def _traced(self, kind: CollectiveKind, buffer: torch.Tensor,
                 issue: Callable[[], Work]) -> Work:
@@ -223,14 +207,9 @@ class TracingCommunicator(Communicator):
     def all_gather_object(self, obj: Any) -> list[Any]:
         return self.inner.all_gather_object(obj)
 
-    def check_dtype(self, dtype: torch.dtype) -> None:
-        self.inner.check_dtype(dtype)
-
     def barrier(self) -> None:
         self.inner.barrier()
 
-    def shutdown(self) -> None:
-        self.inner.shutdown()
 
 
 def _future_of(handle: Any) -> Optional[Any]:
