@@ -172,6 +172,9 @@ class Config:
     #: in memory (DDP's gradient_as_bucket_view; dear/fusion/views.py)
     #: (DEAR_GRADIENT_AS_BUCKET_VIEW).
     gradient_as_bucket_view: bool = False
+    #: each rank keeps and updates only its shards of the optimizer state (1/N of it); the
+    #: all-gathers carry updated parameters (dear/sharded.py) (DEAR_SHARD_OPTIMIZER_STATE).
+    shard_optimizer_state: bool = False
 
     _ENV: ClassVar[dict[str, tuple[str, Callable[[str], Any]]]] = {
         "fusion_threshold": ("DEAR_FUSION_THRESHOLD", _parse_bytes),
@@ -191,6 +194,7 @@ class Config:
         "plan_slack": ("DEAR_PLAN_SLACK", _parse_finite),
         "row_sparse": ("DEAR_ROW_SPARSE", str),
         "gradient_as_bucket_view": ("DEAR_GRADIENT_AS_BUCKET_VIEW", _parse_bool),
+        "shard_optimizer_state": ("DEAR_SHARD_OPTIMIZER_STATE", _parse_bool),
         "timeout": ("DEAR_TIMEOUT", _parse_finite),
         "trace": ("DEAR_TRACE", str),
         "hang_report": ("DEAR_HANG_REPORT", str),

@@ -23,6 +23,7 @@ averaged gradients (K-FAC, clipping) before the update.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import logging
@@ -49,6 +50,7 @@ from .fusion.schedule import ScheduleDriver, issue_mode
 from .fusion.views import GradientViews
 from .iteration import Iteration
 from .reduced import ReducedGradientMixin
+from .sharded import ShardedState, handshake
 from .sparse import SparseGradients
 from .stream import StreamCheck, parameter_digest
 from .validation import explicit_groups, held_by_ddp, refuse_construction
@@ -75,7 +77,8 @@ class _DistributedOptimizer(ExtensionPoints, ReducedGradientMixin, torch.optim.O
                     compression: Compressor, groups: Any, sparse_as_dense: bool,
                     autotune: Autotune, schedule: Optional[str] = None,
                     row_sparse: Any = None, gradient_as_bucket_view: bool = False,
-                    comm: Optional[Communicator] = None, owns_comm: bool = False) -> None:
+                    comm: Optional[Communicator] = None, owns_comm: bool = False,
+                    shard_optimizer_state: bool = False) -> None:
         comm = runtime.communicator() if comm is None else comm   # a process set's, or dear's
         self._comm = comm
         self._owned_comm = comm if owns_comm else None
@@ -115,6 +118,12 @@ class _DistributedOptimizer(ExtensionPoints, ReducedGradientMixin, torch.optim.O
         self._schedule = ScheduleDriver(lambda: self._comm, planned, cfg.plan_after,
                                         cfg.chunk_bytes, issue_mode(self._params, comm),
                                         cfg.plan_slack)
+        # shard_optimizer_state (dear/sharded.py): each rank updates its shards in step(); the
+        # all-gathers carry parameters, so nothing may gather a shard before its update.
+        self._sharded = ShardedState(comm) if shard_optimizer_state else None
+        if self._sharded is not None:
+            self._schedule.paused = True
+            row_sparse = "off"
         # Embedding tables sent as the rows some rank used (dear/fusion/rows.py).
         self._row_sparse_setting = cfg.row_sparse if row_sparse is None else row_sparse
         self._row_sparse_explicit = row_sparse is not None
@@ -303,6 +312,11 @@ class _DistributedOptimizer(ExtensionPoints, ReducedGradientMixin, torch.optim.O
             # .grad to zeros and calls step() (rank 0 does not). Averaging zeros gives zeros, so
             # the wrapped optimizer's own step is the same update, with no collective to hang.
             self.flush_updates()
+            if self._sharded is not None and self._sharded.buckets:
+                raise RuntimeError(
+                    "dear: step() without a backward on this rank, after training began, with "
+                    "shard_optimizer_state=True: each rank updates only its own shard, so every "
+                    "rank must call step() after a backward")
             self._inner_step(self)
             return
         if not self._iteration.synchronized and self._parameter_set_changed():
@@ -315,6 +329,7 @@ class _DistributedOptimizer(ExtensionPoints, ReducedGradientMixin, torch.optim.O
                               "context after optimizer.synchronize(): the gradients are "
                               "already averaged and are applied as they are")
             self._end_iteration()              # its synchronize() flags with it
+            self._unshard_state()              # the step reads whole tensors (every rank)
             if grad_scaler is None or not amp.unscale_averaged_grads(grad_scaler, self):
                 self._inner_step(self)
             if self._relayout_wanted:          # nothing is in flight after a synchronized step
@@ -408,9 +423,11 @@ class _DistributedOptimizer(ExtensionPoints, ReducedGradientMixin, torch.optim.O
             self._grad_order = []
         self._end_iteration()
 
-    def _communicate(self, grad_scaler: Optional[Any] = None) -> None:
+    def _communicate(self, grad_scaler: Optional[Any] = None, gradients: bool = False) -> None:
         """Finish averaging, run GradScaler's check on the reduced shards, and start the
-        all-gathers in forward order; a step the scaler skips gathers nothing, on every rank."""
+        all-gathers in forward order; a step the scaler skips gathers nothing, on every rank.
+        With shard_optimizer_state each rank first updates its shards, and the all-gathers
+        carry parameters (`gradients`: the averaged gradients all the same, synchronize())."""
         self._finish_reduce()
         if self._buffer_sync is not None:      # dear/buffers.py: DDP's broadcast_buffers
             self._buffer_sync()
@@ -420,6 +437,8 @@ class _DistributedOptimizer(ExtensionPoints, ReducedGradientMixin, torch.optim.O
         assert buckets is not None
         if grad_scaler is None or not self._amp_skips(grad_scaler):
             flight.mark_phase("step")
+            if self._sharded is not None and not gradients:
+                self._update_shards()
             self._schedule.maybe_plan([b.wire.element_size() for b in buckets])
             self._schedule.gather_rest(self._gather_groups)   # forward order: 0 needed first
             # The update runs later, after e.g. an LR scheduler has moved on: it must use the
@@ -469,7 +488,8 @@ class _DistributedOptimizer(ExtensionPoints, ReducedGradientMixin, torch.optim.O
         issue_pending()                        # every optimizer's backward: ours goes after
         count = len(self._buckets or ())
         self._stream.issue(self._had_gradients, self._trainable_digest(),
-                           f"the reduce-scatters of buckets 0-{count - 1}" if count else "")
+                           f"the reduce-scatters of buckets 0-{count - 1}" if count else "",
+                           all(b.all_used_here for b in self._buckets or ()))
 
     def _end_iteration(self) -> None:
         for bucket in self._buckets or ():
@@ -509,6 +529,11 @@ class _DistributedOptimizer(ExtensionPoints, ReducedGradientMixin, torch.optim.O
         buckets = self._buckets or []
         if not self._num_pending:
             return 0
+        if self._sharded is not None:
+            raise RuntimeError(
+                "dear: with shard_optimizer_state=True each rank updated its optimizer state "
+                "for the last step in step(), before the all-gathers that failed, so no whole "
+                "step can be saved here; resume from the last checkpoint instead")
         if self._num_pending != len(buckets):
             applied = len(buckets) - self._num_pending
             raise RuntimeError(
@@ -544,7 +569,7 @@ class _DistributedOptimizer(ExtensionPoints, ReducedGradientMixin, torch.optim.O
     def _synchronize_now(self) -> None:
         """Averaged gradients in .grad now (synchronize() after a backward)."""
         self._refuse_edited_grads()
-        self._communicate()
+        self._communicate(gradients=True)
         if self._sparse is not None:           # averaged sparse gradients in .grad, as Horovod
             self._sparse.to_grad()
         assert self._buckets is not None
@@ -576,6 +601,11 @@ class _DistributedOptimizer(ExtensionPoints, ReducedGradientMixin, torch.optim.O
         """dear.KFAC's eigenbasis path; with buckets already planned, `ties` take effect at the
         next synchronized step() (dear.KFAC synchronizes until the layout fits)."""
         assert self._views is None, "dear.KFAC preconditions after synchronize() with views"
+        if self._sharded is not None:
+            raise ValueError(
+                "dear.KFAC preconditions whole gradients, which shard_optimizer_state=True "
+                "never holds (each rank updates only its slice of each parameter); wrap the "
+                "optimizer without shard_optimizer_state to use dear.KFAC")
         self._transform, self._ties = transform, ties
         self._schedule.paused = True           # it edits the shards between the collectives
         self._relayout_wanted = self._buckets is not None and not transform.layout_fits()
@@ -604,6 +634,15 @@ class _DistributedOptimizer(ExtensionPoints, ReducedGradientMixin, torch.optim.O
     def _finalize(self, bucket: Bucket) -> None:
         """Run the wrapped optimizer's update on this bucket's parameters only, with the averaged
         gradient as .grad (a view into the gathered buffer); the user's .grad is put back."""
+        if self._sharded is not None:          # the all-gather carried the new parameters
+            with _scope("dear::finalize"), _observed(self._update_observers, bucket):
+                try:
+                    self._finish_all_gather(bucket)
+                    self._sharded.install(bucket)
+                finally:
+                    bucket.reset()
+                    self._num_pending -= 1
+            return
         with _scope("dear::finalize"), _observed(self._update_observers, bucket):
             used = self._finish_all_gather(bucket)
             self._apply_deferred(bucket)
@@ -704,6 +743,7 @@ class _DistributedOptimizer(ExtensionPoints, ReducedGradientMixin, torch.optim.O
                 "wrap, or wrap again with the final parameter set")
         self._synchronize_now()               # checks every rank's new parameter set
         self._iteration.synchronized = False
+        self._unshard_state()
         self._average_outside_layout([p for p in self._trainable() if p not in self._index])
         if grad_scaler is None or not amp.unscale_averaged_grads(grad_scaler, self):
             self._inner_step(self)
@@ -795,6 +835,7 @@ class _DistributedOptimizer(ExtensionPoints, ReducedGradientMixin, torch.optim.O
         if isinstance(explicit, int):          # Horovod: N groups of consecutive parameters
             size = -(-len(order) // explicit)
             explicit = [order[k:k + size] for k in range(0, len(order), size)]
+        self._unshard_state()                  # the state follows the new shards (absorb)
         row_sparse = self._row_sparse if self._transform is None else ()  # K-FAC rotates rows
         layout = build_layout(self._params, order, fusion, self._comm.size, explicit,
                               self._compression, self._sparse_as_dense, self._ties,
@@ -813,6 +854,8 @@ class _DistributedOptimizer(ExtensionPoints, ReducedGradientMixin, torch.optim.O
                     bucket.taken_version = bucket.user_version()
         self._triggers = {}
         self._schedule.reset(layout.buckets, fusion.chunk_bytes)   # re-planned with its chunks
+        if self._sharded is not None:
+            self._sharded.layout(layout.buckets)
         if self._model is not None:
             self._map_triggers(self._model)
         self._bind_hooks()
@@ -820,6 +863,9 @@ class _DistributedOptimizer(ExtensionPoints, ReducedGradientMixin, torch.optim.O
 
     def _discard_provisional_plan(self) -> None:
         if self._provisional:
+            self._unshard_state()
+            if self._sharded is not None:
+                self._sharded.clear()
             self._buckets, self._where, self._triggers = None, [], {}
             self._gather_groups = []
             self._grad_order = []
@@ -926,14 +972,77 @@ class _DistributedOptimizer(ExtensionPoints, ReducedGradientMixin, torch.optim.O
 
     # --------------------------------------------------------------------- checkpointing
     def state_dict(self) -> dict[str, Any]:
+        """torch's; with shard_optimizer_state the whole (unsharded) state, gathered from every
+        rank: call it on every rank."""
         self.flush_updates()
-        return super().state_dict()
+        if self._sharded is None or not self._sharded.buckets:
+            return super().state_dict()
+        full = self._gather_sharded_state("optimizer.state_dict()")
+        kept = self.state
+        merged: Any = collections.defaultdict(dict, kept)
+        merged.update(full)
+        self.state = merged
+        try:
+            return super().state_dict()
+        finally:
+            self.state = kept
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's; with shard_optimizer_state this rank keeps only its shards of it."""
         self.flush_updates()
         super().load_state_dict(state_dict)
         for bucket in self._buckets or ():
             bucket.group_members = None  # type: ignore[attr-defined]
+        if self._sharded is not None and self._sharded.buckets:
+            self._sharded.state.clear()
+            self._sharded.absorb(self.state)
+
+    # ------------------------------------------------------------ shard_optimizer_state
+    @property
+    def shard_optimizer_state(self) -> bool:
+        """Whether each rank keeps and updates only its shards of the optimizer state."""
+        return self._sharded is not None
+
+    def _update_shards(self) -> None:
+        """step(), sharded: the wrapped optimizer's update on this rank's shards (after the
+        stream check: nothing of a step is applied before it passed)."""
+        sharded = self._sharded
+        assert sharded is not None and self._buckets is not None
+        self._stream.settle()
+        with _scope("dear::update_shards"):
+            sharded.update(self, self._inner_step, self._used_anywhere())
+
+    def _used_anywhere(self) -> list[list[bool]]:
+        """Per bucket, which parameters some rank had a gradient for: known without a
+        collective when every rank had them all (the stream check says), else one all-reduce
+        of the usage flags."""
+        buckets = self._buckets or []
+        if self._stream.everyone_used:
+            return [[True] * len(b.params) for b in buckets]
+        flags = torch.tensor([u for b in buckets for u in b.local_used()], dtype=torch.float32)
+        if self._comm.size > 1:
+            self._comm.all_reduce(flags).wait()
+        used = (flags > 0).tolist()
+        out, k = [], 0
+        for b in buckets:
+            out.append(used[k:k + len(b.params)])
+            k += len(b.params)
+        return out
+
+    def _gather_sharded_state(self, what: str) -> dict[Any, dict[str, Any]]:
+        """Every rank's shards of the state, unsharded (a collective, after a handshake through
+        the rendezvous store so that a rank calling it alone gets an error, not a hang)."""
+        assert self._sharded is not None
+        handshake(runtime.rendezvous_store(), self._comm.size, runtime.config().timeout,
+                  what)
+        return self._sharded.gather_full()
+
+    def _unshard_state(self) -> None:
+        """Before a step on whole tensors or a new layout: the sharded state, gathered, goes
+        into self.state in torch's form (absorbed again at the next sharded step)."""
+        if self._sharded is not None and self._sharded.buckets:
+            self.flush_updates()
+            self.state.update(self._sharded.take_full())  # type: ignore[arg-type]
 
 
 _VIEW = -2      # _taken's version of a gradient view: its bucket's version is checked instead

@@ -93,6 +93,11 @@ class HangReporter:
             self._thread = threading.Thread(target=self._run, name="dear-flight", daemon=True)
             self._thread.start()
 
+    @property
+    def store(self) -> Optional[Any]:
+        """The rendezvous store's client with short timeouts (None: the backend has none)."""
+        return self._store
+
     def close(self) -> None:
         self._stop.set()
         if self._thread is not None:

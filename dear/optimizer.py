@@ -25,6 +25,7 @@ from .config import Autotune, auto_threshold, parse_autotune
 from .deferred import _DistributedOptimizer
 from .fusion import fusion_config as fusion_file
 from .fusion.fusion_config import FusionConfig
+from .sharded import check_shardable
 from .sparse import SparseGradients, sparse_parameters
 from .validation import (autotune_output_problem, broadcast_model, check_not_wrapped,
                          check_optimizer, process_set_communicator, check_same_across_ranks,
@@ -93,6 +94,27 @@ def _count_steps(optimizer: torch.optim.Optimizer) -> None:
     optimizer.step = wrapper                   # type: ignore[method-assign]
 
 
+def _refuse_with_sharding(compressor: Any, views: bool, sparse_named: list[Any],
+                          row_sparse: Any) -> None:
+    """What shard_optimizer_state=True cannot do, said before anything is converted."""
+    if compressor.name != "none":
+        raise ValueError("shard_optimizer_state=True all-gathers updated parameters, which a "
+                         "gradient compression would round: pass compression=dear.Compression."
+                         "none, or wrap without shard_optimizer_state")
+    if views:
+        raise ValueError("gradient_as_bucket_view=True with shard_optimizer_state=True: the "
+                         "buckets carry parameters after the all-gather, not gradients; drop "
+                         "one of the two")
+    if sparse_named:
+        raise ValueError(
+            "shard_optimizer_state=True with sparse gradients ("
+            + ", ".join(n for n, _ in sparse_named) + "): they are updated whole on every "
+            "rank; use nn.Embedding(sparse=False), or sparse_as_dense=True")
+    if row_sparse not in (None, False, "off", "auto"):
+        raise ValueError("row_sparse= with shard_optimizer_state=True: each rank updates a "
+                         "slice of every table, so the table is sent whole; drop row_sparse=")
+
+
 def _horovod_is_initialized() -> bool:
     hvd = sys.modules.get("horovod.torch")
     try:
@@ -118,7 +140,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          fusion_config: Optional[Any] = None,
                          schedule: Optional[str] = None,
                          row_sparse: Union[bool, str, Sequence[str], None] = None,
-                         gradient_as_bucket_view: Optional[bool] = None
+                         gradient_as_bucket_view: Optional[bool] = None,
+                         shard_optimizer_state: Optional[bool] = None
                          ) -> torch.optim.Optimizer:
     """Wrap `optimizer` so its gradients are averaged with DeAR's decoupled all-reduce.
 
@@ -152,6 +175,11 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     accumulates the gradients where the reduce-scatter reads them (no second copy in memory);
     .grad is then never None and holds the averaged gradient after the update (None:
     DEAR_GRADIENT_AS_BUCKET_VIEW, default False; dear/fusion/views.py).
+    `shard_optimizer_state`: each rank keeps the optimizer state of, and updates, only its
+    1/N shard of each bucket; the all-gathers carry the updated parameters (ZeRO-2's memory
+    on DeAR's schedule). Exact for elementwise optimizers (SGD, Adam, AdamW, RMSprop, ...;
+    others are refused); state_dict() gathers the whole state: call it on every rank (None:
+    DEAR_SHARD_OPTIMIZER_STATE, default False; docs/sharding.md).
     """
     if schedule is not None and schedule not in ("planned", "dear"):
         raise ValueError(f"schedule must be 'planned' or 'dear', got {schedule!r}")
@@ -182,10 +210,15 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     check_same_across_ranks(named, comm)
     views = bool(runtime.config().gradient_as_bucket_view
                  if gradient_as_bucket_view is None else gradient_as_bucket_view)
+    sharded = bool(runtime.config().shard_optimizer_state
+                   if shard_optimizer_state is None else shard_optimizer_state)
     warn_if_ddp(model, named)
     sparse_ids = sparse_parameters(named, model)   # kept out of the dense buckets
     named_index = {id(p): i for i, (_, p) in enumerate(named)}
     sparse_named = [(n, p) for n, p in named if id(p) in sparse_ids]
+    if sharded:
+        check_shardable(optimizer)
+        _refuse_with_sharding(compressor, views, sparse_named, row_sparse)
     named = [(n, p) for n, p in named if id(p) not in sparse_ids]
     # A fusion config file that one rank cannot read must fail every rank, not that one alone.
     fusion_error: Optional[BaseException] = None
@@ -209,6 +242,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         "overlap_allgather": str(overlap_allgather), "model= given": str(model is not None),
         "schedule": repr(schedule), "row_sparse": repr(row_sparse),
         "gradient_as_bucket_view": str(views), "sparse_as_dense": str(sparse_as_dense),
+        "shard_optimizer_state": str(sharded),
         "groups": repr(groups if groups is None or isinstance(groups, int) else
                        [[named_index.get(id(p), -1) for p in g]
                         for g in groups]),  # type: ignore[attr-defined]
@@ -240,7 +274,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                            if sparse_named else None)
         wrapped._dear_setup(named, model, backward_passes_per_step, op, gradient_predivide_factor,
                             fusion, overlap_allgather, compressor, groups, sparse_as_dense, tune,
-                            schedule, row_sparse, views, comm=comm, owns_comm=set_comm is not None)
+                            schedule, row_sparse, views, comm=comm, owns_comm=set_comm is not None,
+                            shard_optimizer_state=sharded)
     except BaseException:
         wrapped.__class__ = original_class     # nothing half-converted is left behind
         raise

@@ -144,6 +144,12 @@ def config() -> Config:
     return _state.config
 
 
+def rendezvous_store() -> Optional[Any]:
+    """A client of the store the ranks met at (short timeouts), for agreements that must not
+    travel through the data path; None where the backend has none (MPI)."""
+    return _state.reporter.store if _state.reporter is not None else None
+
+
 def optimizers() -> list[Any]:
     """The live dear.DistributedOptimizers (dear.KFAC finds the ones training its layers)."""
     return list(_state.optimizers)

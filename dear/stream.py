@@ -28,7 +28,7 @@ def parameter_digest(named: Sequence[tuple[str, torch.Tensor]]) -> int:
 
 
 class StreamCheck:
-    """One all-gather of three integers per iteration. `issue` sends it without waiting (step()
+    """One all-gather of four integers per iteration. `issue` sends it without waiting (step()
     must not wait behind the all-gather chunks still on the link); `settle` waits and raises on
     any difference. dear settles before it applies any update of that step (the collectives in
     between pair up on every rank even when the check fails: the same kinds and sizes), and
@@ -39,17 +39,23 @@ class StreamCheck:
         self.steps = 0
         self._pending: Optional[tuple[Work, torch.Tensor]] = None
         self._after = ""
+        self.everyone_used = True
 
-    def issue(self, had_gradients: bool, digest: int, after: str = "") -> None:
-        """`after`: what the check follows in the stream, for the error if a peer is gone."""
+    def issue(self, had_gradients: bool, digest: int, after: str = "",
+              all_used: bool = True) -> None:
+        """`after`: what the check follows in the stream, for the error if a peer is gone.
+        `all_used` (this rank had a gradient for every parameter) rides along, not compared:
+        `everyone_used` says, once settled, whether every rank had."""
         self.settle()
         self.steps += 1
         self._after = after
+        self.everyone_used = all_used
         comm = self._comm
         if comm.size == 1:
             return
-        row = torch.tensor([self.steps, int(had_gradients), digest], dtype=torch.int64)
-        table = torch.empty(3 * comm.size, dtype=torch.int64)
+        row = torch.tensor([self.steps, int(had_gradients), digest, int(all_used)],
+                           dtype=torch.int64)
+        table = torch.empty(4 * comm.size, dtype=torch.int64)
         self._pending = (comm.all_gather(row, table), table)
 
     def settle(self) -> None:
@@ -64,7 +70,9 @@ class StreamCheck:
                 f"dear: the stream check of step() #{self.steps} (a tiny all-gather issued "
                 f"after {self._after or 'its reduce-scatters'}) failed; another rank probably "
                 f"died or stalled: {exc}") from exc
-        rows = table.view(self._comm.size, 3).tolist()
+        rows = table.view(self._comm.size, 4).tolist()
+        self.everyone_used = all(r[3] for r in rows)
+        rows = [r[:3] for r in rows]
         if all(r == rows[0] for r in rows):
             return
         lines = []

@@ -167,6 +167,15 @@ class Bucket:
         self.packed[j] = True
         self.num_packed += 1
 
+    def local_used(self) -> list[float]:
+        """Which parameters this rank had a gradient for, this iteration (1.0 or 0.0)."""
+        return list(self._ready.used()) if self._ready is not None else list(self.used)
+
+    @property
+    def all_used_here(self) -> bool:
+        """This rank had a gradient for every parameter (known once the reduce-scatter began)."""
+        return self._all_used_here
+
     def fill(self) -> None:
         """Copy the taken gradients, the usage flags and zero padding into the buffer (once an
         iteration; the bucket must be full). Drops the references to the gradients."""
@@ -207,8 +216,7 @@ class Bucket:
         """`submit` (the schedule's executor) fills the buffer and issues the collective in its
         thread, in order; without it, this thread does both now."""
         assert self.stage is Stage.IDLE and self.full, "bucket reduced twice or before it is full"
-        used = self._ready.used() if self._ready is not None else self.used
-        self._all_used_here = all(u != 0 for u in used)
+        self._all_used_here = all(u != 0 for u in self.local_used())
 
         def issue() -> Work:
             self.fill()

@@ -1,0 +1,287 @@
+"""shard_optimizer_state=True: each rank updates only its reduced shard (ZeRO-2 on DeAR's schedule).
+
+After a bucket's reduce-scatter this rank holds the averaged gradient of one slice of the bucket
+(dear/shards.py). With sharding the wrapped optimizer's own update runs in step() on that slice
+only, the parameters cut into flat segments where the shard's ends fall, and the all-gather
+carries the updated parameters instead of the gradients; each bucket's parameters are copied from
+it just before its first module runs (`install`, from _finalize). So the optimizer state exists
+for 1/N of every parameter on each rank.
+
+It is exact, bit for bit, because the optimizers allowed here update each element from that
+element's gradient, parameter and state alone, and from scalars (step counts, bias corrections)
+that are the same for every segment of a parameter. An optimizer that needs a whole tensor (a
+norm, a trust ratio, a factored moment, K-FAC's preconditioning) is refused by name.
+
+The state lives here, keyed by segment, and is put in the optimizer's place only while its step
+runs. `gather_full` (a collective: every rank) rebuilds torch's unsharded form for state_dict(),
+for a step that needs whole tensors (after synchronize()) and before a new layout; `absorb`
+(local) cuts an unsharded state, loaded or gathered, back into this rank's segments.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from .comm.base import Communicator
+from .fusion.bucket import Bucket
+
+#: torch optimizers whose update is elementwise: safe on flat segments, the same bits.
+ELEMENTWISE: tuple[type, ...] = (
+    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop,
+    torch.optim.Adagrad, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam,
+    torch.optim.ASGD, torch.optim.Adadelta, torch.optim.Rprop)
+
+
+def check_shardable(optimizer: torch.optim.Optimizer) -> None:
+    """Refuse, by name, an optimizer whose update is not known to be elementwise."""
+    cls = type(optimizer)
+    for base in ELEMENTWISE:
+        if isinstance(optimizer, base) and cls.step is getattr(base, "step"):
+            return
+    names = ", ".join(b.__name__ for b in ELEMENTWISE)
+    raise ValueError(
+        f"shard_optimizer_state=True runs {cls.__name__}'s update on flat slices of the "
+        "parameters (each rank its 1/N), which gives the unsharded result only for an update "
+        f"that is elementwise: torch's {names} (their subclasses that keep their step()). "
+        f"{cls.__name__} is not one of them; it may need whole tensors (norms or trust ratios "
+        "as in LAMB/LARS, factored moments as in Adafactor, K-FAC's preconditioning). Wrap it "
+        "without shard_optimizer_state (every rank keeps the whole state)")
+
+
+@dataclasses.dataclass
+class Segment:
+    """The part of one parameter that lies in this rank's shard of its bucket."""
+    param: torch.nn.Parameter
+    lo: int                      # its elements [lo, hi) of the flattened parameter
+    hi: int
+    at: int                      # where they start in the shard
+    value: torch.Tensor          # a view of the bucket's parameter shard: what the step updates
+
+
+class ShardedState:
+    """This rank's segments of every bucket, and the optimizer state of each."""
+
+    def __init__(self, comm: Communicator) -> None:
+        self._comm = comm
+        self.buckets: list[Bucket] = []
+        self.segments: list[list[Segment]] = []
+        self._values: list[torch.Tensor] = []   # per bucket: the parameters of its shard
+        self.state: collections.defaultdict[torch.Tensor, dict[str, Any]] = \
+            collections.defaultdict(dict)
+
+    @property
+    def holds_state(self) -> bool:
+        return any(self.state.values())
+
+    def layout(self, buckets: Sequence[Bucket]) -> None:
+        """Cut the parameters along this rank's shards of a new layout (state must be empty:
+        gather it first)."""
+        assert not self.holds_state, "the sharded state must be gathered before a new layout"
+        self.state.clear()
+        rank = self._comm.rank
+        self.buckets, self.segments, self._values = list(buckets), [], []
+        for bucket in buckets:
+            spec = bucket.spec
+            start, length = rank * spec.shard_numel, spec.shard_numel
+            values = torch.empty(length, dtype=spec.dtype, device=spec.device)
+            mine = []
+            for p, o, n in zip(bucket.params, spec.offsets, spec.numels):
+                a, c = max(o, start), min(o + n, start + length)
+                if c > a:
+                    mine.append(Segment(p, a - o, c - o, a - start,
+                                        values[a - start:c - start]))
+            self.segments.append(mine)
+            self._values.append(values)
+
+    def clear(self) -> None:
+        self.buckets, self.segments, self._values = [], [], []
+        self.state.clear()
+
+    # ------------------------------------------------------------------------ the step
+    def update(self, optimizer: Any, inner_step: Callable[[Any], Any],
+               used: Sequence[Sequence[bool]]) -> None:
+        """The wrapped optimizer's step on this rank's segments, whose .grad are views of the
+        averaged shards; the updated values are written into the shards for the all-gather."""
+        self.absorb(optimizer.state)
+        groups = optimizer.param_groups
+        group_of = {p: k for k, g in enumerate(groups) for p in g["params"]}
+        members: list[list[torch.Tensor]] = [[] for _ in groups]
+        for bucket, segments, values, flags in zip(self.buckets, self.segments, self._values,
+                                                   used):
+            if not segments:
+                continue
+            flag_of = dict(zip(bucket.params, flags))
+            for seg in segments:
+                seg.value.copy_(_flat(seg.param)[seg.lo:seg.hi])
+                seg.value.grad = (bucket.shard[seg.at:seg.at + seg.hi - seg.lo]
+                                  if flag_of[seg.param] else None)
+                k = group_of.get(seg.param)
+                if k is not None:
+                    members[k].append(seg.value)
+        saved_state, saved_params = optimizer.state, [g["params"] for g in groups]
+        try:
+            optimizer.state = self.state
+            for g, m in zip(groups, members):
+                g["params"] = m
+            inner_step(optimizer)
+        finally:
+            optimizer.state = saved_state
+            for g, p in zip(groups, saved_params):
+                g["params"] = p
+        for bucket, segments, values in zip(self.buckets, self.segments, self._values):
+            for seg in segments:
+                seg.value.grad = None
+            if segments:
+                end = segments[-1].at + segments[-1].hi - segments[-1].lo
+                bucket.shard[:end].copy_(values[:end])
+
+    @staticmethod
+    def install(bucket: Bucket) -> None:
+        """The gathered parameters of `bucket` (in its buffer) into the model's parameters."""
+        with torch.no_grad():
+            for p, view in zip(bucket.params, bucket.grad_views):
+                p.copy_(view)
+
+    # ------------------------------------------------------------- unsharded <-> sharded
+    def absorb(self, full: dict[Any, dict[str, Any]]) -> None:
+        """Cut the unsharded state in `full` (keyed by parameter) into this rank's segments and
+        remove it from `full`. Local: every rank holds the same unsharded state when this runs
+        (loaded from one checkpoint, broadcast, or gathered)."""
+        if not full:
+            return
+        for segments in self.segments:
+            for seg in segments:
+                entry = full.get(seg.param)
+                if entry:
+                    self.state[seg.value] = {k: _slice(v, seg) for k, v in entry.items()}
+        for bucket in self.buckets:
+            for p in bucket.params:
+                full.pop(p, None)
+
+    def gather_full(self) -> dict[torch.nn.Parameter, dict[str, Any]]:
+        """Every rank's segments' state put together into torch's unsharded form, keyed by
+        parameter (a collective: call it on every rank at the same point)."""
+        comm = self._comm
+        mine: dict[tuple[int, int], dict[str, Any]] = {}     # (bucket, param) -> key: kind
+        for b, segments in enumerate(self.segments):
+            index = {p: j for j, p in enumerate(self.buckets[b].params)}
+            for seg in segments:
+                entry = self.state.get(seg.value)
+                if entry:
+                    mine[(b, index[seg.param])] = {
+                        k: _describe(v, seg) for k, v in entry.items()}
+        described = comm.all_gather_object(
+            [[b, j, list(desc.items())] for (b, j), desc in mine.items()])
+        # Per (bucket, parameter): the key order and scalars of the rank holding its first
+        # element (the lowest rank that has it), and which elementwise keys exist.
+        first: dict[tuple[int, int], list[Any]] = {}
+        for rows in described:
+            for b, j, items in rows:
+                first.setdefault((b, j), items)
+        full: dict[torch.nn.Parameter, dict[str, Any]] = {}
+        for b, bucket in enumerate(self.buckets):
+            spec = bucket.spec
+            keys: dict[str, str] = {}
+            for j in range(len(bucket.params)):
+                for k, (kind, info) in first.get((b, j), ()):
+                    if kind == "elementwise":
+                        keys.setdefault(k, info)
+            gathered = {}
+            for key in sorted(keys):
+                dtype = getattr(torch, keys[key])
+                send = torch.zeros(spec.shard_numel, dtype=dtype, device=spec.device)
+                for seg in self.segments[b]:
+                    v = self.state.get(seg.value, {}).get(key)
+                    if isinstance(v, torch.Tensor) and v.dim() > 0:
+                        send[seg.at:seg.at + seg.hi - seg.lo].copy_(v)
+                recv = torch.empty(spec.padded_numel, dtype=dtype, device=spec.device)
+                comm.all_gather(send, recv).wait()
+                gathered[key] = recv
+            for j, p in enumerate(bucket.params):
+                items = first.get((b, j))
+                if items is None:
+                    continue
+                o, n = spec.offsets[j], spec.numels[j]
+                full[p] = {k: (gathered[k][o:o + n].view(p.shape).clone()
+                               if kind == "elementwise" else _scalar(info, p.device))
+                           for k, (kind, info) in items}
+        return full
+
+    def take_full(self) -> dict[torch.nn.Parameter, dict[str, Any]]:
+        """gather_full, and this rank's sharded state dropped (a new layout follows, or a step
+        on whole tensors)."""
+        full = self.gather_full()
+        self.state.clear()
+        return full
+
+
+def _flat(p: torch.Tensor) -> torch.Tensor:
+    """The parameter's elements in the bucket's order (its logical order)."""
+    p = p.detach()
+    return p.view(-1) if p.is_contiguous() else p.reshape(-1)
+
+
+def _slice(v: Any, seg: Segment) -> Any:
+    if isinstance(v, torch.Tensor) and v.dim() > 0:
+        if v.numel() != seg.param.numel():
+            raise ValueError(
+                f"optimizer state of shape {tuple(v.shape)} for a parameter of shape "
+                f"{tuple(seg.param.shape)}: shard_optimizer_state=True handles elementwise state "
+                "(one value per parameter element) and scalars only")
+        return v.detach().reshape(-1)[seg.lo:seg.hi].to(seg.param.device).clone()
+    if isinstance(v, torch.Tensor):
+        return v.detach().clone()
+    return v
+
+
+def _describe(v: Any, seg: Segment) -> tuple[str, Any]:
+    """How one state entry crosses ranks: elementwise (gathered by all-gather) or a scalar."""
+    if isinstance(v, torch.Tensor) and v.dim() > 0:
+        return ("elementwise", str(v.dtype).removeprefix("torch."))
+    if isinstance(v, torch.Tensor):
+        return ("tensor", [str(v.dtype).removeprefix("torch."), v.item(), str(v.device)])
+    return ("value", v)
+
+
+def _scalar(info: Any, device: torch.device) -> Any:
+    if isinstance(info, list) and len(info) == 3 and isinstance(info[0], str):
+        dtype, value, where = info
+        return torch.tensor(value, dtype=getattr(torch, dtype),
+                            device=device if where != "cpu" else "cpu")
+    return info
+
+
+_handshakes = 0     # how many this process made: the same sequence on every rank
+
+
+def handshake(store: Optional[Any], size: int, timeout: float, what: str) -> None:
+    """Wait, through the rendezvous store (not the data path), until every rank reached this
+    point: a collective that some rank never issues would otherwise pair with its next one."""
+    global _handshakes
+    if store is None or size == 1:
+        return
+    _handshakes += 1
+    key = f"dear/sharded_state/{_handshakes}"
+    try:
+        count = store.add(key, 1)
+    except Exception:                          # noqa: BLE001 - no store: go on unchecked
+        return
+    deadline = time.monotonic() + timeout
+    while count < size:
+        if time.monotonic() > deadline:
+            raise RuntimeError(
+                f"dear: {what} gathers the sharded optimizer state from every rank "
+                "(shard_optimizer_state=True), but only "
+                f"{count} of {size} ranks called it within DEAR_TIMEOUT={timeout:g} s. Call it "
+                "on every rank (e.g. `state = optimizer.state_dict()` before `if rank == 0: "
+                "torch.save(state, ...)`), as with FSDP or ZeRO")
+        time.sleep(0.01)
+        try:
+            count = store.add(key, 0)
+        except Exception:                      # noqa: BLE001
+            return
