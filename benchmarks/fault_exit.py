@@ -27,6 +27,10 @@ import time
 from typing import Any
 
 CASES = ("optimizer", "kfac", "user-group", "user-group-backward", "horovod", "mpi")
+#: Need CUDA: dear's own NCCL communicator (backend="nccl") and torch's NCCL group (dear.init()
+#: with CUDA tensors). Both ranks use GPU 0 where there is one GPU (NCCL refuses two ranks on
+#: one device: the error is what gets reported then).
+GPU_CASES = ("nccl", "torch-nccl")
 FAULTS = ("dies", "stalls")
 
 
@@ -46,13 +50,18 @@ def _rank(case: str, fault: str, marker: str) -> None:
         import horovod.torch as hvd
         hvd.init()
         rank = hvd.rank()
+    device = "cuda" if case in GPU_CASES else "cpu"
     if case == "mpi":                          # under mpirun: MPI's collectives
         rank = int(os.environ.get("PMI_RANK") or os.environ.get("OMPI_COMM_WORLD_RANK", "0"))
         dear.init(backend="mpi")
+    elif case == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        dear.init(backend="nccl")
     else:
         dear.init()
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4))
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(),
+                                torch.nn.Linear(64, 4)).to(device)
     opt = dear.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model=model)
     precond = dear.KFAC(model, strategy="comm-opt") if case == "kfac" else None
     def fault_here(step: int) -> None:
@@ -67,7 +76,7 @@ def _rank(case: str, fault: str, marker: str) -> None:
         for step in range(50):
             if case != "user-group":           # the peer is missing from the next backward
                 fault_here(step)
-            x, y = torch.randn(16, 32), torch.randn(16, 4)
+            x, y = torch.randn(16, 32, device=device), torch.randn(16, 4, device=device)
             opt.zero_grad()
             loss = F.mse_loss(model(x), y)
             loss.backward()
@@ -131,12 +140,14 @@ def _measure(case: str, fault: str, timeout: float) -> dict[str, Any]:
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
             p.wait()
+        errors = procs[0].stderr.read() if procs[0].stderr is not None else ""
         fault_t = float(open(marker).read()) if os.path.exists(marker) else None
         caught = (json.load(open(marker + ".caught")) if os.path.exists(marker + ".caught")
                   else None)
     out: dict[str, Any] = {"case": case, "fault": fault}
     if fault_t is None:
-        return {**out, "error": "rank 1 never reached the fault"}
+        tail = " | ".join(line for line in errors.strip().splitlines()[-3:])
+        return {**out, "error": f"rank 1 never reached the fault; rank 0: {tail[-400:]}"}
     out["raised_s"] = None if caught is None else round(caught["t"] - fault_t, 2)
     out["exited_s"] = None if ended is None else round(ended - fault_t, 2)
     out["error"] = None if caught is None else caught["error"]
@@ -148,12 +159,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--timeout", type=float, default=5.0, help="DEAR_TIMEOUT, seconds")
     parser.add_argument("--name", default=None, help="write benchmarks/results/<name>.{json,md}")
+    parser.add_argument("--cases", default=",".join(CASES),
+                        help=f"comma-separated, of {CASES + GPU_CASES}")
     parser.add_argument("--rank-of", nargs=3, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rank_of:
         _rank(*args.rank_of)
         return
-    rows = [_measure(case, fault, args.timeout) for case in CASES for fault in FAULTS]
+    cases = [c for c in args.cases.split(",") if c]
+    unknown = set(cases) - set(CASES + GPU_CASES)
+    if unknown:
+        parser.error(f"unknown cases {sorted(unknown)}; choose from {CASES + GPU_CASES}")
+    rows = [_measure(case, fault, args.timeout) for case in cases for fault in FAULTS]
     for row in rows:
         print(json.dumps(row))
     if args.name:

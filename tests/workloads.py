@@ -153,7 +153,7 @@ def assert_float32_close(result: dict[str, torch.Tensor], exact: dict[str, torch
 
 
 def assert_trains_like_one_process(make_optimizer: Callable[[Any], torch.optim.Optimizer],
-                                   device: str, steps: int = 4) -> None:
+                                   device: str, steps: int = 4, **wrap: Any) -> None:
     """In a world of one (dear initialised), a small MLP trained through
     dear.DistributedOptimizer ends where plain torch ends (for the GPU tests: the device path
     of the deferred update against no dear at all)."""
@@ -162,7 +162,8 @@ def assert_trains_like_one_process(make_optimizer: Callable[[Any], torch.optim.O
     nets = [torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(),
                                 torch.nn.Linear(16, 2)).to(device) for _ in range(2)]
     nets[1].load_state_dict(nets[0].state_dict())
-    opts = [dear.DistributedOptimizer(make_optimizer(nets[0].parameters()), model=nets[0]),
+    opts = [dear.DistributedOptimizer(make_optimizer(nets[0].parameters()), model=nets[0],
+                                      **wrap),
             make_optimizer(nets[1].parameters())]
     for _ in range(steps):
         x = torch.randn(32, 8, device=device)
