@@ -172,12 +172,34 @@ class NcclCommunicator(Communicator):
         self._store = dist.PrefixStore("dear_nccl", store)
         self._device = torch.device("cuda", torch.cuda.current_device())
         self._counter = 0
+        self._refuse_shared_gpu()
         if rank == 0:
             self._store.set("unique_id", impl_cls.unique_id())  # type: ignore[arg-type]
         uid = self._store.get("unique_id")
         self._impl: Any = impl_cls(rank, size, uid, self._device)
         self.implementation = implementation
         self.name = f"nccl-{implementation}"
+
+    def _refuse_shared_gpu(self) -> None:
+        """NCCL cannot put two ranks on one GPU; its init then waited forever here (measured on
+        one H200 with NCCL 2.28.9: no error, no return), so compare the GPUs first."""
+        props = torch.cuda.get_device_properties(self._device)
+        mine = str(getattr(props, "uuid", "")) or f"{props.name}/{self._device.index}"
+        self._store.set(f"gpu/{self._rank}", mine)
+        try:
+            gpus = [self._store.get(f"gpu/{r}").decode() for r in range(self._size)]
+        except Exception as exc:               # noqa: BLE001 - the store's own timeout
+            raise RuntimeError(
+                "dear.init(backend='nccl'): not every rank reached NCCL's start-up within "
+                f"DEAR_TIMEOUT (a rank failed or stalled before it; see its own error): {exc}. "
+                "Without this check NCCL's init would wait for it forever") from exc
+        shared = [r for r, gpu in enumerate(gpus) if gpu == mine and r != self._rank]
+        if shared:
+            raise RuntimeError(
+                f"dear.init(backend='nccl'): rank {self._rank} and rank(s) {shared} are on the "
+                f"same GPU ({mine}); NCCL needs one GPU per rank. Give each local rank its own "
+                "GPU (torch.cuda.set_device(LOCAL_RANK), or CUDA_VISIBLE_DEVICES), or use "
+                "backend='torch' with Gloo for several ranks on one GPU")
 
     @property
     def rank(self) -> int:
