@@ -50,6 +50,7 @@ from .fusion.schedule import ScheduleDriver, issue_mode
 from .fusion.views import GradientViews
 from .iteration import Iteration
 from .reduced import ReducedGradientMixin
+from . import sharded_checkpoint
 from .sharded import ShardedState, handshake
 from .sparse import SparseGradients
 from .stream import StreamCheck, parameter_digest
@@ -998,6 +999,27 @@ class _DistributedOptimizer(ExtensionPoints, ReducedGradientMixin, torch.optim.O
             self._sharded.absorb(self.state)
 
     # ------------------------------------------------------------ shard_optimizer_state
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """With shard_optimizer_state: this rank's pieces of the state as ShardedTensors, for
+        torch.distributed.checkpoint.save / .load on any world size
+        (dear/sharded_checkpoint.py). No collective."""
+        self.flush_updates()
+        if self._sharded is None:
+            raise RuntimeError("sharded_state_dict() needs shard_optimizer_state=True; "
+                               "without it, state_dict() is the whole state on every rank")
+        return sharded_checkpoint.sharded_state_dict(self, self._trained_names(),
+                                                     self._comm.rank, self._comm.size)
+
+    def load_sharded_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """What torch.distributed.checkpoint.load filled into sharded_state_dict()'s template."""
+        self.flush_updates()
+        if self._sharded is None:
+            raise RuntimeError("load_sharded_state_dict() needs shard_optimizer_state=True")
+        sharded_checkpoint.load_sharded_state_dict(self, state_dict, self._trained_names())
+
+    def _trained_names(self) -> dict[Any, str]:
+        return {p: n for n, p in self._trainable_named()}
+
     @property
     def shard_optimizer_state(self) -> bool:
         """Whether each rank keeps and updates only its shards of the optimizer state."""
