@@ -310,6 +310,21 @@ class DeARTrainer(Trainer):
         accelerator.flush_updates()
         super().save_model(output_dir, _internal_call)
 
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        """Trainer's, except that a sharded dear optimizer (shard_optimizer_state) gathers its
+        state on every rank (Trainer calls state_dict() on the saving rank only), then the
+        saving rank writes it."""
+        inner: Any = _inner(self.optimizer) if self.optimizer is not None else None
+        if not getattr(inner, "shard_optimizer_state", False):
+            super()._save_optimizer_and_scheduler(output_dir)
+            return
+        gathered = inner.state_dict()
+        inner.state_dict = lambda: gathered       # this one call: already gathered
+        try:
+            super()._save_optimizer_and_scheduler(output_dir)
+        finally:
+            del inner.state_dict
+
     def train(self, *args: Any, **kwargs: Any) -> Any:
         """Trainer.train, then the last step's update applied: afterwards the model holds its
         final weights however it is read (a submodule's tensors included)."""

@@ -80,7 +80,8 @@ class DeARStrategy(DDPStrategy):
     """Data-parallel training with DeAR (reduce-scatter in backward, all-gather in the next
     forward) under Lightning's loop. dear options: `fusion_threshold` (bytes), `autotune`
     (True / "online" / "offline"), `fusion_config`, `compression`, `op`,
-    `gradient_predivide_factor`, `overlap_allgather`, `backend` (dear.init's: "auto" reuses
+    `gradient_predivide_factor`, `overlap_allgather`, `shard_optimizer_state` (each rank keeps
+    1/N of the optimizer state; checkpoints gather it), `backend` (dear.init's: "auto" reuses
     Lightning's process group; "mpi" moves dear's collectives to MPI), and any dear.init option
     as `dear_options` (e.g. {"timeout": 60}). Everything else is DDPStrategy's (start_method,
     process_group_backend, timeout, cluster_environment, ...)."""
@@ -91,7 +92,8 @@ class DeARStrategy(DDPStrategy):
                  autotune: Optional[Union[bool, str]] = None, fusion_config: Any = None,
                  compression: Any = Compression.none, op: Any = ReduceOp.Average,
                  gradient_predivide_factor: float = 1.0, overlap_allgather: bool = True,
-                 gradient_as_bucket_view: Optional[bool] = None, backend: str = "auto",
+                 gradient_as_bucket_view: Optional[bool] = None,
+                 shard_optimizer_state: Optional[bool] = None, backend: str = "auto",
                  dear_options: Optional[dict[str, Any]] = None,
                  accelerator: Any = None, parallel_devices: Optional[list[torch.device]] = None,
                  cluster_environment: Any = None, checkpoint_io: Any = None,
@@ -112,7 +114,8 @@ class DeARStrategy(DDPStrategy):
                            "fusion_config": fusion_config, "compression": compression, "op": op,
                            "gradient_predivide_factor": gradient_predivide_factor,
                            "overlap_allgather": overlap_allgather,
-                           "gradient_as_bucket_view": gradient_as_bucket_view}
+                           "gradient_as_bucket_view": gradient_as_bucket_view,
+                           "shard_optimizer_state": shard_optimizer_state}
         self._dear_backend = backend
         self._dear_options = dict(dear_options or {})
         self._owns_dear = False

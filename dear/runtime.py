@@ -207,6 +207,14 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
     comm = communicator()
     _flush_all()
     mark_phase("dear.broadcast_optimizer_state")
+    if getattr(optimizer, "shard_optimizer_state", False):
+        # Each rank holds its own shards of one state: only the hyperparameters are rank 0's.
+        hyper = comm.broadcast_object(
+            [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+            if comm.rank == root_rank else None, root_rank)
+        for g, values in zip(optimizer.param_groups, hyper):
+            g.update(values)
+        return
     # Sent with its tensors on the CPU: pickled CUDA tensors would be unpickled onto the root's
     # GPU index on every rank (a CUDA context on GPU 0 for each); load_state_dict() moves each
     # state tensor to its parameter's device.
