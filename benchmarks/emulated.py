@@ -370,7 +370,10 @@ def make_batch(step: int, rank: int, batch_size: int) -> tuple[Tensor, Tensor]:
 
 class EmulatedSGD(torch.optim.Optimizer):
     """SGD with momentum on the probe elements (what the emulated loss sees) or, with
-    update="full", on whole parameters (then the same numbers as torch.optim.SGD)."""
+    update="full", on whole parameters (then the same numbers as torch.optim.SGD). Elementwise:
+    dear's shard_optimizer_state may run it on slices of the parameters."""
+
+    dear_elementwise = True
 
     def __init__(self, params: Any, lr: float = 0.01, momentum: float = 0.9,
                  update: str = "probe") -> None:

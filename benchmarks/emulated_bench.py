@@ -31,8 +31,9 @@ DEAR_FUSION_THRESHOLD; chunk_bytes: the planned schedule's chunk size; row_spars
 default "auto" is the word embeddings --tokens made row-sparse, what auto finds in the real
 model, and `row_sparse=off` sends them whole; `whole_reduce_scatter=true`, for A/B runs only:
 a bucket larger than the threshold is reduce-scattered in one collective instead of pieces);
-`ddp:...` to DistributedDataParallel; `wfbp:threshold=8MB`. To add a method, add a function to
-METHODS.
+`ddp:...` to DistributedDataParallel; `wfbp:threshold=8MB`. Any method takes `clip=NORM`: the
+averaged gradient clipped to that global norm each step (dear: optimizer.clip_grad_norm_, the
+others torch's clip_grad_norm_). To add a method, add a function to METHODS.
 """
 
 from __future__ import annotations
@@ -220,7 +221,9 @@ def train(method: Method, model_spec: emulated.ModelSpec, warmup: int, iters: in
     rank, started = dist.get_rank(), time.perf_counter()
     warmup = max(warmup, _plan_warmup(method)) if plan_warmup else warmup
     model = emulated.EmulatedModel(model_spec)
-    net, opt = METHODS[method.base](model, make_optimizer(update), method.options)
+    options = dict(method.options)
+    clip = options.pop("clip", None)            # clip the averaged gradient to this norm
+    net, opt = METHODS[method.base](model, make_optimizer(update), options)
     rec: dict[str, list[float]] = {"total": [], "forward": [], "backward": [], "step": []}
     losses: list[float] = []
     rows_sent: list[dict[str, tuple[int, int]]] = []
@@ -236,6 +239,11 @@ def train(method: Method, model_spec: emulated.ModelSpec, warmup: int, iters: in
         loss = emulated.loss_fn(net(x), y)
         t1 = time.perf_counter()
         loss.backward()
+        if clip is not None:                   # each method's own way to the averaged norm
+            if method.base == "dear":
+                opt.clip_grad_norm_(clip)
+            else:
+                torch.nn.utils.clip_grad_norm_(net.parameters(), clip)
         t2 = time.perf_counter()
         opt.step()
         t3 = time.perf_counter()

@@ -40,6 +40,8 @@ ELEMENTWISE: tuple[type, ...] = (
 def check_shardable(optimizer: torch.optim.Optimizer) -> None:
     """Refuse, by name, an optimizer whose update is not known to be elementwise."""
     cls = type(optimizer)
+    if getattr(cls, "dear_elementwise", False):    # the class's author vouches for it
+        return
     for base in ELEMENTWISE:
         if isinstance(optimizer, base) and cls.step is getattr(base, "step"):
             return
@@ -50,7 +52,9 @@ def check_shardable(optimizer: torch.optim.Optimizer) -> None:
         f"that is elementwise: torch's {names} (their subclasses that keep their step()). "
         f"{cls.__name__} is not one of them; it may need whole tensors (norms or trust ratios "
         "as in LAMB/LARS, factored moments as in Adafactor, K-FAC's preconditioning). Wrap it "
-        "without shard_optimizer_state (every rank keeps the whole state)")
+        "without shard_optimizer_state (every rank keeps the whole state), or, if its update "
+        "is elementwise (each element from its own gradient, value and state, and scalars), "
+        "set `dear_elementwise = True` on its class")
 
 
 @dataclasses.dataclass
