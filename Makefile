@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check -q
 TORCH  ?= torch==2.13.0
 
-.PHONY: setup horovod demo test lint docs bench kfac-bench autotune clean
+.PHONY: setup horovod demo test test-fast lint docs bench kfac-bench autotune clean
 
 setup: $(VENV)/.installed
 
@@ -29,6 +29,10 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -q -rs tests
+
+# The developer's check: everything but the slow modules (tests/conftest.py), a few minutes.
+test-fast: setup
+	$(PY) -m pytest -q -rs -m "not slow" tests
 
 # pycodestyle + pyflakes (pyproject.toml's [tool.ruff]) and mypy on dear/ (it ships py.typed);
 # tests/test_lint.py runs the same.

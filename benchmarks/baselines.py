@@ -27,7 +27,7 @@ from dear.fusion.planner import plan_buckets
 from dear.runtime import communicator
 
 METHODS = ("ddp", "fsdp2", "horovod", "allreduce", "wfbp", "dear", "dear-order", "dear-rows",
-           "dear-dense", "dear-hvd", "dear-views")
+           "dear-dense", "dear-hvd", "dear-views", "sharded")
 
 
 class AllReduceAfterBackward:
@@ -150,6 +150,9 @@ def prepare(method: str, model: torch.nn.Module,
     if method == "dear-views":
         return model, dear.DistributedOptimizer(make_optimizer(model.parameters()), model=model,
                                                 gradient_as_bucket_view=True)
+    if method == "sharded":                        # the simulator's Schedule.SHARDED
+        return model, dear.DistributedOptimizer(make_optimizer(model.parameters()), model=model,
+                                                shard_optimizer_state=True)
     if method == "dear-order":
         return model, dear.DistributedOptimizer(make_optimizer(model.parameters()), model=model,
                                                 schedule="dear")

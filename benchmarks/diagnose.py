@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
         if args.trace_iters:
             step = trace_window(net, opt, batch, loss_fn, step, os.path.join(args.out, method),
                                 args.trace_iters)
-        if method in ("dear", "dear-hvd"):
+        if method in ("dear", "dear-hvd", "sharded"):
             opt.flush_updates()
         out["methods"][method] = res
         dist.barrier()

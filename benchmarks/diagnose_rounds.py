@@ -67,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
                     step = trace_window(net, opt, batch, loss_fn, step,
                                         os.path.join(args.out, f"r{r}", method),
                                         args.trace_iters)
-                if method in ("dear", "dear-hvd"):
+                if method in ("dear", "dear-hvd", "sharded"):
                     opt.flush_updates()        # nothing in flight into the next method's block
                 dist.barrier()
         rounds.append(measured)

@@ -80,6 +80,18 @@ def test_dear_two_buckets_closed_form():
     assert p.overlap == pytest.approx(0.5, rel=1e-9)
 
 
+def test_sharded_closed_form():
+    """shard_optimizer_state: each rank updates its half in step(), before the all-gathers
+    (on the critical path there, as the update is in the forward without sharding); the
+    forward only waits for the gathered parameters."""
+    cost = CostModel.ideal(2e9, 0.0, world_size=2)
+    one = cost.time("reduce_scatter", _bucket_bytes(1))
+    p = Simulator.from_model(_model(), cost).predict(Schedule.SHARDED)
+    compute = F0 + F1 + G1 + G0 + UPDATE / 2
+    assert p.iteration_time == pytest.approx(compute + 2 * one, rel=1e-9)
+    assert p.compute == pytest.approx(compute, rel=1e-9)
+
+
 def test_dear_one_bucket_has_no_overlap():
     cost = CostModel.ideal(2e9, 0.0, world_size=2)
     sim = Simulator.from_model(_model(), cost)

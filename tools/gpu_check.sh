@@ -24,7 +24,7 @@ echo "== CUDA tests"
 timeout 200 "$PY" -m pytest -q -rfEs -p no:cacheprovider --tb=short -m cuda tests 2>&1 \
   | tee "$OUT/cuda.log" | tail -12
 echo "== demo"
-timeout 90 "$PY" -m benchmarks.demo 2>&1 | tail -4
+timeout 90 "$PY" -m benchmarks.demo --loopback 2>&1 | tail -4
 if [ -n "${SUITE-}" ]; then
   echo "== suite: $SUITE"
   timeout -s INT "${SUITE_TIMEOUT:-200}" "$PY" -m pytest -q -rfE -p no:cacheprovider --tb=short \

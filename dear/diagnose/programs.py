@@ -121,11 +121,13 @@ def ddp_buckets(model: Model, threshold: int, first_bucket: Optional[int]
 
 
 def dear_program(prof: Profile, layout: DearLayout, numel: list[int],
-                  plan: Optional[Any] = None) -> list[Action]:
+                  plan: Optional[Any] = None, sharded: Optional[float] = None) -> list[Action]:
     """DeAR's program; with a `plan` (dear.fusion.schedule.Plan) the planned schedule: after
     bucket b's reduce-scatter, the chunks plan.after[b] ("agc" keys); at step() the rest of each
     bucket touched by a chunk ("agr"), whole groups otherwise. A chunk issued right after a
-    reduce-scatter starts on the FIFO link after it, hence after its own bucket's (earlier)."""
+    reduce-scatter starts on the FIFO link after it, hence after its own bucket's (earlier).
+    `sharded` (shard_optimizer_state, this rank's share of each bucket): the update of that
+    share runs in step(), before the all-gathers, and the forward only waits for them."""
     after = plan.after if plan is not None else {}
     early = {c[0] for chunks in after.values() for c in chunks}
     buckets = layout.buckets
@@ -151,7 +153,8 @@ def dear_program(prof: Profile, layout: DearLayout, numel: list[int],
                         prog.append(("wait", ("agr", it - 1, b)))
                     else:
                         prog.append(("wait", ("ag", it - 1, gather[b])))
-                    prog.append(("compute", update[b], "update"))
+                    if sharded is None:
+                        prog.append(("compute", update[b], "update"))
                     pending.remove(b)
             prog.append(("compute", seg.duration, "forward"))
         prog.append(("compute", prof.loss, "forward"))
@@ -170,6 +173,8 @@ def dear_program(prof: Profile, layout: DearLayout, numel: list[int],
             prog += [("issue", ("agc", it, c[0], c[1])) for c in after.get(b, ())]
         prog += [("wait", ("rs", it, b)) for b in reversed(range(len(buckets)))]
         prog.append(("compute", prof.step_extra, "step"))
+        if sharded is not None:
+            prog.append(("compute", sum(update) * sharded, "update"))
         for g, members in enumerate(layout.groups):
             if any(b in early for b in members):
                 prog += [("issue", ("agr", it, b)) for b in members]

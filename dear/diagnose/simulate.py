@@ -55,10 +55,14 @@ def backend_allreduce_slots(backend: Optional[str]) -> int:
 class Schedule(str, enum.Enum):
     DEAR = "dear"
     PLANNED = "planned"            # dear's default: DeAR + all-gather chunks in backward's gaps
+    SHARDED = "sharded"            # shard_optimizer_state: DeAR's order, the update in step()
     DDP = "ddp"
     WFBP = "wfbp"
     ALLREDUCE = "allreduce"
     HOROVOD = "horovod"            # dynamic fusion: what is ready when the link frees
+
+
+_DEAR_SCHEDULES = (Schedule.DEAR, Schedule.PLANNED, Schedule.SHARDED)
 
 
 @dataclasses.dataclass
@@ -171,10 +175,10 @@ class Simulator:
         if fusion is not None:
             if not isinstance(fusion, FusionConfig):
                 raise TypeError(f"fusion must be a dear FusionConfig, got {type(fusion).__name__}")
-            if fusion_threshold is not None or schedule not in (Schedule.DEAR, Schedule.PLANNED):
+            if fusion_threshold is not None or schedule not in _DEAR_SCHEDULES:
                 raise ValueError("fusion= is DeAR's layout: give it with Schedule.DEAR and "
                                  "without fusion_threshold=")
-        elif schedule in (Schedule.DEAR, Schedule.PLANNED) and fusion_threshold is not None:
+        elif schedule in _DEAR_SCHEDULES and fusion_threshold is not None:
             fusion = FusionConfig.single(fusion_threshold)
         if not compute_scale > 0:
             raise ValueError(f"compute_scale must be > 0, got {compute_scale}")
@@ -192,7 +196,7 @@ class Simulator:
                  else backend_allreduce_slots(self.model.backend)
                  if schedule in (Schedule.DDP, Schedule.WFBP, Schedule.ALLREDUCE) else 1)
         rows = dict(row_sparse or {})
-        if rows and schedule not in (Schedule.DEAR, Schedule.PLANNED):
+        if rows and schedule not in _DEAR_SCHEDULES:
             raise ValueError("row_sparse= is dear's: give it with Schedule.DEAR or PLANNED")
         for p, (table_rows, sent) in rows.items():
             if not 0 <= p < len(self.model.param_bytes) or not 0 <= sent <= table_rows \
@@ -228,7 +232,7 @@ class Simulator:
         row-sparse tables, each in a bucket of its own."""
         m = self.model
         threshold = DEFAULT_THRESHOLD if fusion_threshold is None else fusion_threshold
-        if schedule in (Schedule.DEAR, Schedule.PLANNED):
+        if schedule in _DEAR_SCHEDULES:
             if set(alone) - set(m.alone):      # the traced buckets cannot hold them: re-plan
                 m = dataclasses.replace(m, alone=sorted(set(m.alone) | set(alone)))
                 fusion = traced_fusion(m) if fusion is None else fusion
@@ -255,7 +259,8 @@ class Simulator:
         per_bucket: list[CostModel] = []       # per all-reduce bucket: its cost model
         if layout is not None:
             numel = self.model.param_numel
-            programs = [dear_program(p, layout, numel) for p in profiles]
+            shard = 1.0 / cost.world_size if schedule is Schedule.SHARDED else None
+            programs = [dear_program(p, layout, numel, sharded=shard) for p in profiles]
             tables = _row_sparse_seconds(buckets, rows or {}, numel, cost)
             group_bytes = layout.group_bytes()
 
