@@ -318,6 +318,17 @@ def resume_and_changes() -> dict:
         model, opt = _wrapped(sharded, backward_passes_per_step=2)
         _loop(model, opt, range(3), passes=2)
         out[("accumulate", sharded)] = state_of(model)
+        torch.manual_seed(0)                   # buffers: BatchNorm's, broadcast by rank 0
+        bn = torch.nn.Sequential(torch.nn.Linear(24, 16), torch.nn.BatchNorm1d(16),
+                                 torch.nn.Linear(16, 4))
+        bn_opt = dear.DistributedOptimizer(torch.optim.AdamW(bn.parameters(), lr=0.01), model=bn,
+                                           fusion_threshold=700, shard_optimizer_state=sharded)
+        for step in range(3):
+            bn_opt.zero_grad()
+            x, y = batch(step, dear.size(), dear.rank())
+            F.mse_loss(bn(x), y).backward()
+            bn_opt.step()
+        out[("buffers", sharded)] = state_of(bn)
         model, opt = _wrapped(sharded)
         with dear.join(opt):
             _loop(model, opt, range(3 + dear.rank()))
@@ -332,7 +343,7 @@ def test_resume_parameter_changes_accumulation_join() -> None:
         assert _same(res["straight"], res["resumed"]), f"rank {rank}: resume is not bitwise"
         assert res["plain_loads"]
         assert _same(res["checkpoint"], ranks[0]["checkpoint"])
-        for what in ("changes", "changes_state", "accumulate", "join"):
+        for what in ("changes", "changes_state", "accumulate", "join", "buffers"):
             assert _same(res[(what, True)], res[(what, False)]), f"rank {rank}: {what}"
         assert _same(res[("join", True)], ranks[0][("join", True)])
 
