@@ -51,7 +51,7 @@ from .fusion.views import GradientViews
 from .iteration import Iteration
 from .reduced import ReducedGradientMixin
 from . import sharded_checkpoint
-from .sharded import ShardedState, handshake
+from .sharded import ShardedState, meet_every_rank
 from .sparse import SparseGradients
 from .stream import StreamCheck, parameter_digest
 from .validation import explicit_groups, held_by_ddp, refuse_construction
@@ -1052,11 +1052,10 @@ class _DistributedOptimizer(ExtensionPoints, ReducedGradientMixin, torch.optim.O
         return out
 
     def _gather_sharded_state(self, what: str) -> dict[Any, dict[str, Any]]:
-        """Every rank's shards of the state, unsharded (a collective, after a handshake through
+        """Every rank's shards of the state, unsharded (a collective, after the ranks met through
         the rendezvous store so that a rank calling it alone gets an error, not a hang)."""
         assert self._sharded is not None
-        handshake(runtime.rendezvous_store(), self._comm.size, runtime.config().timeout,
-                  what)
+        meet_every_rank(what, self._comm.size, runtime.config().timeout)
         return self._sharded.gather_full()
 
     def _unshard_state(self) -> None:

@@ -105,6 +105,36 @@ class HangReporter:
         if self._comm.on_failure == self.report:
             self._comm.on_failure = None
 
+    # -- meeting out of band ---------------------------------------------------------------
+    def meet(self, name: str, timeout: float) -> list[int]:
+        """Wait until every rank reached the point `name` (the same on every rank), through the
+        store, not the data path. Returns [] when all came, else the ranks that went on
+        without it: they issued collectives past this rank's count (their published records
+        say so within a second of their stopping). TimeoutError after `timeout` otherwise."""
+        size, rank = self._comm.size, self._comm.rank
+        if self._store is None or size == 1:
+            return []
+        mine = self._comm.recorder.issued
+        key = f"dear/meet/{name}/rank"
+        with self._lock:
+            self._store.set(f"{key}{rank}", str(mine))
+        deadline = time.monotonic() + timeout
+        while True:
+            with self._lock:
+                came = [r for r in range(size) if self._store.check([f"{key}{r}"])]
+            if len(came) == size:
+                return []
+            with self._lock:
+                records = self._read() or {}
+            gone = [r for r in range(size) if r not in came
+                    and records.get(r, {}).get("issued", 0) > mine]
+            if gone:
+                return gone
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"ranks {[r for r in range(size) if r not in came]} did not "
+                                   f"reach {name} within {timeout:g} s")
+            time.sleep(0.05)
+
     # -- publishing --------------------------------------------------------------------------
     def _run(self) -> None:
         """Publish once a second while this rank issues nothing new (stalled, waiting in a

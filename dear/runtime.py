@@ -144,10 +144,14 @@ def config() -> Config:
     return _state.config
 
 
-def rendezvous_store() -> Optional[Any]:
-    """A client of the store the ranks met at (short timeouts), for agreements that must not
-    travel through the data path; None where the backend has none (MPI)."""
-    return _state.reporter.store if _state.reporter is not None else None
+def meet(name: str) -> list[int]:
+    """Every rank reaches the point `name` before any collective that follows it is issued,
+    agreed out of band (dear/hang.py's store client): [] when all came, else the ranks that
+    went on without it. Unchecked ([]) where the backend has no store (MPI)."""
+    reporter = _state.reporter
+    if reporter is None:
+        return []
+    return reporter.meet(name, _state.config.timeout)
 
 
 def optimizers() -> list[Any]:

@@ -22,8 +22,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import time
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -260,32 +259,25 @@ def _scalar(info: Any, device: torch.device) -> Any:
     return info
 
 
-_handshakes = 0     # how many this process made: the same sequence on every rank
+_meetings = 0       # how many this process held: the same sequence on every rank
 
 
-def handshake(store: Optional[Any], size: int, timeout: float, what: str) -> None:
-    """Wait, through the rendezvous store (not the data path), until every rank reached this
-    point: a collective that some rank never issues would otherwise pair with its next one."""
-    global _handshakes
-    if store is None or size == 1:
-        return
-    _handshakes += 1
-    key = f"dear/sharded_state/{_handshakes}"
+def meet_every_rank(what: str, size: int, timeout: float) -> None:
+    """Before a state gather: every rank must be here. A collective that some rank never
+    issues would otherwise pair with that rank's next one (a hang or wrong data)."""
+    global _meetings
+    from . import runtime
+    _meetings += 1
     try:
-        count = store.add(key, 1)
-    except Exception:                          # noqa: BLE001 - no store: go on unchecked
-        return
-    deadline = time.monotonic() + timeout
-    while count < size:
-        if time.monotonic() > deadline:
-            raise RuntimeError(
-                f"dear: {what} gathers the sharded optimizer state from every rank "
-                "(shard_optimizer_state=True), but only "
-                f"{count} of {size} ranks called it within DEAR_TIMEOUT={timeout:g} s. Call it "
-                "on every rank (e.g. `state = optimizer.state_dict()` before `if rank == 0: "
-                "torch.save(state, ...)`), as with FSDP or ZeRO")
-        time.sleep(0.01)
-        try:
-            count = store.add(key, 0)
-        except Exception:                      # noqa: BLE001
-            return
+        gone = runtime.meet(f"sharded_state/{_meetings}")
+    except TimeoutError as exc:
+        raise RuntimeError(_alone(what, f"{exc} (DEAR_TIMEOUT={timeout:g} s)")) from None
+    if gone:
+        raise RuntimeError(_alone(what, f"rank(s) {gone} went on training without calling it"))
+
+
+def _alone(what: str, why: str) -> str:
+    return (f"dear: {what} gathers the sharded optimizer state from every rank "
+            f"(shard_optimizer_state=True), but {why}. Call it on every rank (e.g. `state = "
+            "optimizer.state_dict()` before `if rank == 0: torch.save(state, ...)`), as with "
+            "FSDP or ZeRO")
