@@ -34,6 +34,22 @@ def command() -> str:
     return " ".join(shlex.quote(a) for a in ["python", *argv])
 
 
+def commit() -> str:
+    """The checkout's commit, "+changes" when tracked files differ from it ("unknown" outside
+    git)."""
+    import subprocess
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo, text=True,
+                              capture_output=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", ".",
+                                ":(exclude)benchmarks/results"], cwd=repo,
+                               timeout=10).returncode != 0
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return (head + ("+changes" if dirty else "")) if head else "unknown"
+
+
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     def fmt(v: Any) -> str:
         return f"{v:.4g}" if isinstance(v, float) else str(v)
@@ -45,14 +61,14 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str
 def write(name: str, title: str, data: dict[str, Any], table: str, notes: str = "") -> str:
     """Write <name>.json and <name>.md; return the .md path."""
     os.makedirs(RESULTS_DIR, exist_ok=True)
-    meta = {"command": command(), "machine": machine(),
+    meta = {"command": command(), "commit": commit(), "machine": machine(),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     with open(os.path.join(RESULTS_DIR, f"{name}.json"), "w") as fh:
         json.dump({**meta, **data}, fh, indent=2, default=str)
     md = os.path.join(RESULTS_DIR, f"{name}.md")
     with open(md, "w") as fh:
-        fh.write(f"# {title}\n\nCommand: `{meta['command']}`  \nMachine: {meta['machine']}  \n"
-                 f"Date: {meta['date']}\n\n{table}\n")
+        fh.write(f"# {title}\n\nCommand: `{meta['command']}`  \nCommit: {meta['commit']}  \n"
+                 f"Machine: {meta['machine']}  \nDate: {meta['date']}\n\n{table}\n")
         if notes:
             fh.write(f"\n{notes}\n")
     return md
