@@ -51,7 +51,7 @@ from .fusion.views import GradientViews
 from .iteration import Iteration
 from .reduced import ReducedGradientMixin
 from . import sharded_checkpoint
-from .sharded import ShardedState, meet_every_rank
+from .sharded import KFAC_REFUSED, ShardedState, meet_every_rank
 from .sparse import SparseGradients
 from .stream import StreamCheck, parameter_digest
 from .validation import explicit_groups, held_by_ddp, refuse_construction
@@ -603,10 +603,7 @@ class _DistributedOptimizer(ExtensionPoints, ReducedGradientMixin, torch.optim.O
         next synchronized step() (dear.KFAC synchronizes until the layout fits)."""
         assert self._views is None, "dear.KFAC preconditions after synchronize() with views"
         if self._sharded is not None:
-            raise ValueError(
-                "dear.KFAC preconditions whole gradients, which shard_optimizer_state=True "
-                "never holds (each rank updates only its slice of each parameter); wrap the "
-                "optimizer without shard_optimizer_state to use dear.KFAC")
+            raise ValueError(KFAC_REFUSED)
         self._transform, self._ties = transform, ties
         self._schedule.paused = True           # it edits the shards between the collectives
         self._relayout_wanted = self._buckets is not None and not transform.layout_fits()
@@ -1055,7 +1052,7 @@ class _DistributedOptimizer(ExtensionPoints, ReducedGradientMixin, torch.optim.O
         """Every rank's shards of the state, unsharded (a collective, after the ranks met through
         the rendezvous store so that a rank calling it alone gets an error, not a hang)."""
         assert self._sharded is not None
-        meet_every_rank(what, self._comm.size, runtime.config().timeout)
+        meet_every_rank(what, self._comm.size)
         return self._sharded.gather_full()
 
     def _unshard_state(self) -> None:

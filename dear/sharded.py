@@ -36,6 +36,14 @@ ELEMENTWISE: tuple[type, ...] = (
     torch.optim.ASGD, torch.optim.Adadelta, torch.optim.Rprop)
 
 
+#: dear.KFAC with a sharded optimizer: said where dear.KFAC attaches (dear/kfac/overlap.py)
+#: and at the optimizer's extension point it would use (dear/deferred.py).
+KFAC_REFUSED = (
+    "dear.KFAC preconditions whole gradients, which a dear.DistributedOptimizer with "
+    "shard_optimizer_state=True never holds (each rank updates only its slice of each "
+    "parameter); wrap the optimizer without shard_optimizer_state to use dear.KFAC")
+
+
 def check_shardable(optimizer: torch.optim.Optimizer) -> None:
     """Refuse, by name, an optimizer whose update is not known to be elementwise."""
     cls = type(optimizer)
@@ -90,15 +98,9 @@ class ShardedState:
         self.buckets, self.segments, self._values = list(buckets), [], []
         for bucket in buckets:
             spec = bucket.spec
-            start, length = rank * spec.shard_numel, spec.shard_numel
-            values = torch.empty(length, dtype=spec.dtype, device=spec.device)
-            mine = []
-            for p, o, n in zip(bucket.params, spec.offsets, spec.numels):
-                a, c = max(o, start), min(o + n, start + length)
-                if c > a:
-                    mine.append(Segment(p, a - o, c - o, a - start,
-                                        values[a - start:c - start]))
-            self.segments.append(mine)
+            values = torch.empty(spec.shard_numel, dtype=spec.dtype, device=spec.device)
+            self.segments.append([Segment(bucket.params[j], lo, hi, at, values[at:at + hi - lo])
+                                  for j, lo, hi, at in pieces(spec, rank)])
             self._values.append(values)
 
     def clear(self) -> None:
@@ -120,7 +122,7 @@ class ShardedState:
                 continue
             flag_of = dict(zip(bucket.params, flags))
             for seg in segments:
-                seg.value.copy_(_flat(seg.param)[seg.lo:seg.hi])
+                seg.value.copy_(flat(seg.param)[seg.lo:seg.hi])
                 seg.value.grad = (bucket.shard[seg.at:seg.at + seg.hi - seg.lo]
                                   if flag_of[seg.param] else None)
                 k = group_of.get(seg.param)
@@ -223,7 +225,19 @@ class ShardedState:
         return full
 
 
-def _flat(p: torch.Tensor) -> torch.Tensor:
+def pieces(spec: Any, rank: int) -> list[tuple[int, int, int, int]]:
+    """(parameter j, its elements [lo, hi), where they start in the shard) for each parameter
+    of the bucket `spec` that rank `rank`'s shard holds a piece of."""
+    start, length = rank * spec.shard_numel, spec.shard_numel
+    out = []
+    for j, (o, n) in enumerate(zip(spec.offsets, spec.numels)):
+        a, c = max(o, start), min(o + n, start + length)
+        if c > a:
+            out.append((j, a - o, c - o, a - start))
+    return out
+
+
+def flat(p: torch.Tensor) -> torch.Tensor:
     """The parameter's elements in the bucket's order (its logical order)."""
     p = p.detach()
     return p.view(-1) if p.is_contiguous() else p.reshape(-1)
@@ -262,15 +276,20 @@ def _scalar(info: Any, device: torch.device) -> Any:
 _meetings = 0       # how many this process held: the same sequence on every rank
 
 
-def meet_every_rank(what: str, size: int, timeout: float) -> None:
-    """Before a state gather: every rank must be here. A collective that some rank never
-    issues would otherwise pair with that rank's next one (a hang or wrong data)."""
+def meet_every_rank(what: str, size: int) -> None:
+    """Before a state gather over `size` ranks: every rank must be here. A collective that some
+    rank never issues would otherwise pair with that rank's next one (a hang or wrong data).
+    The meeting is dear's whole world's: an optimizer on a Horovod process set of fewer ranks
+    gathers unchecked, as on the MPI backend (no store)."""
     global _meetings
     from . import runtime
+    if size != runtime.size():
+        return
     _meetings += 1
     try:
         gone = runtime.meet(f"sharded_state/{_meetings}")
     except TimeoutError as exc:
+        timeout = runtime.config().timeout
         raise RuntimeError(_alone(what, f"{exc} (DEAR_TIMEOUT={timeout:g} s)")) from None
     if gone:
         raise RuntimeError(_alone(what, f"rank(s) {gone} went on training without calling it"))

@@ -22,7 +22,7 @@ from typing import Any, Optional
 
 import torch
 
-from .sharded import ShardedState
+from .sharded import ShardedState, flat, pieces
 
 _STATE, _GROUPS = "state", "param_groups"
 
@@ -48,12 +48,9 @@ def _pieces(sharded: ShardedState, world: int) -> dict[Any, list[tuple[int, int,
     """Per parameter: every rank's (rank, lo, hi) piece of it, from the buckets' specs."""
     out: dict[Any, list[tuple[int, int, int]]] = {}
     for bucket in sharded.buckets:
-        spec = bucket.spec
-        for p, o, n in zip(bucket.params, spec.offsets, spec.numels):
-            for r in range(world):
-                a, c = max(o, r * spec.shard_numel), min(o + n, (r + 1) * spec.shard_numel)
-                if c > a:
-                    out.setdefault(p, []).append((r, a - o, c - o))
+        for r in range(world):
+            for j, lo, hi, _ in pieces(bucket.spec, r):
+                out.setdefault(bucket.params[j], []).append((r, lo, hi))
     return out
 
 
@@ -104,7 +101,7 @@ def _initialize(optimizer: Any) -> None:
             lists: list[list[torch.Tensor]] = [[] for _ in groups]
             for segments in sharded.segments:
                 for seg in segments:
-                    seg.value.copy_(seg.param.detach().reshape(-1)[seg.lo:seg.hi])
+                    seg.value.copy_(flat(seg.param)[seg.lo:seg.hi])
                     seg.value.grad = torch.zeros_like(seg.value)
                     lists[member[seg.param]].append(seg.value)
                     tensors.append(seg.value)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import dear
-from dear.comm.base import Communicator, DoneWork, Work
+from dear.comm.base import Communicator, DoneWork, Work, WrappedCommunicator
 from dear.compression import Compression
 from dear.fusion.fusion_config import FusionConfig
 from dear.fusion.layout import build_layout
@@ -161,25 +161,17 @@ def test_executor_issues_in_submission_order_after_dependencies() -> None:
 
 
 # ---------------------------------------------------------------------- on several ranks
-class RecordingCommunicator(Communicator):
+class RecordingCommunicator(WrappedCommunicator):
     """Logs every collective this rank issues, in issue order, from whichever thread."""
 
     def __init__(self, inner: Communicator) -> None:
-        self.inner, self.log = inner, []
+        super().__init__(inner)
+        self.log: list[Any] = []
         self._lock = threading.Lock()
-        self.name = inner.name
 
     def _note(self, *what: Any) -> None:
         with self._lock:
             self.log.append(what)
-
-    @property
-    def rank(self) -> int:
-        return self.inner.rank
-
-    @property
-    def size(self) -> int:
-        return self.inner.size
 
     def reduce_scatter(self, input: torch.Tensor, output: torch.Tensor) -> Work:
         self._note("rs", input.numel())

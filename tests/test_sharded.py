@@ -15,7 +15,8 @@ import torch.nn.functional as F
 
 import dear
 from tests.distributed import run_distributed
-from tests.workloads import assert_float32_close, batch, branch_used, make_net, state_of
+from tests.workloads import (OPTIMIZERS, assert_float32_close, batch, branch_used, make_net,
+                             reference, state_of)
 
 ELEMENTWISE: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
     "sgd": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01),
@@ -114,9 +115,9 @@ def test_elementwise_optimizers_same_bits_as_unsharded(world: int) -> None:
 def against_reference(world_check: bool) -> dict:
     dear.init()
     model = make_net()
-    opt = dear.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01), model=model,
+    opt = dear.DistributedOptimizer(OPTIMIZERS["adam"](model.parameters()), model=model,
                                     fusion_threshold=700, shard_optimizer_state=True)
-    sched = torch.optim.lr_scheduler.StepLR(opt, 2, 0.5)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 2, 0.5)   # as workloads.reference's
     for step in range(5):
         opt.zero_grad()
         x, y = batch(step, dear.size(), dear.rank())
@@ -131,27 +132,11 @@ def against_reference(world_check: bool) -> dict:
 def test_trains_like_one_process_with_a_scheduler() -> None:
     """Independent of unsharded dear: single-process training on the global batch."""
     results = run_distributed(against_reference, 2, True, timeout=120)
-    exact = _reference_adam(2, 5, torch.float64)
-    peer = _reference_adam(2, 5, torch.float32)
+    exact = reference("adam", 2, 5, scheduler=True, dtype=torch.float64)
+    peer = reference("adam", 2, 5, scheduler=True)
     for res in results:
         assert_float32_close(res, exact, peer, what="sharded Adam + StepLR")
     assert all(torch.equal(results[0][k], results[1][k]) for k in results[0])
-
-
-def _reference_adam(world: int, steps: int, dtype: torch.dtype) -> dict:
-    model = make_net().to(dtype)
-    opt = torch.optim.Adam(model.parameters(), lr=0.01)
-    sched = torch.optim.lr_scheduler.StepLR(opt, 2, 0.5)
-    for step in range(steps):
-        opt.zero_grad()
-        losses = []
-        for r in range(world):
-            x, y = batch(step, world, r)
-            losses.append(F.mse_loss(model(x.to(dtype)), y.to(dtype)))
-        torch.stack(losses).mean().backward()
-        opt.step()
-        sched.step()
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 class _Rank:

@@ -31,6 +31,7 @@ from torch import Tensor
 
 from .. import runtime
 from ..fusion.bucket import Bucket
+from ..sharded import KFAC_REFUSED
 from ..shards import gather_small
 from .state import LayerState
 
@@ -282,11 +283,7 @@ class DearLink:
     def _attach(self, optimizers: list[Any]) -> None:
         opt = optimizers[0]
         if any(getattr(o, "shard_optimizer_state", False) for o in optimizers):
-            raise ValueError(
-                "dear.KFAC preconditions whole gradients, which a dear.DistributedOptimizer "
-                "with shard_optimizer_state=True never holds (each rank updates only its slice "
-                "of each parameter); wrap the optimizer without shard_optimizer_state to use "
-                "dear.KFAC")
+            raise ValueError(KFAC_REFUSED)
         why = None
         if len(optimizers) > 1:
             why = "the layers are split between several dear optimizers"
