@@ -5,7 +5,6 @@
 #include <string>
 #include <vector>
 
-#include "grad_hook.h"
 #include "grad_ready.h"
 #include "pack.h"
 

@@ -5,14 +5,16 @@ Life of one gradient, phase by phase (each a method with a profiler scope `dear:
   1. `_post_backward` (backward): a post-accumulate-grad hook copies it into its bucket
      (`Bucket.pack`, dear/fusion/bucket.py).
   2. `_launch`: when the bucket is full and every bucket before it in reduce order has started,
-     its reduce-scatter starts (dear/fusion/schedule.py issues it on the communicator), so every
-     rank issues reduce-scatters in the same order.
+     its reduce-scatter starts (dear/fusion/schedule.py issues it on the communicator, whose
+     backend is one file: dear/comm/torch_dist.py for torch.distributed), so every rank issues
+     reduce-scatters in the same order.
   3. `step()`: finishes the reduce-scatters, averages each shard, starts the all-gathers in
      forward order, and returns: the update is now pending.
   4. `_pre_forward` (next forward; under torch.compile an op of the graph, dear/compiled.py):
      each module holding parameters waits for the all-gathers of its buckets, and
-  5. `_finalize` runs the WRAPPED optimizer's own update on those parameters only, just before
-     the module reads them.
+  5. `_finalize` lends those parameters the averaged gradients (`Bucket.swap_grads`) and runs
+     the WRAPPED optimizer's own update on them only, just before the module reads them.
+Those four files are the whole path of one gradient (docs/ARCHITECTURE.md).
 What one iteration accumulates lives in one `Iteration` object (dear/iteration.py), replaced
 when the iteration ends (`_end_iteration`).
 `flush_updates()` applies whatever is still pending; it runs before state_dict(),
@@ -644,8 +646,8 @@ class _DistributedOptimizer(ExtensionPoints, ReducedGradientMixin, torch.optim.O
         with _scope("dear::finalize"), _observed(self._update_observers, bucket):
             used = self._finish_all_gather(bucket)
             self._apply_deferred(bucket)
-            saved = native.swap_grads(bucket.params, [view if u else None for view, u
-                                                      in zip(bucket.grad_views, used)])
+            saved = bucket.swap_grads([view if u else None
+                                       for view, u in zip(bucket.grad_views, used)])
             groups = self.param_groups
             originals = [dict(g) for g in groups]
             try:
@@ -660,7 +662,7 @@ class _DistributedOptimizer(ExtensionPoints, ReducedGradientMixin, torch.optim.O
             finally:
                 for g, original in zip(groups, originals):
                     g.update(original)
-                native.swap_grads(bucket.params, saved)
+                bucket.swap_grads(saved)
                 bucket.zero_pending_views()        # zero_grad() while it was pending
                 bucket.reset()
                 self._num_pending -= 1

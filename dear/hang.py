@@ -27,6 +27,7 @@ import threading
 import time
 from typing import Any, Callable, Optional
 
+from . import launch
 from .comm.flight import FlightRecord, RecordedCommunicator
 
 _KEY = "dear/flight/rank{}"
@@ -44,8 +45,9 @@ def default_directory() -> str:
 
 def out_of_band_store(comm: Any) -> Optional[Any]:
     """A new client of the store the ranks met at, with short timeouts, or None: torch's
-    default store (torchrun, dear.init), or the Horovod backend's own Gloo store."""
-    store = None
+    default store (torchrun, dear.init), else the backend's own (`rendezvous_store`: the
+    Horovod backend's Gloo store, the MPI backend's)."""
+    store: Any = None
     try:
         import torch.distributed as dist
         if dist.is_available() and dist.is_initialized():
@@ -53,12 +55,11 @@ def out_of_band_store(comm: Any) -> Optional[Any]:
     except Exception:                          # noqa: BLE001 - no store: a local report only
         store = None
     if store is None:
-        pair = getattr(comm, "_gloo", None)     # dear/comm/horovod.py's GlooPair
-        store = getattr(pair, "store", None)
+        store = comm.rendezvous_store           # Horovod's data plane, MPI: their own
     if store is None:
         return None
     try:
-        store = store.clone()  # type: ignore[attr-defined]  # its own connection: never blocks the group's
+        store = store.clone()                  # its own connection: never blocks the group's
         store.set_timeout(datetime.timedelta(seconds=3))
     except Exception:                          # noqa: BLE001
         return None
@@ -239,8 +240,7 @@ class HangReporter:
 
     def _hosts_store(self) -> bool:
         """Rank 0 holds the TCPStore unless torchrun's agent does."""
-        return (self._comm.rank == 0 and
-                os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true")
+        return self._comm.rank == 0 and not launch.agent_store()
 
     def _write(self, text: str, me: dict[str, Any],
                records: dict[int, dict[str, Any]]) -> Optional[str]:
@@ -297,7 +297,7 @@ def compose(rank: int, size: int, rec: FlightRecord, now: dict[int, dict[str, An
     lines = [f"dear hang report from rank {rank}: collective {_describe(mine)} failed."]
     if not reachable:
         lines.append("  The other ranks' records could not be read: no rendezvous store "
-                     "reachable (the MPI backend has none; or rank 0, which held it, is gone).")
+                     "reachable (rank 0, which held it, is gone; or the backend has none).")
         return "\n".join(lines)
     missing, differ, gone = [], [], []
     for r in range(size):

@@ -321,5 +321,30 @@ def local_rank_given(environ: Optional[Mapping[str, str]] = None) -> bool:
     return "LOCAL_RANK" in env
 
 
-__all__ = ["Placement", "detect", "expand_hostlist", "export", "launched", "local_rank_given",
+def agent_store(environ: Optional[Mapping[str, str]] = None) -> bool:
+    """torchrun's agent holds the rendezvous TCPStore (TORCHELASTIC_USE_AGENT_STORE), not
+    rank 0."""
+    env = os.environ if environ is None else environ
+    return env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+
+
+def gloo_interface(environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    """The network interface Gloo is told to use, if any (GLOO_SOCKET_IFNAME, then
+    HOROVOD_GLOO_IFACE, which horovodrun sets; the first of a comma-separated list)."""
+    env = os.environ if environ is None else environ
+    for var in ("GLOO_SOCKET_IFNAME", "HOROVOD_GLOO_IFACE"):
+        value = env.get(var, "").split(",")[0].strip()
+        if value:
+            return value
+    return None
+
+
+def horovod_hostname(environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    """The host name horovodrun gave this process (HOROVOD_HOSTNAME), if any."""
+    env = os.environ if environ is None else environ
+    return env.get("HOROVOD_HOSTNAME") or None
+
+
+__all__ = ["Placement", "agent_store", "detect", "expand_hostlist", "export", "gloo_interface",
+           "horovod_hostname", "launched", "local_rank_given",
            "process_env", "setup_env", "under_horovodrun"]

@@ -93,18 +93,5 @@ def unpack_into(buffer: torch.Tensor, offsets: Sequence[int], numels: Sequence[i
             out.copy_(buffer[off:off + n].view(out.shape))
 
 
-def swap_grads(params: Sequence[torch.Tensor],
-               grads: Sequence[Optional[torch.Tensor]]) -> list[Optional[torch.Tensor]]:
-    """Set each parameter's .grad (None: none) and return the previous ones. The C++ version
-    skips the Python setter's checks (1000 small tensors: two setter calls each per update), so
-    the caller guarantees matching shape, dtype and device."""
-    if _ext is not None:
-        return _ext.swap_grads(list(params), list(grads))
-    saved = [p.grad for p in params]
-    for p, g in zip(params, grads):
-        p.grad = g
-    return saved
-
-
 __all__ = ["build_info", "enabled", "extension", "grad_ready", "load_error",
-           "native_available", "pack_bucket", "swap_grads", "unpack_into"]
+           "native_available", "pack_bucket", "unpack_into"]

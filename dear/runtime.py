@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import gc
 import logging
 import weakref
@@ -86,7 +87,7 @@ def _make_communicator(backend: str, cfg: Config) -> tuple[Communicator, bool]:
         from .comm.mpi import MPICommunicator
         return MPICommunicator(timeout=cfg.timeout, progress=cfg.mpi_progress,
                                interval=cfg.mpi_progress_interval), False
-    from .comm.torch_dist import TorchCommunicator, init_process_group_from_env
+    from .comm.torch_dist import TorchCommunicator
     owns = False
     if not dist.is_initialized() and launch.launched():
         init_process_group_from_env(cfg.timeout)
@@ -98,6 +99,40 @@ def _make_communicator(backend: str, cfg: Config) -> tuple[Communicator, bool]:
         return LocalCommunicator(), False
     _select_local_gpu()
     return TorchCommunicator(gloo_collectives=cfg.gloo_collectives, timeout=cfg.timeout), owns
+
+
+def default_backend() -> str:
+    """What dear.init() starts from torchrun's variables: Gloo for CPU tensors, and NCCL for
+    CUDA tensors where CUDA is there (torch's own default). The same on every rank, whatever
+    each rank's model lives on: a CPU model on a GPU machine (two ranks on one GPU, say) must
+    not be handed to NCCL alone."""
+    return "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+
+
+def init_process_group_from_env(timeout: float) -> None:
+    """Start the default group from torchrun's variables (default_backend()). Under Slurm, where
+    dear derived the port, the store is dear's: a rank refuses a store that another job or
+    step started on the same port, instead of joining its group."""
+    wait = datetime.timedelta(seconds=timeout)
+    job = launch.job_identity()
+    if job is None:
+        dist.init_process_group(backend=default_backend(), timeout=wait)
+        return
+    place = launch.process_env()
+    assert place.master_addr is not None and place.master_port is not None  # export() set them
+    store = dist.TCPStore(place.master_addr, place.master_port, place.size,
+                          is_master=place.rank == 0, timeout=wait, wait_for_workers=False)
+    if place.rank == 0:
+        store.set("dear/job", job)
+    else:
+        owner = store.get("dear/job").decode()
+        if owner != job:
+            raise RuntimeError(
+                f"dear.init(): the rendezvous at {place.master_addr}:{place.master_port} "
+                f"belongs to {owner}, not to this {job}: two jobs derived the same port. "
+                "Set MASTER_PORT to a free port for this step (the same on every task)")
+    dist.init_process_group(backend=default_backend(), store=store, rank=place.rank,
+                            world_size=place.size, timeout=wait)
 
 
 def _select_local_gpu() -> None:
@@ -116,7 +151,7 @@ def shutdown() -> None:
         return
     for opt in list(_state.optimizers):
         opt._shutdown()
-    from .fusion.executor import close_shared
+    from .fusion.schedule import close_shared
     close_shared()
     if _state.reporter is not None:
         _state.reporter.close()

@@ -280,7 +280,7 @@ def meet_every_rank(what: str, size: int) -> None:
     """Before a state gather over `size` ranks: every rank must be here. A collective that some
     rank never issues would otherwise pair with that rank's next one (a hang or wrong data).
     The meeting is dear's whole world's: an optimizer on a Horovod process set of fewer ranks
-    gathers unchecked, as on the MPI backend (no store)."""
+    gathers unchecked, as does a backend without a rendezvous store."""
     global _meetings
     from . import runtime
     if size != runtime.size():

@@ -364,7 +364,8 @@ def test_device_mapped_backend_runs_the_pairwise_exchange_on_cpu() -> None:
 
 
 def test_which_backends_carry_cpu_tensors_on_gloo() -> None:
-    from dear.comm.torch_dist import carries_cpu_on_gloo, default_backend
+    from dear.comm.torch_dist import carries_cpu_on_gloo
+    from dear.runtime import default_backend
     assert carries_cpu_on_gloo("gloo") and carries_cpu_on_gloo("cpu:gloo,cuda:nccl")
     assert carries_cpu_on_gloo("cuda:nccl, cpu:gloo")
     assert not carries_cpu_on_gloo("nccl") and not carries_cpu_on_gloo("cuda:gloo")

@@ -174,6 +174,38 @@ def test_every_backend_reads_srun_variables_through_launch(monkeypatch) -> None:
     assert launch.process_env({}).size == 1
 
 
+def test_other_launcher_variables() -> None:
+    assert launch.agent_store({"TORCHELASTIC_USE_AGENT_STORE": "True"})
+    assert not launch.agent_store({"TORCHELASTIC_USE_AGENT_STORE": "False"})
+    assert not launch.agent_store({})
+    assert launch.gloo_interface({"GLOO_SOCKET_IFNAME": "eth1,eth2",
+                                  "HOROVOD_GLOO_IFACE": "ib0"}) == "eth1"
+    assert launch.gloo_interface({"HOROVOD_GLOO_IFACE": " ib0 "}) == "ib0"
+    assert launch.gloo_interface({"GLOO_SOCKET_IFNAME": ""}) is None
+    assert launch.horovod_hostname({"HOROVOD_HOSTNAME": "node3"}) == "node3"
+    assert launch.horovod_hostname({}) is None
+
+
+def test_only_launch_and_config_read_the_environment() -> None:
+    """Launcher variables have one reader (dear/launch.py) and DEAR_* knobs one home
+    (dear/config.py): a backend that read RANK or WORLD_SIZE itself saw a world of one under
+    srun. dear/testing sets variables for the ranks it starts."""
+    package = os.path.join(ROOT, "dear")
+    readers = []
+    for folder, _, files in os.walk(package):
+        for name in files:
+            path = os.path.join(folder, name)
+            rel = os.path.relpath(path, package)
+            if not name.endswith(".py") or rel in ("launch.py", "config.py") \
+                    or rel.startswith("testing"):
+                continue
+            with open(path) as f:
+                text = f.read()
+            if re.search(r"os\.environ|os\.getenv|getenv\(", text):
+                readers.append(rel)
+    assert readers == [], f"modules reading the environment outside launch.py/config.py: {readers}"
+
+
 # ------------------------------------------------------------------------ real processes
 def test_slurm_variables_by_hand() -> None:
     """Two processes with the variables srun gives two tasks on one node; the port is the one

@@ -108,6 +108,10 @@ def test_stalled_rank_times_out() -> None:
     assert "TimeoutError: MPI all-reduce not complete after 3 s (DEAR_TIMEOUT)" in out, out
     assert [r["waited"] for r in results if r["rank"] == 0][0] >= 3.0
     assert time.monotonic() - start < 120
+    # the hang report, through the MPI backend's own rendezvous store: rank 1 is alive (its
+    # records keep coming) but never issued the all-reduce
+    assert "Rank(s) that did not issue it: 1." in out, out
+    assert "rank 1: did NOT issue #2" in out and "alive, busy outside" in out, out
 
 
 def test_dead_rank_times_out() -> None:
@@ -118,6 +122,7 @@ def test_dead_rank_times_out() -> None:
                                flags=("-disable-auto-cleanup",))
     assert rc != 0, out
     assert "TimeoutError: MPI all-reduce not complete after 3 s (DEAR_TIMEOUT)" in out, out
+    assert "Rank(s) not responding: 1." in out, out
 
 
 def test_mpi_backend_needs_mpi4py() -> None:

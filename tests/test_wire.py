@@ -92,7 +92,7 @@ def test_the_horovod_data_planes_store_listens_on_the_launch_address_only() -> N
     import datetime
 
     from dear.comm import gloo_bootstrap
-    store = gloo_bootstrap._store_listening_on("127.0.0.1", 2, datetime.timedelta(seconds=5))
+    store = gloo_bootstrap.store_listening_on("127.0.0.1", 2, datetime.timedelta(seconds=5))
     port = f"{store.port:04X}"
     with open("/proc/net/tcp") as fh:
         listening = [line.split()[1] for line in fh.readlines()[1:]

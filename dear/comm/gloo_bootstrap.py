@@ -1,11 +1,11 @@
 """A private pair of Gloo process groups, started through another framework's control plane.
 
 The Horovod backend carries its reduce-scatters and all-gathers over Gloo point-to-point messages
-(gloo_exchange.py). Those groups must not occupy torch.distributed's default group, which belongs
-to the user (benchmarks/train.py, for one, runs DDP on it in the same processes), so they are bare
-ProcessGroupGloo backends on a TCPStore of their own, registered nowhere in torch.distributed:
-rank 0 opens the store on a free port, tells the others where through the caller's
-broadcast_object (Horovod's), and every rank joins both groups.
+(`PairwiseExchange`, torch_dist.py). Those groups must not occupy torch.distributed's default
+group, which belongs to the user (benchmarks/train.py, for one, runs DDP on it in the same
+processes), so they are bare ProcessGroupGloo backends on a TCPStore of their own, registered
+nowhere in torch.distributed: rank 0 opens the store on a free port, tells the others where through
+the caller's broadcast_object (Horovod's), and every rank joins both groups.
 
 Where rank 0 can be reached: the IPv4 (else IPv6) address of the interface Gloo is told to use
 (GLOO_SOCKET_IFNAME, then HOROVOD_GLOO_IFACE, which horovodrun sets), else HOROVOD_HOSTNAME, else
@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import os
 import socket
 from typing import Any, Callable, Optional
 
 import torch.distributed as dist
+
+from .. import launch
 
 _PREFIX = "dear.gloo"
 
@@ -47,15 +48,6 @@ class GlooPair:
         self.forward = self.reverse = self.store = None
 
 
-def interface() -> Optional[str]:
-    """The network interface Gloo is told to use, if any (the first of a comma-separated list)."""
-    for var in ("GLOO_SOCKET_IFNAME", "HOROVOD_GLOO_IFACE"):
-        value = os.environ.get(var, "").split(",")[0].strip()
-        if value:
-            return value
-    return None
-
-
 def reachable_address(iface: Optional[str]) -> tuple[str, str]:
     """(address other ranks can reach this host at, where it came from)."""
     if iface:
@@ -69,7 +61,7 @@ def reachable_address(iface: Optional[str]) -> tuple[str, str]:
                 if addr.family == family and not addr.address.startswith("fe80"):
                     return addr.address.split("%")[0], f"interface {iface}"
         raise RuntimeError(f"dear: network interface {iface!r} has no IP address")
-    host = os.environ.get("HOROVOD_HOSTNAME") or socket.gethostname()
+    host = launch.horovod_hostname() or socket.gethostname()
     try:
         return socket.gethostbyname(host), f"host name {host!r}"
     except OSError as exc:
@@ -87,9 +79,9 @@ def _group(store: Any, name: str, rank: int, size: int, iface: Optional[str],
                                  options)
 
 
-def _store_listening_on(host: str, size: int, wait: datetime.timedelta) -> Any:
+def store_listening_on(host: str, size: int, wait: datetime.timedelta) -> Any:
     """Rank 0's TCPStore, listening on `host` only (TCPStore alone listens on every interface,
-    beside horovodrun's own rendezvous): a socket bound here, handed over as master_listen_fd
+    beside the launcher's own rendezvous): a socket bound here, handed over as master_listen_fd
     (the store owns the descriptor from then on)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -109,12 +101,12 @@ def start(rank: int, size: int, broadcast_object: Callable[[Any, int], Any],
           all_gather_object: Callable[[Any], list[Any]], timeout: float) -> GlooPair:
     """Start the pair on every rank (a collective: all ranks call it, in the same order)."""
     wait = datetime.timedelta(seconds=timeout)
-    iface = interface()
+    iface = launch.gloo_interface()
     store, where, problem = None, None, None
     if rank == 0:
         try:
             host, origin = reachable_address(iface)
-            store = _store_listening_on(host, size, wait)
+            store = store_listening_on(host, size, wait)
             where = (host, int(store.port), origin)
         except Exception as exc:            # noqa: BLE001 - told to every rank below
             problem = f"rank 0 could not open a rendezvous store: {exc}"

@@ -2,13 +2,13 @@
 
 Horovod 0.28.1 over Gloo is not bandwidth-optimal for DeAR's two halves (2 ranks, loopback, 100 MB
 fp32, benchmarks/results/collectives_horovod.md): hvd.reducescatter took 4.4 x an hvd.allreduce,
-hvd.allgather 1.5 x, and an alltoall plus a local sum about 2 x. So by default
-(DataPlane.GLOO, DEAR_HOROVOD_DATA_PLANE=gloo) the reduce-scatters and all-gathers of CPU tensors
-run dear's pairwise exchange (gloo_exchange.py) on a private pair of Gloo groups that rank 0 starts
-and announces through Horovod (gloo_bootstrap.py); torch.distributed's default group stays the
-user's. Everything else (rank, size, broadcasts, all-reduces, objects, barriers) stays Horovod's,
-so a Horovod script sees Horovod, and the groups carry bfloat16 where Horovod has no bfloat16.
-CUDA tensors always take Horovod's path (NCCL there).
+hvd.allgather 1.5 x, and an alltoall plus a local sum about 2 x. So by default (DataPlane.GLOO,
+DEAR_HOROVOD_DATA_PLANE=gloo) the reduce-scatters and all-gathers of CPU tensors run dear's
+pairwise exchange (`PairwiseExchange`, torch_dist.py) on a private pair of Gloo groups that rank 0
+starts and announces through Horovod (gloo_bootstrap.py); torch.distributed's default group stays
+the user's. Everything else (rank, size, broadcasts, all-reduces, objects, barriers) stays
+Horovod's, so a Horovod script sees Horovod, and the groups carry bfloat16 where Horovod has no
+bfloat16. CUDA tensors always take Horovod's path (NCCL there).
 
 DataPlane.HOROVOD uses Horovod's own collectives. Its reduce-scatter is an all-to-all plus a local
 sum, not hvd.reducescatter: with Horovod 0.28.1 on Gloo, two reducescatter_async calls in flight
@@ -37,7 +37,7 @@ import torch
 from . import gloo_bootstrap
 from .base import (CallbackWork, Communicator, DoneWork, Work, all_gather_object_with,
                    broadcast_object_with, check_shard_sizes)
-from .gloo_exchange import PairwiseExchange
+from .torch_dist import PairwiseExchange
 
 _UNSUPPORTED = (torch.bfloat16,)
 
@@ -121,6 +121,10 @@ class HorovodCommunicator(Communicator):
                 self.rank, self.size, self._gloo and self._gloo.forward,
                 self._gloo and self._gloo.reverse)
         self.name = "horovod-gloo-pairwise" if self._exchange is not None else "horovod"
+
+    @property
+    def rendezvous_store(self) -> Optional[Any]:
+        return self._gloo.store if self._gloo is not None else None
 
     @property
     def rank(self) -> int:

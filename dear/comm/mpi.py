@@ -135,10 +135,51 @@ class MPICommunicator(Communicator):
                                             daemon=True)
             self._thread.start()
         self.name = "mpi" if progress == "thread" else "mpi-noprogress"
+        self._store = self._open_store(timeout) if self._size > 1 else None
         log.info("dear: MPI backend on %s, progress=%s", MPI.Get_library_version().split("\n")[0],
                  progress)
 
+    def _open_store(self, timeout: float) -> Optional[Any]:
+        """A TCPStore on rank 0, listening on the launch address only (MASTER_ADDR, which dear's
+        launcher sets under mpirun: 127.0.0.1 on one host), for the hang report: MPI itself has
+        no channel outside its collectives, and a stuck one is what the report must explain.
+        All ranks keep it or none does (a collective: every rank calls it once)."""
+        import datetime
+
+        import torch.distributed as dist
+
+        from .. import launch
+        from .gloo_bootstrap import reachable_address, store_listening_on
+        wait = datetime.timedelta(seconds=timeout)
+        store, where, problem = None, None, None
+        if self._rank == 0:
+            try:
+                host = (launch.process_env().master_addr
+                        or reachable_address(launch.gloo_interface())[0])
+                store = store_listening_on(host, self._size, wait)
+                where = [host, int(store.port)]
+            except Exception as exc:            # noqa: BLE001 - said below; training goes on
+                problem = f"rank 0 could not open one: {exc}"
+        where = self.broadcast_object(where, 0)
+        if where is not None and self._rank != 0:
+            try:
+                store = dist.TCPStore(where[0], where[1], self._size, is_master=False,
+                                      timeout=wait)
+            except Exception as exc:            # noqa: BLE001
+                problem = f"rank {self._rank} could not reach {where[0]}:{where[1]}: {exc}"
+        problems = [p for p in self.all_gather_object(problem) if p]
+        if problems or where is None:
+            if self._rank == 0:
+                log.warning("dear: the MPI backend runs without a rendezvous store, so a hang "
+                            "report cannot name the missing rank: %s", "; ".join(problems))
+            return None
+        return store
+
     # ------------------------------------------------------------------------- properties
+    @property
+    def rendezvous_store(self) -> Optional[Any]:
+        return self._store
+
     @property
     def rank(self) -> int:
         return self._rank
@@ -334,6 +375,7 @@ class MPICommunicator(Communicator):
             with self._lock:
                 self._comm.Free()
         self._comm = None
+        self._store = None
 
 
 def _node_rank(comm: Any, MPI: Any) -> int:

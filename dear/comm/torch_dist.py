@@ -1,26 +1,45 @@
-"""torch.distributed backend: NCCL's own collectives on GPU, dear's exchange on Gloo.
+"""torch.distributed backend: NCCL's own collectives on GPU, dear's ring exchange on Gloo.
 
-On Gloo, reduce-scatter and all-gather run dear's bandwidth-optimal exchange (a ring of
-point-to-point messages: gloo_exchange.py says why and what it measured) on the communicator's
-group and, for the default group, a twin Gloo group that carries the messages from higher to
-lower ranks. A group with both ("cpu:gloo,cuda:nccl", what dear.init() starts where CUDA is
-there) takes each tensor to the backend of its device.
+A group with both ("cpu:gloo,cuda:nccl", what dear.init() starts where CUDA is there) takes each
+tensor to the backend of its device. On Gloo, reduce-scatter and all-gather run dear's
+bandwidth-optimal exchange (`PairwiseExchange`, below) on the communicator's group and, for the
+default group, a twin Gloo group that carries the messages from higher to lower ranks: the whole
+collective of one gradient's bucket is in this file.
+
+The exchange: Gloo's own reduce_scatter_tensor and all_gather_into_tensor move as many bytes as a
+whole all-reduce or more (ENVIRONMENT.md), which would make DeAR slower than an all-reduce on CPU.
+Here each rank sends and receives (N-1)/N of the buffer, the bandwidth-optimal volume, as a ring:
+N-1 steps, each sending one shard to the successor and receiving one from the predecessor
+(reduce-scatter adds its own shard and passes the partial sum on). One flow into every port at a
+time: posting all N-1 messages at once overflows a switch port's shallow queue (docs/backends.md
+has the measurements). A step needs the previous one's result, so with more than 2 ranks the steps
+run on the exchange's own thread (`_StepThread`), one collective after another in issue order; the
+training thread only waits. With 2 ranks the one step is posted at issue. Gloo drives a group's
+sockets from one transport thread, so every message from a higher to a lower rank travels on the
+twin group: sending and receiving run on two threads (15-25% faster on 2 ranks, loopback).
+
+The groups are anything with Gloo's `send([tensor], dst, tag)` / `recv([tensor], src, tag)`:
+torch.distributed's ProcessGroup objects (TorchCommunicator) or bare ProcessGroupGloo backends that
+no torch.distributed registry knows of (the Horovod backend's private data plane). Ranks are the
+group's own; messages are plain bytes, so every dtype works.
 """
 
 from __future__ import annotations
 
+import atexit
 import datetime
-from typing import Any, Optional
+import queue
+import threading
+import warnings
+import weakref
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 
-from .. import launch
 from . import wire
 from .base import (CallbackWork, Communicator, Work, all_gather_object_with,
-                   broadcast_object_with, check_shard_sizes)
-from .gloo_exchange import PairwiseExchange
-
+                   broadcast_object_with, check_shard_sizes, overlaps)
 
 class TorchCommunicator(Communicator):
     """Collectives over a torch.distributed process group.
@@ -212,35 +231,211 @@ def carries_cpu_on_gloo(backend: str) -> bool:
     return backend == "gloo" or "cpu:gloo" in backend.replace(" ", "").split(",")
 
 
-def default_backend() -> str:
-    """What dear.init() starts from torchrun's variables: Gloo for CPU tensors, and NCCL for
-    CUDA tensors where CUDA is there (torch's own default). The same on every rank, whatever
-    each rank's model lives on: a CPU model on a GPU machine (two ranks on one GPU, say) must
-    not be handed to NCCL alone."""
-    return "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+# ----------------------------------------------------------- the ring exchange on Gloo
+_TAG_SPACE = 1 << 20
 
 
-def init_process_group_from_env(timeout: float) -> None:
-    """Start the default group from torchrun's variables (default_backend()). Under Slurm, where
-    dear derived the port, the store is dear's: a rank refuses a store that another job or
-    step started on the same port, instead of joining its group."""
-    wait = datetime.timedelta(seconds=timeout)
-    job = launch.job_identity()
-    if job is None:
-        dist.init_process_group(backend=default_backend(), timeout=wait)
-        return
-    place = launch.process_env()
-    assert place.master_addr is not None and place.master_port is not None  # export() set them
-    store = dist.TCPStore(place.master_addr, place.master_port, place.size,
-                          is_master=place.rank == 0, timeout=wait, wait_for_workers=False)
-    if place.rank == 0:
-        store.set("dear/job", job)
-    else:
-        owner = store.get("dear/job").decode()
-        if owner != job:
-            raise RuntimeError(
-                f"dear.init(): the rendezvous at {place.master_addr}:{place.master_port} "
-                f"belongs to {owner}, not to this {job}: two jobs derived the same port. "
-                "Set MASTER_PORT to a free port for this step (the same on every task)")
-    dist.init_process_group(backend=default_backend(), store=store, rank=place.rank,
-                            world_size=place.size, timeout=wait)
+class _StepWork(Work):
+    """A collective whose steps run on the exchange's thread."""
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self._error: Optional[BaseException] = None
+        self._callbacks: list[Callable[[], None]] = []
+        self._lock = threading.Lock()
+
+    def _finish(self, error: Optional[BaseException]) -> None:
+        with self._lock:
+            self._error = error
+            self._done.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            try:
+                callback()
+            except Exception as exc:  # an observer's bug must not stop the collectives
+                warnings.warn(f"dear: a collective's done-callback failed: {exc!r}")
+
+    def add_done_callback(self, callback: Callable[[], None]) -> None:
+        """Run `callback` (on the step thread) when the collective ends, or now if it has:
+        dear.diagnose stamps completion times this way without blocking anyone."""
+        with self._lock:
+            if not self._done.is_set():
+                self._callbacks.append(callback)
+                return
+        callback()
+
+    def wait(self) -> None:
+        # The thread's own waits are bounded (DEAR_TIMEOUT or the group's timeout) and a
+        # failure fails every later collective at once, so this wait ends.
+        self._done.wait()
+        if self._error is not None:
+            raise RuntimeError(f"dear: a reduce-scatter or all-gather failed: {self._error}") \
+                from self._error
+
+
+class _StepThread:
+    """Runs collectives' steps one collective at a time, in submission order."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: Optional[threading.Thread] = None
+        self._lock = threading.Lock()
+
+    def submit(self, run: Callable[[], None]) -> Work:
+        work = _StepWork()
+        with self._lock:
+            if self._thread is None:
+                # The loop holds only the queue: an idle thread keeps no process group alive
+                # into the interpreter's teardown (see TorchCommunicator.shutdown).
+                self._thread = threading.Thread(target=_run_steps, args=(self._queue,),
+                                                name="dear-gloo-ring", daemon=True)
+                self._thread.start()
+                atexit.register(_close_at_exit, weakref.ref(self))
+            self._queue.put((run, work))
+        return work
+
+    def close(self, timeout: float = 5.0) -> None:
+        with self._lock:
+            thread, self._thread = self._thread, None
+        if thread is not None:
+            self._queue.put(None)
+            thread.join(timeout)
+
+
+def _close_at_exit(ref: "weakref.ref[_StepThread]") -> None:
+    steps = ref()
+    if steps is not None:
+        steps.close()
+
+
+def _run_steps(jobs: queue.SimpleQueue) -> None:
+    failed: Optional[BaseException] = None
+    while True:
+        item = jobs.get()
+        if item is None:
+            return
+        run, work = item
+        del item
+        error: Optional[BaseException] = None
+        if failed is not None:        # the ring's peers are out of step: fail fast, every rank
+            error = RuntimeError(f"an earlier collective failed ({failed})")
+        else:
+            try:
+                run()
+            except BaseException as exc:
+                failed = error = exc
+        work._finish(error)
+        del run, work                 # drop the groups the job referenced
+
+
+class PairwiseExchange:
+    """Reduce-scatter and all-gather of flat buffers between the `size` ranks of `group`."""
+
+    def __init__(self, rank: int, size: int, group: Any, reverse: Optional[Any] = None,
+                 timeout: Optional[float] = None) -> None:
+        self.rank, self.size = rank, size
+        self._timeout = timeout                # DEAR_TIMEOUT on every wait
+        self._wait_for = None if timeout is None else datetime.timedelta(seconds=timeout)
+        self._group, self._reverse = group, reverse
+        self._tag = 0
+        self._steps = _StepThread()
+
+    def close(self) -> None:
+        """Stop the step thread (after the collectives already submitted)."""
+        self._steps.close()
+
+    def _next_tag(self) -> int:
+        # Every rank issues collectives in the same order, so the counters agree and a tag
+        # pairs each send with its receive even when several exchanges are in flight.
+        self._tag = (self._tag + 1) % _TAG_SPACE
+        return self._tag
+
+    def _post(self, tag: int, src: int, into: torch.Tensor, dst: int,
+              data: torch.Tensor) -> list[Any]:
+        """Post one receive (from rank src), then one send (to rank dst).
+
+        A message from rank a to rank b travels on the first group if a < b, else on the twin:
+        sender and receiver pick the same group, and a rank's sends and receives are driven by
+        different Gloo threads. Receive first: a peer's "ready to receive" then never queues
+        behind our own outgoing data (cluster.py measured the difference)."""
+        me = self.rank
+        into_group = self._group if src < me or self._reverse is None else self._reverse
+        out_group = self._group if me < dst or self._reverse is None else self._reverse
+        return [into_group.recv([into], src, tag), out_group.send([data], dst, tag)]
+
+    def _step(self, tag: int, into: torch.Tensor, data: torch.Tensor) -> None:
+        """One ring step, on the step thread: receive from the predecessor, send on."""
+        n, me = self.size, self.rank
+        for work in self._post(tag, (me - 1) % n, into, (me + 1) % n, data):
+            if self._wait_for is not None:
+                work.wait(self._wait_for)
+            else:
+                work.wait()
+
+    def reduce_scatter(self, input: torch.Tensor, output: torch.Tensor) -> Work:
+        """Sum `input` over ranks; this rank keeps shard `rank` in `output`."""
+        return self.reduce_scatter_columns(input, output, 0, output.numel())
+
+    def reduce_scatter_columns(self, input: torch.Tensor, output: torch.Tensor, start: int,
+                               length: int) -> Work:
+        """Columns [start, start + length) of every rank's shard of `input`, summed into the
+        same columns of `output`: a piece of a reduce-scatter, its messages read in place."""
+        check_shard_sizes(input, output, self.size)
+        n, me, shard = self.size, self.rank, output.numel()
+        chunks = [input[r * shard + start:r * shard + start + length] for r in range(n)]
+        into = output[start:start + length]
+        if n == 1:
+            into.copy_(chunks[0])
+            return CallbackWork([])
+        if overlaps(input, output):
+            if output.data_ptr() != input.data_ptr() + me * shard * input.element_size():
+                raise ValueError("reduce_scatter: the output overlaps the input other than as "
+                                 "this rank's own shard of it; pass a separate output buffer")
+            chunks[me] = chunks[me].clone()   # in place: received data lands on our shard
+        tag = self._next_tag()
+        if n == 2:
+            peer = 1 - me
+            return CallbackWork(self._post(tag, peer, into, peer, chunks[peer]),
+                                lambda: into.add_(chunks[me]), self._timeout)
+
+        def ring() -> None:
+            # Step s receives the partial sum of shard me-s-1 and adds ours to it; the last
+            # step's shard is our own, received into `into`. Buffers alternate so that a
+            # step never receives into what it sends. Each shard is summed along one chain
+            # in a fixed order, so all ranks agree bitwise after the all-gather (and a piece
+            # sums each element exactly as the whole collective would).
+            scratch = torch.empty_like(into)
+            data = chunks[(me - 1) % n]
+            for step in range(1, n):
+                target = into if (n - 1 - step) % 2 == 0 else scratch
+                self._step(tag, target, data)
+                target.add_(chunks[(me - step - 1) % n])
+                data = target
+        return self._steps.submit(ring)
+
+    def all_gather_columns(self, input: torch.Tensor, output: torch.Tensor, start: int,
+                           length: int) -> Work:
+        """Elements [start, start + length) of every rank's shard `input`, received straight
+        into their place in `output` (size x input.numel()): a chunk of an all-gather."""
+        check_shard_sizes(output, input, self.size)
+        n, me, shard = self.size, self.rank, input.numel()
+        parts = [output[r * shard + start:r * shard + start + length] for r in range(n)]
+        if parts[me].data_ptr() != input.data_ptr() + start * input.element_size():
+            parts[me].copy_(input[start:start + length])
+        if n == 1:
+            return CallbackWork([])
+        tag = self._next_tag()
+        if n == 2:
+            peer = 1 - me
+            return CallbackWork(self._post(tag, peer, parts[peer], peer, parts[me]),
+                                timeout=self._timeout)
+
+        def ring() -> None:
+            # Step s forwards the shard of rank me-s and receives that of rank me-s-1.
+            for step in range(n - 1):
+                self._step(tag, parts[(me - step - 1) % n], parts[(me - step) % n])
+        return self._steps.submit(ring)
+
+    def all_gather(self, input: torch.Tensor, output: torch.Tensor) -> Work:
+        """Every rank's `input` into `output`, in rank order (`input` may be our own slice)."""
+        return self.all_gather_columns(input, output, 0, input.numel())

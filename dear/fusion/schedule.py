@@ -19,7 +19,7 @@ tail it met (how long after backward's end the reduce-scatters were back) and pl
 where the link was slower or faster than modelled (`calibrate`). The plan only says WHICH
 chunks follow WHICH reduce-scatter; WHEN is up to readiness: a chunk cannot be sent before its
 bucket's reduce-scatter is complete, and the training thread must not wait for that. So every
-collective of a backward pass is issued by one thread (`CommExecutor`, executor.py) in the
+collective of a backward pass is issued by one thread (`CommExecutor`, below) in the
 order the training thread submits them; a chunk whose shard is not averaged yet waits in that
 thread, never in backward. The executor is drained (everything
 submitted is issued) before anything else uses the communicator (step(), clipping, dear.allreduce),
@@ -34,15 +34,17 @@ CUDA events (the host runs ahead of the GPU).
 
 from __future__ import annotations
 
+import atexit
+import collections
 import contextlib
 import functools
 import logging
+import threading
 from typing import Any, Callable, ContextManager, Optional, Sequence
 
 import torch
 
 from ..comm.base import Communicator, Work
-from .executor import CommExecutor, FutureWork, mark_planned, planned_somewhere, shared_executor
 from .plan import (BackwardClock, LinkCost, Plan, calibrate, chunk_columns, plan_gaps,
                    probe_link, replay_tail)
 
@@ -53,7 +55,142 @@ log = logging.getLogger("dear")
 _PROBE_BYTES, _PROBE_MIN_BYTES = 12 << 20, 256 << 10
 
 __all__ = ["BackwardClock", "CommExecutor", "FutureWork", "LinkCost", "Plan", "chunk_columns",
-           "issue_mode", "plan_gaps", "probe_link"]
+           "close_shared", "issue_mode", "plan_gaps", "probe_link"]
+
+
+# ------------------------------------------------------------------ the issuing thread
+class FutureWork(Work):
+    """A collective submitted to the executor: issued by its thread, waited for by anyone."""
+
+    def __init__(self) -> None:
+        self._issued = threading.Event()
+        self._work: Optional[Work] = None
+        self._error: Optional[BaseException] = None
+
+    def _set(self, work: Optional[Work], error: Optional[BaseException]) -> None:
+        self._work, self._error = work, error
+        self._issued.set()
+
+    def wait(self) -> None:
+        self._issued.wait()
+        if self._error is not None:
+            raise RuntimeError(f"dear: a collective could not be issued: {self._error}") \
+                from self._error
+        assert self._work is not None
+        self._work.wait()
+
+
+class CommExecutor:
+    """Issues collectives from one thread, strictly in submission order. A task may first wait
+    for its input (`before`, e.g. the reduce-scatter a chunk's shard comes from)."""
+
+    def __init__(self) -> None:
+        self._tasks: collections.deque[tuple[Callable[[], Work], Optional[Callable[[], None]],
+                                             FutureWork]] = collections.deque()
+        self._cond = threading.Condition()
+        self._busy = False
+        self._error: Optional[BaseException] = None
+        self._thread: Optional[threading.Thread] = None
+        self._closed = False
+
+    def submit(self, issue: Callable[[], Work],
+               before: Optional[Callable[[], None]] = None) -> FutureWork:
+        future = FutureWork()
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("dear: the collective executor was closed (dear.shutdown())")
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="dear-collectives",
+                                                daemon=True)
+                self._thread.start()
+            self._tasks.append((issue, before, future))
+            self._cond.notify_all()
+        return future
+
+    def drain(self) -> None:
+        """Return once every submitted collective is issued (not necessarily complete)."""
+        with self._cond:
+            while self._tasks or self._busy:
+                self._cond.wait()
+            error, self._error = self._error, None
+        if error is not None:
+            raise RuntimeError(f"dear: a collective failed in the executor: {error}") from error
+
+    @property
+    def idle(self) -> bool:
+        with self._cond:
+            return not self._tasks and not self._busy
+
+    def close(self, timeout: float = 60.0) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=timeout)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._tasks and not self._closed:
+                    self._cond.wait()
+                if not self._tasks:
+                    return
+                issue, before, future = self._tasks.popleft()
+                self._busy = True
+            try:
+                if self._error is not None:
+                    raise self._error
+                if before is not None:
+                    before()
+                work: Optional[Work] = issue()
+                future._set(work, None)
+            except BaseException as exc:    # a dead rank: every later task fails the same way
+                self._error = self._error or exc
+                future._set(None, exc)
+            with self._cond:
+                self._busy = False
+                self._cond.notify_all()
+
+
+# --------------------------------------------------------------- one per process
+_shared: Optional[CommExecutor] = None
+_shared_lock = threading.Lock()
+_planned_somewhere = False      # some optimizer of this process runs a plan: all go threaded
+
+
+def planned_somewhere() -> bool:
+    return _planned_somewhere
+
+
+def mark_planned() -> None:
+    """A plan runs in this process: from now on every optimizer's backward collectives go
+    through the shared executor, so they keep one order."""
+    global _planned_somewhere
+    _planned_somewhere = True
+
+
+def shared_executor() -> CommExecutor:
+    """One executor per process: every optimizer's backward collectives go through the same
+    FIFO, so two optimizers on one model keep one order (each rank submits in the same order;
+    two threads issuing at once would not)."""
+    global _shared
+    with _shared_lock:
+        if _shared is None:
+            _shared = CommExecutor()
+            # Never leave its thread inside a collective while the interpreter (and Gloo's or
+            # MPI's teardown) finalizes, e.g. in a script that does not call dear.shutdown().
+            atexit.register(_shared.close, 5.0)
+        return _shared
+
+
+def close_shared() -> None:
+    """dear.shutdown(): stop the executor's thread (a later dear.init() starts a new one)."""
+    global _shared, _planned_somewhere
+    with _shared_lock:
+        executor, _shared, _planned_somewhere = _shared, None, False
+    if executor is not None:
+        executor.drain()
+        executor.close()
 
 
 # ------------------------------------------------------------------------------- driving

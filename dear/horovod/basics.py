@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
 import socket
 import warnings
 from typing import Iterable, Optional, Sequence, Union
@@ -20,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from .. import launch, runtime
-from ..comm.torch_dist import default_backend
+from ..runtime import default_backend
 
 
 # torch 2.13 renamed these two (the old names warn); older torch has only the old names.
@@ -120,7 +119,7 @@ def init(comm: Optional[Sequence[int]] = None,
             dist.init_process_group(default_backend(), store=dist.HashStore(), rank=0,
                                     world_size=1, timeout=_timeout())
             _state.owns_world = True
-        elif not dist.is_initialized() and _state.generation and _agent_store():
+        elif not dist.is_initialized() and _state.generation and launch.agent_store():
             _restart_under_torchrun()
         runtime.init(backend="torch")
         _state.owns_runtime = True
@@ -141,10 +140,6 @@ def init(comm: Optional[Sequence[int]] = None,
     if process_sets is not None and not isinstance(process_sets, str):   # "dynamic": nothing
         for ps in process_sets:
             add_process_set(ps)
-
-
-def _agent_store() -> bool:
-    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
 
 
 def _restart_under_torchrun() -> None:
