@@ -28,7 +28,7 @@ import time
 from typing import Any, Callable, Optional
 
 from . import launch
-from .comm.flight import FlightRecord, RecordedCommunicator
+from .comm.flight import MAIN, FlightChannel, FlightRecord, RecordedCommunicator
 
 _KEY = "dear/flight/rank{}"
 #: seconds between two publications of a rank's record (its heartbeat) while it issues nothing
@@ -89,6 +89,7 @@ class HangReporter:
         self._lock = threading.Lock()          # one publication at a time
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
+        self._channels: dict[str, FlightChannel] = {MAIN: comm.channel}
         comm.on_failure = self.report
         if store is not None and comm.size > 1:
             self._thread = threading.Thread(target=self._run, name="dear-flight", daemon=True)
@@ -105,6 +106,19 @@ class HangReporter:
             self._thread.join(timeout=5)
         if self._comm.on_failure == self.report:
             self._comm.on_failure = None
+        for channel in self._channels.values():
+            channel.on_failure = None
+
+    def channel(self, name: str, members: list[int]) -> FlightChannel:
+        """The flight record of another stream of collectives (a process group of dear.KFAC's
+        own), published with this rank's and reported on the same way when one fails."""
+        with self._lock:
+            channel = self._channels.get(name)
+            if channel is None:
+                channel = self._channels[name] = FlightChannel(name, members)
+                channel.on_failure = (lambda rec, exc, name=name:
+                                      self.report(rec, exc, channel=name))
+            return channel
 
     # -- meeting out of band ---------------------------------------------------------------
     def meet(self, name: str, timeout: float) -> list[int]:
@@ -144,11 +158,12 @@ class HangReporter:
         (benchmarks/results/ab_hang_report.md); a report needs beats only from ranks that
         stopped issuing, and a recent record of the others."""
         recorder = self._comm.recorder
-        last: Optional[tuple[int, int]] = None
+        last: Optional[tuple[int, int, int]] = None
         wakes = 0
         while not self._stop.wait(self._interval):
             wakes += 1
-            now = (recorder.issued, recorder.completed)
+            now = (recorder.issued, recorder.completed, sum(
+                c.recorder.issued + c.recorder.completed for c in list(self._channels.values())))
             if now == last or wakes % EVERY == 0:
                 if not self._publish():
                     return                     # the store is gone: nothing left to publish to
@@ -157,7 +172,9 @@ class HangReporter:
     def _record(self) -> dict[str, Any]:
         snap = self._comm.recorder.snapshot(SHOWN)
         snap.update(rank=self._comm.rank, beat=self._beat, failed=self._failed,
-                    host=os.uname().nodename, pid=os.getpid())
+                    host=os.uname().nodename, pid=os.getpid(),
+                    channels={name: c.recorder.snapshot(SHOWN) for name, c
+                              in list(self._channels.items()) if name != MAIN})
         return snap
 
     def _publish(self) -> bool:
@@ -190,10 +207,13 @@ class HangReporter:
         return records
 
     # -- the report --------------------------------------------------------------------------
-    def report(self, rec: FlightRecord, exc: BaseException, grace: Optional[float] = None) -> str:
-        """Called once, by the first collective that fails on this rank."""
+    def report(self, rec: FlightRecord, exc: BaseException, grace: Optional[float] = None,
+               channel: str = MAIN) -> str:
+        """Called once per channel, by the first of its collectives that fails on this rank."""
         started = time.monotonic()
-        self._failed = {"seq": rec.seq, "kind": rec.kind, "error": str(exc)[:400]}
+        members = self._channels[channel].members
+        self._failed = {"seq": rec.seq, "kind": rec.kind, "error": str(exc)[:400],
+                        "channel": channel}
         self._stop.set()                       # the thread publishes no more; this does
         self._publish()
         first = self._read()
@@ -204,12 +224,14 @@ class HangReporter:
         reachable = second is not None
         records = dict(second or {})
         records[self._comm.rank] = me
-        text = compose(self._comm.rank, self._comm.size, rec, records, first or {}, reachable)
+        text = compose(self._comm.rank, members, rec, view(records, channel),
+                       view(first or {}, channel), reachable, channel)
         path = self._write(text, me, records)
         if reachable and self._hosts_store():
             # The store lives in this process: stay until the other ranks still waiting have
             # failed too and read it (bounded: every rank leaves within DEAR_TIMEOUT + 5 s).
-            self._await(lambda now: self._peers_done(rec.seq, first or {}, now), started + 4.0)
+            self._await(lambda now: self._peers_done(rec.seq, view(first or {}, channel),
+                                                     view(now, channel)), started + 4.0)
         where = (f"\nThe report is in {path}; every rank's: python -m dear.diagnose hang "
                  f"{os.path.dirname(path)}" if path else "")
         return text + where
@@ -258,6 +280,16 @@ class HangReporter:
         return path
 
 
+def view(records: dict[int, dict[str, Any]], channel: str) -> dict[int, dict[str, Any]]:
+    """Each rank's record as seen by one channel: its counters and recent collectives in
+    place of the main ones (a rank that has not made the channel yet issued nothing on it)."""
+    if channel == MAIN:
+        return records
+    empty = {"issued": 0, "completed": 0, "recent": []}
+    return {r: {**record, **record.get("channels", {}).get(channel, empty)}
+            for r, record in records.items()}
+
+
 def _gone(before: dict[int, dict[str, Any]], now: dict[int, dict[str, Any]]) -> list[int]:
     """Ranks whose heartbeat did not move between the two reads and that did not fail."""
     return [r for r, record in now.items() if not record.get("failed") and
@@ -287,20 +319,24 @@ def _entry(record: dict[str, Any], seq: int) -> Optional[dict[str, Any]]:
     return None
 
 
-def compose(rank: int, size: int, rec: FlightRecord, now: dict[int, dict[str, Any]],
-            before: dict[int, dict[str, Any]], reachable: bool) -> str:
+def compose(rank: int, members: "int | list[int]", rec: FlightRecord,
+            now: dict[int, dict[str, Any]], before: dict[int, dict[str, Any]], reachable: bool,
+            channel: str = MAIN) -> str:
     """The report's text, from the records read `before` and `now` (a pure function: tested
-    on records made by hand)."""
+    on records made by hand). `members`: the ranks of the failed collective's stream (an int:
+    ranks 0..members-1); the records are that stream's (`view`)."""
+    ranks = list(range(members)) if isinstance(members, int) else list(members)
     mine = _entry(now[rank], rec.seq) or {"seq": rec.seq, "kind": rec.kind, "bytes": rec.nbytes,
                                           "iteration": rec.iteration, "phase": rec.phase,
                                           "what": None, "done": False}
-    lines = [f"dear hang report from rank {rank}: collective {_describe(mine)} failed."]
+    stream = "" if channel == MAIN else f" on {channel}"
+    lines = [f"dear hang report from rank {rank}: collective {_describe(mine)}{stream} failed."]
     if not reachable:
         lines.append("  The other ranks' records could not be read: no rendezvous store "
                      "reachable (rank 0, which held it, is gone; or the backend has none).")
         return "\n".join(lines)
     missing, differ, gone = [], [], []
-    for r in range(size):
+    for r in ranks:
         record = now.get(r)
         if r == rank:
             continue

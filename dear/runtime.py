@@ -182,11 +182,18 @@ def config() -> Config:
 def meet(name: str) -> list[int]:
     """Every rank reaches the point `name` before any collective that follows it is issued,
     agreed out of band (dear/hang.py's store client): [] when all came, else the ranks that
-    went on without it. Unchecked ([]) where the backend has no store (MPI)."""
+    went on without it. Unchecked ([]) where there is no store."""
     reporter = _state.reporter
     if reporter is None:
         return []
     return reporter.meet(name, _state.config.timeout)
+
+
+def flight_channel(name: str, members: list[int]) -> Optional[Any]:
+    """The flight record of another stream of collectives (dear.KFAC's own process groups:
+    dear/hang.py reports on it when one fails), or None outside dear.init()."""
+    reporter = _state.reporter
+    return reporter.channel(name, members) if reporter is not None else None
 
 
 def optimizers() -> list[Any]:

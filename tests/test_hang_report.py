@@ -82,8 +82,14 @@ def _training(fault: str, faulty: int, marker: str) -> dict:
     dear.init()
     rank = dear.rank()
     model = make_net()
-    opt = dear.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model,
-                                    fusion_threshold=2048)
+    precond = None
+    if fault == "stalls-in-kfac":   # kfac-pytorch's habit: DDP averages, dear.KFAC preconditions
+        model = torch.nn.parallel.DistributedDataParallel(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        precond = dear.KFAC(model.module, strategy="comm-opt", inv_update_steps=1)
+    else:
+        opt = dear.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                        model=model, fusion_threshold=2048)
     try:
         for step in range(12):
             if step == FAULT_STEP and rank == faulty and fault in ("stalls", "dies"):
@@ -92,6 +98,11 @@ def _training(fault: str, faulty: int, marker: str) -> dict:
             x, y = batch(step, dear.size(), rank)
             loss = F.mse_loss(model(x), y)
             loss.backward()
+            if precond is not None:
+                # after its backward, before dear.KFAC's own collectives of this step
+                if step == FAULT_STEP and rank == faulty:
+                    _fault("stalls", marker)
+                precond.step()
             opt.step()
             if fault == "stalls-in-logging":    # every rank logs the average loss
                 if step == FAULT_STEP and rank == faulty:
@@ -169,3 +180,17 @@ def test_dear_allreduce_on_a_stalled_peer_names_it(tmp_path) -> None:
     error = outcomes[0]["error"]
     assert error is not None and "Rank(s) that did not issue it: 1." in error, error
     assert f"all_reduce of 4 B (iteration {FAULT_STEP + 1}, dear.allreduce" in error, error
+
+
+def test_a_peer_stalled_before_dear_kfac_s_collectives_is_named(tmp_path) -> None:
+    """dear.KFAC's collectives go on process groups of its own, with a flight record of their
+    own (their sequence numbers are not dear's communicator's): the report names the stream.
+    Rank 1 stalls after DDP's backward, before dear.KFAC's step exchanges the factors."""
+    outcomes, hang_dir = _run("stalls-in-kfac", 2, 1, tmp_path)
+    error = outcomes[0]["error"]
+    assert error is not None, "rank 0 trained on past a stalled peer"
+    assert "on dear.KFAC's group failed." in error, error
+    assert f"(iteration {FAULT_STEP}, dear.KFAC.step, not complete)" in error, error
+    assert "Rank(s) that did not issue it: 1." in error, error
+    assert "rank 1: did NOT issue" in error and "alive, busy outside" in error, error
+    assert "dear hang report from rank 0" in _shown(hang_dir)

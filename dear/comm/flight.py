@@ -105,11 +105,11 @@ class FlightRecorder:
 
 
 class RecordedWork(Work):
-    """The backend's Work; a failure of its wait goes through the communicator's report."""
+    """The backend's Work; a failure of its wait goes through its channel's report."""
 
     __slots__ = ("backend_work", "_rec", "_owner")
 
-    def __init__(self, work: Work, rec: FlightRecord, owner: "RecordedCommunicator") -> None:
+    def __init__(self, work: Work, rec: FlightRecord, owner: "FlightChannel") -> None:
         self.backend_work = work               # the tracer watches this one (diagnose/comm.py)
         self._rec = rec
         self._owner = owner
@@ -139,22 +139,29 @@ def _with_text(exc: BaseException, text: str) -> Exception:
     return error if isinstance(error, Exception) else RuntimeError(message)
 
 
-class RecordedCommunicator(WrappedCommunicator):
-    """`inner` with every collective recorded; nothing else changes."""
+#: the channel of dear's own communicator (the optimizers, dear.allreduce, ...)
+MAIN = "dear"
 
-    def __init__(self, inner: Communicator, recorder: Optional[FlightRecorder] = None) -> None:
-        super().__init__(inner)
+
+class FlightChannel:
+    """One stream of collectives that every member issues in the same order: dear's
+    communicator (MAIN), or a process group of dear.KFAC's own. Each has its own sequence
+    numbers (collectives of two groups interleave differently on different ranks, so only
+    within one stream does #n name the same collective everywhere). `members`: the global
+    ranks taking part."""
+
+    def __init__(self, name: str, members: list[int],
+                 recorder: Optional[FlightRecorder] = None) -> None:
+        self.name = name
+        self.members = list(members)
         self.recorder = recorder or FlightRecorder()
-        self.issue_from_any_thread = inner.issue_from_any_thread
-        self.stream_ordered = inner.stream_ordered
         #: builds the text a failed collective raises with (dear/hang.py)
         self.on_failure: Optional[FailureHandler] = None
         self._failure: Optional[str] = None
         self._lock = threading.Lock()
 
-    # -- what the report needs --------------------------------------------------------------
     def failed(self, rec: FlightRecord, exc: BaseException) -> Exception:
-        """The error a failed collective raises: the backend's, and once per process the report
+        """The error a failed collective raises: the backend's, and once per channel the report
         of who did not issue it (later failures are its consequences and repeat it)."""
         with self._lock:
             if self._failure is None:
@@ -168,14 +175,15 @@ class RecordedCommunicator(WrappedCommunicator):
             text = self._failure
         return _with_text(exc, text)
 
-    # -- the collectives, recorded -------------------------------------------------------
-    def _recorded(self, kind: str, tensor: torch.Tensor, work: Callable[[], Work]) -> Work:
-        # Recorded once issued: a call refused on this rank (bad arguments) issues nothing,
-        # and must not shift this rank's sequence numbers against the others'.
-        issued = work()
+    def recorded(self, kind: str, tensor: Optional[torch.Tensor],
+                 issue: Callable[[], Work]) -> Work:
+        """Issue a collective and record it. Recorded once issued: a call refused on this rank
+        (bad arguments) issues nothing, and must not shift this rank's sequence numbers."""
+        issued = issue()
         return RecordedWork(issued, self.recorder.record(kind, tensor), self)
 
-    def _blocking(self, kind: str, call: Callable[[], Any]) -> Any:
+    def blocking(self, kind: str, call: Callable[[], Any]) -> Any:
+        """A collective that returns when done (objects, barriers), recorded."""
         rec = self.recorder.record(kind, None)
         try:
             result = call()
@@ -185,6 +193,38 @@ class RecordedCommunicator(WrappedCommunicator):
             raise self.failed(rec, exc) from exc
         self.recorder.completed_one(rec)
         return result
+
+
+class RecordedCommunicator(WrappedCommunicator):
+    """`inner` with every collective recorded on the MAIN channel; nothing else changes."""
+
+    def __init__(self, inner: Communicator, recorder: Optional[FlightRecorder] = None) -> None:
+        super().__init__(inner)
+        self.channel = FlightChannel(MAIN, list(range(inner.size)), recorder)
+        self.issue_from_any_thread = inner.issue_from_any_thread
+        self.stream_ordered = inner.stream_ordered
+
+    @property
+    def recorder(self) -> FlightRecorder:
+        return self.channel.recorder
+
+    @property
+    def on_failure(self) -> Optional[FailureHandler]:
+        return self.channel.on_failure
+
+    @on_failure.setter
+    def on_failure(self, handler: Optional[FailureHandler]) -> None:
+        self.channel.on_failure = handler
+
+    def failed(self, rec: FlightRecord, exc: BaseException) -> Exception:
+        return self.channel.failed(rec, exc)
+
+    # -- the collectives, recorded -------------------------------------------------------
+    def _recorded(self, kind: str, tensor: torch.Tensor, work: Callable[[], Work]) -> Work:
+        return self.channel.recorded(kind, tensor, work)
+
+    def _blocking(self, kind: str, call: Callable[[], Any]) -> Any:
+        return self.channel.blocking(kind, call)
 
     def reduce_scatter(self, input: torch.Tensor, output: torch.Tensor) -> Work:
         return self._recorded("reduce_scatter", input,

@@ -78,6 +78,20 @@ class Transport:
             self.rank, self.size, self._gloo = comm.rank, comm.size, False
         self.name = (f"torch-{dist.get_backend(self._group)}" if torch_dist
                      else getattr(comm, "name", "local"))
+        # Collectives on groups of our own get a flight record of their own (dear's
+        # communicator records the others), so a stalled peer is named here too.
+        self._flight = self._flight_channel() if torch_dist and self.size > 1 else None
+
+    def _flight_channel(self) -> Any:
+        world = dist.get_world_size()
+        members = (dist.get_process_group_ranks(self._group) if self._group is not None
+                   else list(range(world)))
+        name = "dear.KFAC's group" + ("" if len(members) == world else f" of ranks {members}")
+        return runtime.flight_channel(name, members)
+
+    def _issued(self, kind: str, tensor: Tensor, issue: Any) -> Work:
+        return (self._flight.recorded(kind, tensor, issue) if self._flight is not None
+                else issue())
 
     @classmethod
     def from_environment(cls) -> Transport:
@@ -118,15 +132,16 @@ class Transport:
             return DoneWork()
         if not self._torch:
             return self._comm.all_reduce(tensor)  # type: ignore[union-attr]
-        return CallbackWork([dist.all_reduce(tensor, group=self._group, async_op=True)])
+        return self._issued("all_reduce", tensor, lambda: CallbackWork(
+            [dist.all_reduce(tensor, group=self._group, async_op=True)]))
 
     def broadcast(self, tensor: Tensor, root: int) -> Work:
         if self.size == 1:
             return DoneWork()
         if not self._torch:
             return self._comm.broadcast(tensor, root)  # type: ignore[union-attr]
-        return CallbackWork([dist.broadcast(tensor, self._peer(root), group=self._group,
-                                            async_op=True)])
+        return self._issued("broadcast", tensor, lambda: CallbackWork(
+            [dist.broadcast(tensor, self._peer(root), group=self._group, async_op=True)]))
 
     def reduce(self, tensor: Tensor, root: int) -> Work:
         """Sum `tensor` over ranks into rank `root`'s copy; other ranks' copies are unspecified."""
@@ -135,6 +150,9 @@ class Transport:
         if not self._torch:
             _log_reduce_fallback(self.name)
             return self._comm.all_reduce(tensor)  # type: ignore[union-attr]
+        return self._issued("reduce", tensor, lambda: self._reduce(tensor, root))
+
+    def _reduce(self, tensor: Tensor, root: int) -> Work:
         if not self._gloo or tensor.is_cuda:
             return CallbackWork([dist.reduce(tensor, self._peer(root), group=self._group,
                                              async_op=True)])
@@ -159,7 +177,13 @@ class Transport:
         if not self._torch:
             return self._comm.broadcast_object(obj, root)  # type: ignore[union-attr]
         box: list[Any] = [wire.encode(obj) if self.rank == root else None]  # torch: bytes
-        dist.broadcast_object_list(box, src=self._peer(root), group=self._group)
+
+        def call() -> None:
+            dist.broadcast_object_list(box, src=self._peer(root), group=self._group)
+        if self._flight is not None:
+            self._flight.blocking("broadcast_object", call)
+        else:
+            call()
         return obj if self.rank == root else wire.decode(box[0])
 
     def shutdown(self) -> None:

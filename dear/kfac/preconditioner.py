@@ -30,6 +30,7 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor, nn
 
+from ..comm import flight
 from . import persist
 from .comm import Transport, measure_network
 from .costs import CostModel, NetworkModel, calibrate
@@ -270,6 +271,10 @@ class KFAC:
 
     @torch.no_grad()
     def _run_step(self, hyper: Hyperparameters) -> None:
+        if self._dear.optimizers():        # the hang report's label: the optimizer's iteration
+            flight.mark_phase("dear.KFAC.step")
+        else:                              # with DDP, say: K-FAC's own step count
+            flight.mark("dear.KFAC.step", self.steps)
         if self._raw_g:
             self._unscale_batch_g(self._scale.value(self.steps) if self._scale.known() else 1.0)
         decompose = self.steps % hyper.inv_update_freq == 0 or self._force_decompose
