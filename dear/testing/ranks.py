@@ -1,8 +1,11 @@
 """Ranks with deadlines, for tests and benchmarks: run a function on N local processes
 (spawned, Gloo on loopback), and never leave one behind.
 
-`run_distributed` (tests): each rank's return value comes back through a file (torch.save), so
-tensors survive the rank's exit; the first rank that fails or the deadline ends the run, every
+`run_distributed` (tests): ranks are forked from a server process that has imported torch and
+dear once (multiprocessing's forkserver), not spawned: a spawned rank spends seconds importing
+torch, and the suite starts hundreds of ranks. Each rank gets the caller's environment of the
+moment, as a spawned one would. Each rank's return value comes back through a file (torch.save),
+so tensors survive the rank's exit; the first rank that fails or the deadline ends the run, every
 rank still alive is killed, and the caller gets the failing rank's traceback or a 'hung' message.
 `run_ranks` (benchmarks): fn(rank, *args) on N ranks started by torch.multiprocessing, 0 or 1.
 """
@@ -29,7 +32,11 @@ def free_port() -> int:
 
 
 def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, port: int, outdir: str,
-               env: dict[str, str], args: tuple, kwargs: dict) -> None:
+               env: dict[str, str], args: tuple, kwargs: dict,
+               parent_env: Optional[dict[str, str]] = None) -> None:
+    if parent_env is not None:        # forked from the server: the caller's environment, now
+        os.environ.clear()
+        os.environ.update(parent_env)
     os.environ.update({
         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
         "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
@@ -66,11 +73,12 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
     With `expect_failure`, return each rank's outcome instead: its result, or the traceback text
     (str) of a rank that failed; a rank that was killed at the deadline still fails the test.
     """
-    ctx = mp.get_context("spawn")
+    ctx = _rank_context()
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="dear-ranks-") as outdir:
         procs = [ctx.Process(target=_rank_main, daemon=True,
-                             args=(fn, r, world_size, port, outdir, dict(env or {}), args, kwargs))
+                             args=(fn, r, world_size, port, outdir, dict(env or {}), args, kwargs,
+                                   dict(os.environ)))
                  for r in range(world_size)]
         for p in procs:
             p.start()
@@ -106,6 +114,16 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
                 results.append(_read(os.path.join(outdir, f"{r}.err")) or
                                f"rank {r} exited with code {procs[r].exitcode} and no traceback")
         return results
+
+
+def _rank_context() -> Any:
+    """Forkserver with torch and dear imported in the server (where the platform has it: else
+    spawn). The server holds no thread and no process group, so forking it is safe."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "dear"])
+    return ctx
 
 
 def _read(path: str) -> str:
