@@ -25,7 +25,7 @@ import os
 import tempfile
 import threading
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 from . import launch
 from .comm.flight import MAIN, FlightChannel, FlightRecord, RecordedCommunicator
@@ -90,7 +90,7 @@ class HangReporter:
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._channels: dict[str, FlightChannel] = {MAIN: comm.channel}
-        comm.on_failure = self.report
+        comm.channel.on_failure = self.report
         if store is not None and comm.size > 1:
             self._thread = threading.Thread(target=self._run, name="dear-flight", daemon=True)
             self._thread.start()
@@ -104,10 +104,9 @@ class HangReporter:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
-        if self._comm.on_failure == self.report:
-            self._comm.on_failure = None
-        for channel in self._channels.values():
-            channel.on_failure = None
+        for name, channel in self._channels.items():   # the others are this reporter's own
+            if name != MAIN or channel.on_failure == self.report:
+                channel.on_failure = None
 
     def channel(self, name: str, members: list[int]) -> FlightChannel:
         """The flight record of another stream of collectives (a process group of dear.KFAC's
@@ -157,13 +156,12 @@ class HangReporter:
         each second while training made dear 1.5% slower on the emulated benchmark
         (benchmarks/results/ab_hang_report.md); a report needs beats only from ranks that
         stopped issuing, and a recent record of the others."""
-        recorder = self._comm.recorder
-        last: Optional[tuple[int, int, int]] = None
+        last: Optional[list[tuple[int, int]]] = None
         wakes = 0
         while not self._stop.wait(self._interval):
             wakes += 1
-            now = (recorder.issued, recorder.completed, sum(
-                c.recorder.issued + c.recorder.completed for c in list(self._channels.values())))
+            now = [(c.recorder.issued, c.recorder.completed)
+                   for c in list(self._channels.values())]
             if now == last or wakes % EVERY == 0:
                 if not self._publish():
                     return                     # the store is gone: nothing left to publish to
@@ -319,13 +317,12 @@ def _entry(record: dict[str, Any], seq: int) -> Optional[dict[str, Any]]:
     return None
 
 
-def compose(rank: int, members: "int | list[int]", rec: FlightRecord,
+def compose(rank: int, members: Sequence[int], rec: FlightRecord,
             now: dict[int, dict[str, Any]], before: dict[int, dict[str, Any]], reachable: bool,
             channel: str = MAIN) -> str:
     """The report's text, from the records read `before` and `now` (a pure function: tested
-    on records made by hand). `members`: the ranks of the failed collective's stream (an int:
-    ranks 0..members-1); the records are that stream's (`view`)."""
-    ranks = list(range(members)) if isinstance(members, int) else list(members)
+    on records made by hand). `members`: the ranks of the failed collective's stream; the
+    records are that stream's (`view`)."""
     mine = _entry(now[rank], rec.seq) or {"seq": rec.seq, "kind": rec.kind, "bytes": rec.nbytes,
                                           "iteration": rec.iteration, "phase": rec.phase,
                                           "what": None, "done": False}
@@ -336,7 +333,7 @@ def compose(rank: int, members: "int | list[int]", rec: FlightRecord,
                      "reachable (rank 0, which held it, is gone; or the backend has none).")
         return "\n".join(lines)
     missing, differ, gone = [], [], []
-    for r in ranks:
+    for r in members:
         record = now.get(r)
         if r == rank:
             continue

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from . import launch
 from .comm.base import Communicator, ReduceOp, resolve_op
-from .comm.flight import RecordedCommunicator, mark_phase
+from .comm.flight import FlightChannel, RecordedCommunicator, mark_phase
 from .comm.local import LocalCommunicator
 from .config import Config
 from .hang import HangReporter, out_of_band_store
@@ -189,7 +189,7 @@ def meet(name: str) -> list[int]:
     return reporter.meet(name, _state.config.timeout)
 
 
-def flight_channel(name: str, members: list[int]) -> Optional[Any]:
+def flight_channel(name: str, members: list[int]) -> Optional[FlightChannel]:
     """The flight record of another stream of collectives (dear.KFAC's own process groups:
     dear/hang.py reports on it when one fails), or None outside dear.init()."""
     reporter = _state.reporter

@@ -44,7 +44,7 @@ def test_a_rank_that_stopped_short_is_named_with_what_it_last_issued() -> None:
     rec = _failed(10, "reduce_scatter", 64)
     me = _record(10, 5, [(9, "all_gather", 64), (10, "reduce_scatter", 64)], failed={"seq": 10})
     slow = _record(9, 4, [(9, "all_gather", 64)])
-    text = compose(0, 3, rec, {0: me, 1: _record(10, 9, [(10, "reduce_scatter", 64)],
+    text = compose(0, range(3), rec, {0: me, 1: _record(10, 9, [(10, "reduce_scatter", 64)],
                                                  failed={"seq": 10}),
                                2: dict(slow, beat=6)}, {1: dict(me, beat=8), 2: slow}, True)
     assert "Rank(s) that did not issue it: 2." in text, text
@@ -55,9 +55,9 @@ def test_a_rank_that_stopped_short_is_named_with_what_it_last_issued() -> None:
 def test_a_rank_whose_heartbeat_stopped_is_not_responding() -> None:
     rec = _failed(10, "reduce_scatter", 64)
     dead = _record(8, 3, [(8, "all_gather", 64)])
-    text = compose(0, 2, rec, {0: _record(10, 5, []), 1: dead}, {1: dead}, True)
+    text = compose(0, range(2), rec, {0: _record(10, 5, []), 1: dead}, {1: dead}, True)
     assert "Rank(s) not responding: 1." in text and "NOT RESPONDING" in text, text
-    text = compose(0, 2, rec, {0: _record(10, 5, [])}, {}, True)
+    text = compose(0, range(2), rec, {0: _record(10, 5, [])}, {}, True)
     assert "Rank(s) not responding: 1." in text and "published no record" in text, text
 
 
@@ -65,14 +65,14 @@ def test_another_collective_in_the_same_place_is_a_different_branch() -> None:
     rec = _failed(10, "all_reduce", 4)
     other = _record(11, 4, [(10, "reduce_scatter", 64), (11, "reduce_scatter", 64)],
                     failed={"seq": 11})
-    text = compose(0, 2, rec, {0: _record(10, 5, []), 1: other}, {1: dict(other, beat=3)},
+    text = compose(0, range(2), rec, {0: _record(10, 5, []), 1: other}, {1: dict(other, beat=3)},
                    True)
     assert "issued another collective in its place: 1" in text, text
     assert "issued #10 as #10 reduce_scatter of 64 B" in text, text
 
 
 def test_without_a_store_the_report_says_so() -> None:
-    text = compose(0, 2, _failed(3, "all_reduce", 4), {0: _record(3, 1, [])}, {}, False)
+    text = compose(0, range(2), _failed(3, "all_reduce", 4), {0: _record(3, 1, [])}, {}, False)
     assert "could not be read" in text, text
 
 

@@ -208,17 +208,6 @@ class RecordedCommunicator(WrappedCommunicator):
     def recorder(self) -> FlightRecorder:
         return self.channel.recorder
 
-    @property
-    def on_failure(self) -> Optional[FailureHandler]:
-        return self.channel.on_failure
-
-    @on_failure.setter
-    def on_failure(self, handler: Optional[FailureHandler]) -> None:
-        self.channel.on_failure = handler
-
-    def failed(self, rec: FlightRecord, exc: BaseException) -> Exception:
-        return self.channel.failed(rec, exc)
-
     # -- the collectives, recorded -------------------------------------------------------
     def _recorded(self, kind: str, tensor: torch.Tensor, work: Callable[[], Work]) -> Work:
         return self.channel.recorded(kind, tensor, work)

@@ -97,15 +97,19 @@ def store_listening_on(host: str, size: int, wait: datetime.timedelta) -> Any:
     return store
 
 
-def start(rank: int, size: int, broadcast_object: Callable[[Any, int], Any],
-          all_gather_object: Callable[[Any], list[Any]], timeout: float) -> GlooPair:
-    """Start the pair on every rank (a collective: all ranks call it, in the same order)."""
+def open_store(rank: int, size: int, broadcast_object: Callable[[Any, int], Any],
+               all_gather_object: Callable[[Any], list[Any]], timeout: float,
+               host: Optional[str] = None, origin: str = "") -> tuple[Any, Any, list[str]]:
+    """Rank 0's TCPStore, listening on `host` only (None: the address `reachable_address`
+    finds), joined by every rank through the caller's object collectives: (store, (host, port,
+    origin), problems). A collective: every rank calls it once, in the same order. With
+    problems, or where None, no rank may use the store."""
     wait = datetime.timedelta(seconds=timeout)
-    iface = launch.gloo_interface()
     store, where, problem = None, None, None
     if rank == 0:
         try:
-            host, origin = reachable_address(iface)
+            if host is None:
+                host, origin = reachable_address(launch.gloo_interface())
             store = store_listening_on(host, size, wait)
             where = (host, int(store.port), origin)
         except Exception as exc:            # noqa: BLE001 - told to every rank below
@@ -118,6 +122,15 @@ def start(rank: int, size: int, broadcast_object: Callable[[Any, int], Any],
             problem = (f"rank {rank} could not reach rank 0 at {where[0]}:{where[1]} (from "
                        f"rank 0's {where[2]}): {exc}")
     problems = [p for p in all_gather_object(problem) if p]
+    return store, where, problems
+
+
+def start(rank: int, size: int, broadcast_object: Callable[[Any, int], Any],
+          all_gather_object: Callable[[Any], list[Any]], timeout: float) -> GlooPair:
+    """Start the pair on every rank (a collective: all ranks call it, in the same order)."""
+    wait = datetime.timedelta(seconds=timeout)
+    iface = launch.gloo_interface()
+    store, where, problems = open_store(rank, size, broadcast_object, all_gather_object, timeout)
     if problems or where is None:
         raise RuntimeError("dear: the Horovod backend's Gloo data plane did not start: "
                            + "; ".join(problems) + ". Set GLOO_SOCKET_IFNAME (every rank) to "

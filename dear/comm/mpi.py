@@ -144,30 +144,11 @@ class MPICommunicator(Communicator):
         launcher sets under mpirun: 127.0.0.1 on one host), for the hang report: MPI itself has
         no channel outside its collectives, and a stuck one is what the report must explain.
         All ranks keep it or none does (a collective: every rank calls it once)."""
-        import datetime
-
-        import torch.distributed as dist
-
         from .. import launch
-        from .gloo_bootstrap import reachable_address, store_listening_on
-        wait = datetime.timedelta(seconds=timeout)
-        store, where, problem = None, None, None
-        if self._rank == 0:
-            try:
-                host = (launch.process_env().master_addr
-                        or reachable_address(launch.gloo_interface())[0])
-                store = store_listening_on(host, self._size, wait)
-                where = [host, int(store.port)]
-            except Exception as exc:            # noqa: BLE001 - said below; training goes on
-                problem = f"rank 0 could not open one: {exc}"
-        where = self.broadcast_object(where, 0)
-        if where is not None and self._rank != 0:
-            try:
-                store = dist.TCPStore(where[0], where[1], self._size, is_master=False,
-                                      timeout=wait)
-            except Exception as exc:            # noqa: BLE001
-                problem = f"rank {self._rank} could not reach {where[0]}:{where[1]}: {exc}"
-        problems = [p for p in self.all_gather_object(problem) if p]
+        from .gloo_bootstrap import open_store
+        store, where, problems = open_store(
+            self._rank, self._size, self.broadcast_object, self.all_gather_object, timeout,
+            host=launch.process_env().master_addr, origin="MASTER_ADDR")
         if problems or where is None:
             if self._rank == 0:
                 log.warning("dear: the MPI backend runs without a rendezvous store, so a hang "

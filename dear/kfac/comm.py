@@ -22,7 +22,7 @@ import logging
 import statistics
 import sys
 import time
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import torch
@@ -32,6 +32,7 @@ from torch import Tensor
 from .. import runtime
 from ..comm import wire
 from ..comm.base import CallbackWork, Communicator, DoneWork, Work
+from ..comm.flight import FlightChannel
 from ..comm.local import LocalCommunicator
 from ..comm.torch_dist import carries_cpu_on_gloo
 from .costs import NetworkModel
@@ -82,14 +83,14 @@ class Transport:
         # communicator records the others), so a stalled peer is named here too.
         self._flight = self._flight_channel() if torch_dist and self.size > 1 else None
 
-    def _flight_channel(self) -> Any:
+    def _flight_channel(self) -> FlightChannel | None:
         world = dist.get_world_size()
         members = (dist.get_process_group_ranks(self._group) if self._group is not None
                    else list(range(world)))
         name = "dear.KFAC's group" + ("" if len(members) == world else f" of ranks {members}")
         return runtime.flight_channel(name, members)
 
-    def _issued(self, kind: str, tensor: Tensor, issue: Any) -> Work:
+    def _issued(self, kind: str, tensor: Tensor, issue: Callable[[], Work]) -> Work:
         return (self._flight.recorded(kind, tensor, issue) if self._flight is not None
                 else issue())
 
