@@ -66,9 +66,9 @@ def coefficient(total: torch.Tensor, max_norm: float) -> torch.Tensor:
     return torch.clamp(max_norm / (total + _EPS), max=1.0)
 
 
-def scale_(buckets: Sequence[Bucket], rank: int, total: torch.Tensor, max_norm: float) -> None:
-    """Scale this rank's shards by torch's clip coefficient, min(1, max_norm / (norm + 1e-6))."""
+def scale_(buckets: Sequence[Bucket], rank: int, coef: torch.Tensor) -> None:
+    """Scale the gradients of this rank's shards by `coef` (torch's clip coefficient, or a
+    factor deferred earlier), in place."""
     pieces = gradient_slices(buckets, rank)
-    coef = coefficient(total, max_norm)
     for kind in {p.dtype for p in pieces}:      # the coefficient in the gradient's dtype, as torch
         torch._foreach_mul_([p for p in pieces if p.dtype == kind], coef.to(kind))

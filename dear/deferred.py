@@ -35,7 +35,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from . import amp, model_guard, native, runtime
+from . import amp, clip, model_guard, native, runtime
 from .buffers import BufferBroadcast, issue_pending
 from .comm import flight
 from .comm.base import Communicator, ReduceOp
@@ -121,11 +121,16 @@ class _DistributedOptimizer(ExtensionPoints, ReducedGradientMixin, torch.optim.O
         self._schedule = ScheduleDriver(lambda: self._comm, planned, cfg.plan_after,
                                         cfg.chunk_bytes, issue_mode(self._params, comm),
                                         cfg.plan_slack)
-        # shard_optimizer_state (dear/sharded.py): each rank updates its shards in step(); the
-        # all-gathers carry parameters, so nothing may gather a shard before its update.
+        # shard_optimizer_state (dear/sharded.py): each rank updates its shards and the
+        # all-gathers carry parameters, so a chunk gathered in backward needs its bucket's
+        # update first: run early, undone at step() unless nothing it assumed changed
+        # (_settle_early_updates). Built for the executor thread (CPU tensors) only: on a
+        # GPU's stream mode the plan stays off with sharding.
         self._sharded = ShardedState(comm) if shard_optimizer_state else None
         if self._sharded is not None:
-            self._schedule.paused = True
+            if self._schedule.executor is None:
+                self._schedule.paused = True
+            self._schedule.before_gather = _weak_method(self._update_early)
             row_sparse = "off"
         # Embedding tables sent as the rows some rank used (dear/fusion/rows.py).
         self._row_sparse_setting = cfg.row_sparse if row_sparse is None else row_sparse
@@ -283,6 +288,12 @@ class _DistributedOptimizer(ExtensionPoints, ReducedGradientMixin, torch.optim.O
                 if self._transform is not None:     # it rotates the packed gradients
                     bucket.fill()
                     self._transform.before_reduce(bucket)
+                if self._sharded is not None and self._iteration.hyper_at_backward is None:
+                    self._iteration.hyper_at_backward = [_hyperparameters(g)
+                                                         for g in self.param_groups]
+                    self._sharded.attributes = dict(self.__dict__)   # read on that thread
+                if self._sharded is not None:
+                    self._sharded.launched(bucket)
                 bucket.start_reduce_scatter(self._comm, self._prescale, self._schedule.submitter())
                 self._schedule.reduce_scatter_submitted(bucket, self._postscale)
                 self._iteration.next_launch += 1
@@ -418,6 +429,7 @@ class _DistributedOptimizer(ExtensionPoints, ReducedGradientMixin, torch.optim.O
     def _abandon_iteration(self) -> None:
         """Drop this iteration's gradients: finish the reduce-scatters already issued (every
         rank issued the same ones), reset the buckets; parameters and pending updates are kept."""
+        self._undo_early_updates()
         for bucket in self._buckets or ():
             if bucket.stage is not Stage.GATHERING:   # a pending update of the last step stays
                 bucket.drop()
@@ -432,6 +444,7 @@ class _DistributedOptimizer(ExtensionPoints, ReducedGradientMixin, torch.optim.O
         With shard_optimizer_state each rank first updates its shards, and the all-gathers
         carry parameters (`gradients`: the averaged gradients all the same, synchronize())."""
         self._finish_reduce()
+        self._settle_early_updates(grad_scaler, gradients)
         if self._buffer_sync is not None:      # dear/buffers.py: DDP's broadcast_buffers
             self._buffer_sync()
         if self._sparse is not None:           # dear/sparse.py: Embedding(sparse=True) weights
@@ -495,6 +508,7 @@ class _DistributedOptimizer(ExtensionPoints, ReducedGradientMixin, torch.optim.O
                            all(b.all_used_here for b in self._buckets or ()))
 
     def _end_iteration(self) -> None:
+        self._undo_early_updates()             # none left after a step() that kept them
         for bucket in self._buckets or ():
             if bucket.stage is Stage.REDUCING:  # a skipped step: nothing to gather or apply
                 bucket.drop()
@@ -990,6 +1004,7 @@ class _DistributedOptimizer(ExtensionPoints, ReducedGradientMixin, torch.optim.O
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's; with shard_optimizer_state this rank keeps only its shards of it."""
         self.flush_updates()
+        self._undo_early_updates()
         super().load_state_dict(state_dict)
         for bucket in self._buckets or ():
             bucket.group_members = None  # type: ignore[attr-defined]
@@ -1031,7 +1046,63 @@ class _DistributedOptimizer(ExtensionPoints, ReducedGradientMixin, torch.optim.O
         assert sharded is not None and self._buckets is not None
         self._stream.settle()
         with _scope("dear::update_shards"):
-            sharded.update(self, self._inner_step, self._used_anywhere())
+            sharded.update(self, self._inner_step, self._used_anywhere(),
+                           [_hyperparameters(g) for g in self.param_groups])
+            sharded.end_step()
+
+    def _update_early(self, bucket: Bucket) -> None:
+        """Before the first chunk of `bucket` is gathered in backward (on the collective
+        thread): this rank's update of its shard, with the hyperparameters of the start of
+        backward, undoable until step() keeps it. A bucket some parameter of which had no
+        gradient here is left alone: then not every rank had them all, and every rank undoes."""
+        sharded = self._sharded
+        hyper = self._iteration.hyper_at_backward
+        if sharded is None or hyper is None or not bucket.all_used_here:
+            return
+        with _scope("dear::update_early"):
+            sharded.update_early(self, self._inner_step, bucket, hyper)
+
+    def _settle_early_updates(self, grad_scaler: Optional[Any], gradients: bool) -> None:
+        """step(), sharded, every reduce-scatter done: keep the updates run early only if
+        step() would run the same ones: no GradScaler, clipping that scaled by exactly 1,
+        every parameter with a gradient on some rank (on every rank, as each
+        assumed), the same hyperparameters and no parameter written since. Else undo them
+        (the same decision on every rank: these are global facts). Whether the next iteration
+        may run them early follows from the same test."""
+        sharded = self._sharded
+        if sharded is None:
+            return
+        it = self._iteration
+        self._stream.settle()                  # everyone_used
+        kept = (grad_scaler is None and not gradients and self._stream.everyone_used
+                and all(bool((f == 1).all()) for f in it.deferred + it.scaled)
+                and it.hyper_at_backward is not None
+                and _same_hyperparameters(it.hyper_at_backward,
+                                          [_hyperparameters(g) for g in self.param_groups])
+                and sharded.unwritten())
+        self._schedule.held = not kept
+        if not kept:
+            self._undo_early_updates()
+        it.deferred = []                       # each was 1 (or was applied to the shards)
+
+    def _undo_early_updates(self) -> None:
+        """The early updates of this iteration are undone and their chunks forgotten: step()
+        updates and gathers every bucket as in DeAR's order; factors deferred for the chunks
+        (clipping, unscaling) are applied to the shards instead, the same multiplications."""
+        sharded = self._sharded
+        if sharded is None or not (sharded.early or self._schedule.gathered_early()):
+            return
+        self._schedule.drain()
+        sharded.undo_early()
+        for bucket in self._buckets or ():
+            if bucket.stage is Stage.REDUCING:
+                bucket.forget_early_gathers()
+        self._schedule.forget_early()
+        it = self._iteration
+        if it.deferred and self._buckets:
+            for factor in it.deferred:
+                clip.scale_(self._buckets, self._comm.rank, factor)
+            it.deferred = []
 
     def _used_anywhere(self) -> list[list[bool]]:
         """Per bucket, which parameters some rank had a gradient for: known without a
@@ -1054,6 +1125,7 @@ class _DistributedOptimizer(ExtensionPoints, ReducedGradientMixin, torch.optim.O
         """Every rank's shards of the state, unsharded (a collective, after the ranks met through
         the rendezvous store so that a rank calling it alone gets an error, not a hang)."""
         assert self._sharded is not None
+        self._undo_early_updates()
         meet_every_rank(what, self._comm.size)
         return self._sharded.gather_full()
 
@@ -1062,6 +1134,7 @@ class _DistributedOptimizer(ExtensionPoints, ReducedGradientMixin, torch.optim.O
         into self.state in torch's form (absorbed again at the next sharded step)."""
         if self._sharded is not None and self._sharded.buckets:
             self.flush_updates()
+            self._undo_early_updates()
             self.state.update(self._sharded.take_full())  # type: ignore[arg-type]
 
 
@@ -1092,6 +1165,16 @@ def _remove_hooks(handles: list[Any]) -> None:
 def _hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
     return {k: v.clone() if isinstance(v, torch.Tensor) else v
             for k, v in group.items() if k != "params"}
+
+
+def _same_hyperparameters(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> bool:
+    def same(x: Any, y: Any) -> bool:
+        if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+            return (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)
+                    and x.shape == y.shape and bool(torch.equal(x, y)))
+        return bool(x == y)
+    return len(a) == len(b) and all(
+        x.keys() == y.keys() and all(same(x[k], y[k]) for k in x) for x, y in zip(a, b))
 
 
 def _observed(observers: list[Callable[[Bucket], Any]], bucket: Bucket) -> Any:

@@ -32,6 +32,12 @@ class Iteration:
     # clip / unscale factors that must reach chunks gathered before step(): applied to the
     # gathered gradients instead of the shards (the same multiplications, the same bits)
     deferred: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    # clipping's coefficients applied to the shards in place (shard_optimizer_state checks that
+    # an update run early, or one it may run early next time, saw the same gradients)
+    scaled: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    # the param groups' hyperparameters when the first reduce-scatter started (the early
+    # updates of shard_optimizer_state use them; step() checks they still hold)
+    hyper_at_backward: Optional[list[dict]] = None
 
     @classmethod
     def start(cls, num_params: int) -> "Iteration":

@@ -92,10 +92,12 @@ class ReducedGradientMixin:
                                "is non-finite, so it cannot be clipped; set "
                                "error_if_nonfinite=False to scale them by it anyway")
         if max_norm != math.inf:
+            coef = clip.coefficient(total, max_norm)
             if self._gathered_early():
-                self._iteration.deferred.append(clip.coefficient(total, max_norm))
+                self._iteration.deferred.append(coef)
             else:
-                clip.scale_(self._buckets, self._comm.rank, total, max_norm)
+                clip.scale_(self._buckets, self._comm.rank, coef)
+                self._iteration.scaled.append(coef)
         return total
 
     def _unscale_shards(self, grad_scaler: Any) -> torch.Tensor:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -84,6 +84,17 @@ class ShardedState:
         self._values: list[torch.Tensor] = []   # per bucket: the parameters of its shard
         self.state: collections.defaultdict[torch.Tensor, dict[str, Any]] = \
             collections.defaultdict(dict)
+        self.updated: set[int] = set()          # buckets updated in this iteration
+        # Updated early (in backward), and the state their segments had before (None: none
+        # yet), for undo_early.
+        self.early: set[int] = set()
+        self._saved: dict[torch.Tensor, Optional[dict[str, Any]]] = {}
+        # The parameters' versions when each bucket's reduce-scatter started, noted by the
+        # training thread: an early update reads them at some later moment, step() at its own.
+        self._versions: dict[int, list[int]] = {}
+        # The optimizer's attributes as the training thread saw them when backward began: what
+        # the stand-in of an early update starts from (that thread may be changing them).
+        self.attributes: Optional[dict[str, Any]] = None
 
     @property
     def holds_state(self) -> bool:
@@ -94,11 +105,12 @@ class ShardedState:
         gather it first)."""
         assert not self.holds_state, "the sharded state must be gathered before a new layout"
         self.state.clear()
+        self.end_step()
         rank = self._comm.rank
         self.buckets, self.segments, self._values = list(buckets), [], []
         for bucket in buckets:
             spec = bucket.spec
-            values = torch.empty(spec.shard_numel, dtype=spec.dtype, device=spec.device)
+            values = torch.zeros(spec.shard_numel, dtype=spec.dtype, device=spec.device)
             self.segments.append([Segment(bucket.params[j], lo, hi, at, values[at:at + hi - lo])
                                   for j, lo, hi, at in pieces(spec, rank)])
             self._values.append(values)
@@ -106,44 +118,114 @@ class ShardedState:
     def clear(self) -> None:
         self.buckets, self.segments, self._values = [], [], []
         self.state.clear()
+        self.end_step()
 
     # ------------------------------------------------------------------------ the step
     def update(self, optimizer: Any, inner_step: Callable[[Any], Any],
-               used: Sequence[Sequence[bool]]) -> None:
-        """The wrapped optimizer's step on this rank's segments, whose .grad are views of the
-        averaged shards; the updated values are written into the shards for the all-gather."""
+               used: Sequence[Sequence[bool]], hyper: Sequence[dict[str, Any]],
+               only: Optional[Sequence[Bucket]] = None,
+               attributes: Optional[dict[str, Any]] = None) -> None:
+        """The wrapped optimizer's step on this rank's segments of the buckets not updated yet
+        in this iteration (`only`: just those), their .grad views of the averaged shards,
+        with the hyperparameters `hyper` (one dict per param group). The new values are what
+        each bucket's all-gather sends (`Bucket.outgoing`). The step runs on a stand-in
+        optimizer (its own param groups, this state), so the user's optimizer is never edited
+        and an early update may run on the collective thread."""
         self.absorb(optimizer.state)
-        groups = optimizer.param_groups
-        group_of = {p: k for k, g in enumerate(groups) for p in g["params"]}
-        members: list[list[torch.Tensor]] = [[] for _ in groups]
-        for bucket, segments, values, flags in zip(self.buckets, self.segments, self._values,
-                                                   used):
-            if not segments:
-                continue
-            flag_of = dict(zip(bucket.params, flags))
-            for seg in segments:
+        group_of = {p: k for k, g in enumerate(optimizer.param_groups) for p in g["params"]}
+        members: list[list[torch.Tensor]] = [[] for _ in hyper]
+        chosen = [k for k, b in enumerate(self.buckets)
+                  if k not in self.updated and (only is None or b in only)]
+        for k in chosen:
+            flag_of = dict(zip(self.buckets[k].params, used[k]))
+            for seg in self.segments[k]:
                 seg.value.copy_(flat(seg.param)[seg.lo:seg.hi])
-                seg.value.grad = (bucket.shard[seg.at:seg.at + seg.hi - seg.lo]
+                seg.value.grad = (self.buckets[k].shard[seg.at:seg.at + seg.hi - seg.lo]
                                   if flag_of[seg.param] else None)
-                k = group_of.get(seg.param)
-                if k is not None:
-                    members[k].append(seg.value)
-        saved_state, saved_params = optimizer.state, [g["params"] for g in groups]
+                g = group_of.get(seg.param)
+                if g is not None and g < len(members):
+                    members[g].append(seg.value)
+        stand_in = object.__new__(type(optimizer))
+        stand_in.__dict__.update(optimizer.__dict__ if attributes is None else attributes)
+        stand_in.param_groups = [{**h, "params": m} for h, m in zip(hyper, members)]
+        stand_in.state = self.state
         try:
-            optimizer.state = self.state
-            for g, m in zip(groups, members):
-                g["params"] = m
-            inner_step(optimizer)
+            inner_step(stand_in)
         finally:
-            optimizer.state = saved_state
-            for g, p in zip(groups, saved_params):
-                g["params"] = p
-        for bucket, segments, values in zip(self.buckets, self.segments, self._values):
-            for seg in segments:
-                seg.value.grad = None
-            if segments:
-                end = segments[-1].at + segments[-1].hi - segments[-1].lo
-                bucket.shard[:end].copy_(values[:end])
+            for k in chosen:
+                for seg in self.segments[k]:
+                    seg.value.grad = None
+        for k in chosen:
+            bucket, segments, values = self.buckets[k], self.segments[k], self._values[k]
+            end = segments[-1].at + segments[-1].hi - segments[-1].lo if segments else 0
+            values[end:].copy_(bucket.shard[end:])     # the usage flags and padding, as reduced
+            bucket.outgoing = values
+            self.updated.add(k)
+
+    # --------------------------------------------------- early updates, in backward's gaps
+    def launched(self, bucket: Bucket) -> None:
+        """Its reduce-scatter starts (training thread): note its parameters' versions."""
+        self._versions[self.buckets.index(bucket)] = [p._version for p in bucket.params]
+
+    def unwritten(self) -> bool:
+        """No parameter was written since its bucket's reduce-scatter started: an update run
+        since then, early or now, reads the same values (the same answer on every rank,
+        however far the collective thread had got)."""
+        return all(p._version == v for k, versions in self._versions.items()
+                   for p, v in zip(self.buckets[k].params, versions))
+
+    def update_early(self, optimizer: Any, inner_step: Callable[[Any], Any], bucket: Bucket,
+                     hyper: Sequence[dict[str, Any]]) -> None:
+        """The update of one bucket before step() (its chunks are gathered in backward), kept
+        undoable: its segments' state is saved first. Every parameter of the bucket had a
+        gradient here; whether on every rank, step() learns (`everyone_used`)."""
+        k = self.buckets.index(bucket)
+        if k in self.updated:
+            return
+        self.absorb(optimizer.state)
+        for seg in self.segments[k]:
+            entry = self.state.get(seg.value)
+            self._saved[seg.value] = (None if entry is None else
+                                      {key: _saved_copy(v) for key, v in entry.items()})
+        self.early.add(k)
+        self.update(optimizer, inner_step, [[True] * len(b.params) for b in self.buckets],
+                    hyper, only=[bucket], attributes=self.attributes)
+
+    def undo_early(self) -> list[Bucket]:
+        """Put back the state the early updates started from; returns their buckets, which
+        step() updates again (and gathers again)."""
+        undone = []
+        for k in sorted(self.early):
+            for seg in self.segments[k]:
+                saved = self._saved.pop(seg.value, None)
+                if saved is None:
+                    self.state.pop(seg.value, None)
+                    continue
+                live = self.state[seg.value]
+                for key in list(live):
+                    if key not in saved:
+                        del live[key]
+                for key, v in saved.items():
+                    old = live.get(key)
+                    if isinstance(v, torch.Tensor) and isinstance(old, torch.Tensor) \
+                            and old.shape == v.shape and old.dtype == v.dtype:
+                        old.copy_(v)
+                    else:
+                        live[key] = v
+            self.buckets[k].outgoing = None
+            self.updated.discard(k)
+            undone.append(self.buckets[k])
+        self.early = set()
+        self._saved = {}
+        return undone
+
+    def end_step(self) -> None:
+        """The iteration's updates are final."""
+        self.attributes = None
+        self.updated = set()
+        self.early = set()
+        self._saved = {}
+        self._versions = {}
 
     @staticmethod
     def install(bucket: Bucket) -> None:
@@ -254,6 +336,10 @@ def _slice(v: Any, seg: Segment) -> Any:
     if isinstance(v, torch.Tensor):
         return v.detach().clone()
     return v
+
+
+def _saved_copy(v: Any) -> Any:
+    return v.detach().clone() if isinstance(v, torch.Tensor) else v
 
 
 def _describe(v: Any, seg: Segment) -> tuple[str, Any]:

@@ -185,8 +185,10 @@ def emulated_ranks_match(make: Callable[[Any], torch.optim.Optimizer], world: in
         length = padded // world
         for r, (params, opt, bucket, state) in enumerate(replicas):
             bucket.shard.copy_(full[r * length:(r + 1) * length])
-            state.update(opt, type(opt).step, [[True] * len(params)])
-            gathered[r * length:(r + 1) * length] = bucket.shard
+            hyper = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+            state.update(opt, type(opt).step, [[True] * len(params)], hyper)
+            state.end_step()
+            gathered[r * length:(r + 1) * length] = bucket.outgoing_shard()
         for params, _, _, _ in replicas:       # the all-gather and install
             for p, o, n in zip(params, offsets, numels):
                 with torch.no_grad():

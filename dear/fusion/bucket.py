@@ -90,6 +90,9 @@ class Bucket:
         self.transformed: Optional[object] = None
         self._work: Optional[Work] = None          # the reduce-scatter
         self._gathers: list[Work] = []              # all-gathers (whole, grouped or chunks)
+        # What the all-gather sends in place of the averaged shard: with
+        # shard_optimizer_state, this rank's updated parameters (dear/sharded.py).
+        self.outgoing: Optional[torch.Tensor] = None
         self._averaged = False                      # finish_reduce_scatter ran
         # On a GPU the averaging may run on the planned schedule's side stream: a stream that
         # reads the shard later waits for this event first.
@@ -283,7 +286,10 @@ class Bucket:
             self._averaged = True
 
     def outgoing_shard(self) -> torch.Tensor:
-        """This rank's averaged shard, in the wire dtype, ready to be all-gathered."""
+        """This rank's averaged shard, in the wire dtype, ready to be all-gathered (or what
+        replaces it: `outgoing`)."""
+        if self.outgoing is not None:
+            return self.outgoing
         if self.wire_shard is not self.shard:
             self.wire_shard.copy_(self.shard)
         return self.wire_shard
@@ -294,9 +300,18 @@ class Bucket:
     def gather_columns(self, comm: Communicator, start: int, length: int) -> Work:
         """All-gather one chunk of the shard, columns [start, start + length); the shard must
         be averaged already (finish_reduce_scatter) and sent in the wire dtype."""
+        if self.outgoing is not None:
+            return comm.all_gather_columns(self.outgoing, self.wire, start, length)
         if start == 0 and self.wire_shard is not self.shard:
             self.wire_shard.copy_(self.shard)          # compression: the whole shard, once
         return comm.all_gather_columns(self.wire_shard, self.wire, start, length)
+
+    def forget_early_gathers(self) -> None:
+        """Chunks gathered in backward that must be sent again (an early update was undone):
+        wait for them, so nothing lands in the buffer later, and drop them."""
+        for work in self._gathers:
+            self._wait("all-gather", work)
+        self._gathers = []
 
     def gather_early(self, work: Work) -> None:
         """A chunk's all-gather issued during backward (a planned schedule): the bucket stays
@@ -358,3 +373,4 @@ class Bucket:
         self._averaged_event = None
         self._all_used_here = False
         self.taken_version = None
+        self.outgoing = None

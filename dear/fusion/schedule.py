@@ -238,6 +238,12 @@ class ScheduleDriver:
         self._buckets: list[Any] = []
         self._prefix: dict[int, int] = {}       # columns of each bucket gathered in backward
         self.paused = False                     # e.g. dear.KFAC edits the shards before gathers
+        # This iteration issues no chunk (still measured and planned): with
+        # shard_optimizer_state, an iteration whose step() may not run updates early.
+        self.held = False
+        # Run after a bucket's shard is averaged and before its first chunk is gathered: with
+        # shard_optimizer_state, its early update (the chunks carry parameters).
+        self.before_gather: Optional[Callable[[Any], None]] = None
 
     @property
     def _comm(self) -> Communicator:
@@ -261,7 +267,7 @@ class ScheduleDriver:
 
     @property
     def active(self) -> bool:
-        return self.plan is not None and not self.paused
+        return self.plan is not None and not self.paused and not self.held
 
     def submitter(self) -> Optional[Callable[..., Work]]:
         """How this iteration's reduce-scatters are issued: through the executor (directly while
@@ -280,16 +286,27 @@ class ScheduleDriver:
         comm = self._comm
         for b, start, length in self.plan.after.get(bucket.spec.index, ()):
             target = self._buckets[b]
+            ready = functools.partial(self._ready_to_gather, target, postscale)
             if self.executor is not None:
                 work = self.executor.submit(
                     functools.partial(target.gather_columns, comm, start, length),
-                    before=functools.partial(target.finish_reduce_scatter, postscale))
+                    before=ready)
             else:                               # "stream": nothing here waits on the host
                 with self._chunk_stream(target.buffer.device):
-                    target.finish_reduce_scatter(postscale)
+                    ready()
                     work = target.gather_columns(comm, start, length)
             target.gather_early(work)
             self._prefix[b] = start + length
+
+    def _ready_to_gather(self, bucket: Any, postscale: float) -> None:
+        bucket.finish_reduce_scatter(postscale)
+        if self.before_gather is not None:
+            self.before_gather(bucket)
+
+    def forget_early(self) -> None:
+        """The chunks gathered in backward must be gathered again at step() (an early update
+        was undone): after the executor is drained, every bucket is gathered whole."""
+        self._prefix = {}
 
     @property
     def _device(self) -> torch.device:

@@ -1,0 +1,148 @@
+"""shard_optimizer_state=True under the planned schedule: the chunks gathered in backward carry
+parameters, so each rank updates those buckets' shards early, on the collective thread, and
+step() keeps the early updates only if nothing they assumed changed (dear/deferred.py,
+_settle_early_updates). Every habit of a loop between backward and step() must give the bits of
+dear without sharding (itself checked against single-process training and DDP elsewhere),
+whether the early updates were kept or undone."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import dear
+from dear.fusion.plan import Plan, chunk_columns
+from tests.distributed import run_distributed
+from tests.test_sharded import _same
+from tests.workloads import batch, branch_used, make_net, state_of
+
+STEPS = 6
+START = 2           # the habits begin here, after clean steps: the first one meets early updates
+NO_PLAN = {"DEAR_PLAN_AFTER": "100"}          # only the forced plan below runs
+
+# What the loop does between backward and step(), and whether the early updates can stand.
+HABITS = {
+    "plain": True,
+    "clip_not_reached": True,                 # clip_grad_norm_ whose coefficient is 1
+    "clip": False,                            # a coefficient < 1: undone, then held back
+    "grad_scaler": False,                     # its unscale deferred, then applied to shards
+    "clip_grad_scaler": False,
+    "lr_set_before_step": False,              # a warm-up written before optimizer.step()
+    "param_edited": False,                    # the parameters written before step()
+    "horovod_synchronize": False,             # synchronize(); edit .grad; skip_synchronize
+    "state_dict_mid_iteration": False,        # checkpoint between backward and step()
+    "branch": False,                          # some ranks skip a layer: not everyone used all
+}
+EVERY_STEP = {"clip", "grad_scaler", "clip_grad_scaler", "lr_set_before_step", "param_edited",
+              "horovod_synchronize"}
+
+
+def _force_plan(opt: Any) -> None:
+    """After every bucket's reduce-scatter, gather all of that bucket in 5-column chunks."""
+    if opt._buckets is not None and opt._schedule.plan is None:
+        opt._schedule.plan = Plan(after={
+            b.spec.index: tuple((b.spec.index, s, n)
+                                for s, n in chunk_columns(b.spec.shard_numel, 5))
+            for b in opt._buckets})
+
+
+def _run(opt_name: str, sharded: bool, habit: str) -> dict:
+    rank, world = dear.rank(), dear.size()
+    model = make_net()
+    inner = (torch.optim.Adam(model.parameters(), lr=0.01, weight_decay=0.01)
+             if opt_name == "adam" else
+             torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, nesterov=True))
+    opt = dear.DistributedOptimizer(inner, model=model, fusion_threshold=700,
+                                    schedule="planned" if sharded else "dear",
+                                    shard_optimizer_state=sharded)
+    scaler = (torch.amp.GradScaler("cpu", init_scale=2.0 ** 10) if "grad_scaler" in habit
+              else None)
+    counts = {"early": 0, "undone": 0}
+    if sharded:
+        state = opt._sharded
+        update_early, undo_early = state.update_early, state.undo_early
+
+        def counted_update(*args: Any, **kwargs: Any) -> None:
+            before = len(state.early)          # once per bucket and iteration; the other
+            update_early(*args, **kwargs)      # chunks of the bucket find it done
+            counts["early"] += len(state.early) - before
+
+        def counted_undo() -> Any:
+            counts["undone"] += len(state.early)
+            return undo_early()
+        state.update_early, state.undo_early = counted_update, counted_undo
+    saved = []
+    for step in range(STEPS):
+        if sharded:
+            _force_plan(opt)
+        opt.zero_grad()
+        x, y = batch(step, world, rank)
+        loss = F.mse_loss(model(x, branch_used(step, rank) if habit == "branch" else True), y)
+        now = step >= START
+        use_scaler = scaler is not None and now
+        (scaler.scale(loss) if use_scaler else loss).backward()
+        if habit == "clip_not_reached":
+            opt.clip_grad_norm_(1e6)
+        elif habit == "clip" and now:
+            opt.clip_grad_norm_(0.05)
+        elif habit == "clip_grad_scaler" and now:
+            opt.clip_grad_norm_(0.05, grad_scaler=scaler)
+        elif habit == "lr_set_before_step" and now:
+            for g in opt.param_groups:
+                g["lr"] = 0.01 * (step + 1) / STEPS
+        elif habit == "param_edited" and now:
+            with torch.no_grad():
+                model.head.weight.mul_(0.99)
+        elif habit == "state_dict_mid_iteration" and step == 3:
+            saved.append(copy.deepcopy(opt.state_dict()))   # torch returns live tensors
+        if habit == "horovod_synchronize" and now:
+            opt.synchronize()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+            with opt.skip_synchronize():
+                opt.step()
+        elif use_scaler:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+    counts["buckets"] = len(opt._buckets)
+    return {"params": state_of(model), "state": opt.state_dict(), "counts": counts,
+            "saved": saved}
+
+
+def early_checks(habits: list[str], opt_name: str) -> dict:
+    dear.init()
+    out = {}
+    for habit in habits:
+        out[habit] = {"plain": _run(opt_name, False, habit), "sharded": _run(opt_name, True, habit)}
+    dear.shutdown()
+    return out
+
+
+@pytest.mark.parametrize("world,opt_name", [(2, "adam"), (3, "sgd")])
+def test_early_updates_kept_or_undone_give_the_unsharded_bits(world: int, opt_name: str) -> None:
+    habits = list(HABITS)
+    ranks = run_distributed(early_checks, world, habits, opt_name, env=NO_PLAN, timeout=300)
+    for rank, res in enumerate(ranks):
+        for habit, stands in HABITS.items():
+            plain, sharded = res[habit]["plain"], res[habit]["sharded"]
+            where = f"rank {rank}, {habit}"
+            assert _same(plain["params"], sharded["params"]), f"{where}: parameters differ"
+            assert _same(plain["state"], sharded["state"]), f"{where}: state differs"
+            assert _same(plain["saved"], sharded["saved"]), f"{where}: mid-iteration state_dict"
+            counts = sharded["counts"]
+            buckets = counts["buckets"]
+            if stands:                         # every step after the first (which lays out)
+                assert counts == {"early": buckets * (STEPS - 1), "undone": 0,
+                                  "buckets": buckets}, f"{where}: {counts}"
+            elif habit in EVERY_STEP:          # kept before START, undone once, then held back
+                assert counts["early"] == buckets * START and counts["undone"] == buckets, \
+                    f"{where}: {counts}"
+            elif habit == "state_dict_mid_iteration":   # undone in that iteration only
+                assert counts["early"] == buckets * (STEPS - 1) and counts["undone"] == buckets
+            else:                              # branch: some rank skips it whenever it ran early
+                assert counts["early"] == counts["undone"] > 0, f"{where}: {counts}"
