@@ -31,7 +31,7 @@ import functools
 import logging
 import warnings
 import weakref
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
@@ -453,10 +453,14 @@ class _DistributedOptimizer(ExtensionPoints, ReducedGradientMixin, torch.optim.O
         assert buckets is not None
         if grad_scaler is None or not self._amp_skips(grad_scaler):
             flight.mark_phase("step")
-            if self._sharded is not None and not gradients:
-                self._update_shards()
+            update = (self._shard_updater() if self._sharded is not None and not gradients
+                      else None)
             self._schedule.maybe_plan([b.wire.element_size() for b in buckets])
-            self._schedule.gather_rest(self._gather_groups)   # forward order: 0 needed first
+            # forward order, 0 needed first; sharded: each group's update right before its
+            # all-gather, so the link starts after the first group's, not after all of them
+            self._schedule.gather_rest(self._gather_groups, update)
+            if self._sharded is not None:
+                self._sharded.end_step()
             # The update runs later, after e.g. an LR scheduler has moved on: it must use the
             # hyperparameters that were in force when step() was called.
             self._hyper_at_step = [_hyperparameters(g) for g in self.param_groups]
@@ -1039,16 +1043,21 @@ class _DistributedOptimizer(ExtensionPoints, ReducedGradientMixin, torch.optim.O
         """Whether each rank keeps and updates only its shards of the optimizer state."""
         return self._sharded is not None
 
-    def _update_shards(self) -> None:
-        """step(), sharded: the wrapped optimizer's update on this rank's shards (after the
-        stream check: nothing of a step is applied before it passed)."""
+    def _shard_updater(self) -> Callable[[Sequence[Bucket]], None]:
+        """step(), sharded: the wrapped optimizer's update on this rank's shards of some
+        buckets (those not updated early), called for each all-gather group before it is
+        issued. After the stream check: nothing of a step is applied before it passed; which
+        parameters some rank had a gradient for is learnt once, here (maybe a collective)."""
         sharded = self._sharded
         assert sharded is not None and self._buckets is not None
         self._stream.settle()
-        with _scope("dear::update_shards"):
-            sharded.update(self, self._inner_step, self._used_anywhere(),
-                           [_hyperparameters(g) for g in self.param_groups])
-            sharded.end_step()
+        used = self._used_anywhere()
+        hyper = [_hyperparameters(g) for g in self.param_groups]
+
+        def update(buckets: Sequence[Bucket]) -> None:
+            with _scope("dear::update_shards"):
+                sharded.update(self, self._inner_step, used, hyper, only=buckets)
+        return update
 
     def _update_early(self, bucket: Bucket) -> None:
         """Before the first chunk of `bucket` is gathered in backward (on the collective

@@ -92,6 +92,7 @@ class ShardedState:
         # The parameters' versions when each bucket's reduce-scatter started, noted by the
         # training thread: an early update reads them at some later moment, step() at its own.
         self._versions: dict[int, list[int]] = {}
+        self.peak_saved_bytes = 0               # the most state saved for undo at once
         # The optimizer's attributes as the training thread saw them when backward began: what
         # the stand-in of an early update starts from (that thread may be changing them).
         self.attributes: Optional[dict[str, Any]] = None
@@ -131,11 +132,13 @@ class ShardedState:
         each bucket's all-gather sends (`Bucket.outgoing`). The step runs on a stand-in
         optimizer (its own param groups, this state), so the user's optimizer is never edited
         and an early update may run on the collective thread."""
+        chosen = [k for k, b in enumerate(self.buckets)
+                  if k not in self.updated and (only is None or b in only)]
+        if not chosen:
+            return
         self.absorb(optimizer.state)
         group_of = {p: k for k, g in enumerate(optimizer.param_groups) for p in g["params"]}
         members: list[list[torch.Tensor]] = [[] for _ in hyper]
-        chosen = [k for k, b in enumerate(self.buckets)
-                  if k not in self.updated and (only is None or b in only)]
         for k in chosen:
             flag_of = dict(zip(self.buckets[k].params, used[k]))
             for seg in self.segments[k]:
@@ -188,6 +191,9 @@ class ShardedState:
             self._saved[seg.value] = (None if entry is None else
                                       {key: _saved_copy(v) for key, v in entry.items()})
         self.early.add(k)
+        self.peak_saved_bytes = max(self.peak_saved_bytes, sum(
+            v.numel() * v.element_size() for entry in self._saved.values() if entry
+            for v in entry.values() if isinstance(v, torch.Tensor)))
         self.update(optimizer, inner_step, [[True] * len(b.params) for b in self.buckets],
                     hyper, only=[bucket], attributes=self.attributes)
 

@@ -81,13 +81,15 @@ def test_dear_two_buckets_closed_form():
 
 
 def test_sharded_closed_form():
-    """shard_optimizer_state: each rank updates its half in step(), before the all-gathers
-    (on the critical path there, as the update is in the forward without sharding); the
-    forward only waits for the gathered parameters."""
+    """shard_optimizer_state under the plan: p1's bucket, reduced during G0, is updated early
+    (on the collective thread, beside backward) and gathered in G0's idle link time; p0's
+    half (a quarter of UPDATE) is updated in step(), before its all-gather, on the critical
+    path; the forward only waits for the gathered parameters."""
     cost = CostModel.ideal(2e9, 0.0, world_size=2)
     one = cost.time("reduce_scatter", _bucket_bytes(1))
+    assert G1 + 2 * one < G1 + G0                      # p1's rs and ag both fit inside G0
     p = Simulator.from_model(_model(), cost).predict(Schedule.SHARDED)
-    compute = F0 + F1 + G1 + G0 + UPDATE / 2
+    compute = F0 + F1 + G1 + G0 + UPDATE / 4
     assert p.iteration_time == pytest.approx(compute + 2 * one, rel=1e-9)
     assert p.compute == pytest.approx(compute, rel=1e-9)
 

@@ -127,7 +127,9 @@ def dear_program(prof: Profile, layout: DearLayout, numel: list[int],
     bucket touched by a chunk ("agr"), whole groups otherwise. A chunk issued right after a
     reduce-scatter starts on the FIFO link after it, hence after its own bucket's (earlier).
     `sharded` (shard_optimizer_state, this rank's share of each bucket): the update of that
-    share runs in step(), before the all-gathers, and the forward only waits for them."""
+    share runs in step(), before the all-gathers, and the forward only waits for them; a bucket
+    the plan gathers in backward was updated early, on the collective thread, beside
+    backward's compute (its chunks wait for it on the link's order, not on the compute)."""
     after = plan.after if plan is not None else {}
     early = {c[0] for chunks in after.values() for c in chunks}
     buckets = layout.buckets
@@ -174,7 +176,8 @@ def dear_program(prof: Profile, layout: DearLayout, numel: list[int],
         prog += [("wait", ("rs", it, b)) for b in reversed(range(len(buckets)))]
         prog.append(("compute", prof.step_extra, "step"))
         if sharded is not None:
-            prog.append(("compute", sum(update) * sharded, "update"))
+            prog.append(("compute", sharded * sum(
+                u for b, u in enumerate(update) if b not in early), "update"))
         for g, members in enumerate(layout.groups):
             if any(b in early for b in members):
                 prog += [("issue", ("agr", it, b)) for b in members]

@@ -55,7 +55,11 @@ def backend_allreduce_slots(backend: Optional[str]) -> int:
 class Schedule(str, enum.Enum):
     DEAR = "dear"
     PLANNED = "planned"            # dear's default: DeAR + all-gather chunks in backward's gaps
-    SHARDED = "sharded"            # shard_optimizer_state: DeAR's order, the update in step()
+    # shard_optimizer_state: the planned schedule; the buckets it gathers in backward are
+    # updated early on the collective thread, the rest in step() before their all-gathers
+    # (with a GradScaler or clipping that clips, dear holds back to DeAR's order: Schedule.DEAR
+    # with the update in step())
+    SHARDED = "sharded"
     DDP = "ddp"
     WFBP = "wfbp"
     ALLREDUCE = "allreduce"
@@ -267,9 +271,10 @@ class Simulator:
             def bucket_sizes(key: tuple) -> int:
                 return buckets[key[2]][1] if key[0] == "rs" else group_bytes[key[2]]
             sizes: Callable[[tuple], int] = bucket_sizes
-            if schedule is Schedule.PLANNED:
+            if schedule in (Schedule.PLANNED, Schedule.SHARDED):
                 plan, layout, sizes = self._planned(programs, layout, cost, chunk, tables)
-                programs = [dear_program(p, layout, numel, plan) for p in profiles]
+                programs = [dear_program(p, layout, numel, plan, sharded=shard)
+                            for p in profiles]
             # a table sent by rows: its own reduce-scatter time, nothing to all-gather
             fixed = {("rs", b): t for b, t in tables.items()}
             fixed.update((("ag", g), 0.0) for g, members in enumerate(layout.groups)

@@ -328,10 +328,14 @@ class ScheduleDriver:
         if self.executor is not None:
             self.executor.drain()
 
-    def gather_rest(self, groups: Sequence[Any]) -> None:
+    def gather_rest(self, groups: Sequence[Any],
+                    before: Optional[Callable[[Sequence[Any]], None]] = None) -> None:
         """step(): every all-gather not issued in backward, in forward order (whole groups where
-        no member was gathered early, else each bucket's remaining columns)."""
+        no member was gathered early, else each bucket's remaining columns); `before(buckets)`
+        runs before each group's (sharded: their update)."""
         for group in groups:
+            if before is not None:
+                before(group.buckets)
             if not any(b.spec.index in self._prefix for b in group.buckets):
                 group.start(self._comm)
                 continue
