@@ -15,9 +15,8 @@ import torch
 import torch.nn.functional as F
 
 import dear
-from dear.fusion.plan import Plan, chunk_columns
 from tests.distributed import run_distributed
-from tests.test_sharded import _same
+from tests.test_sharded import _same, force_plan
 from tests.workloads import batch, branch_used, make_net, state_of
 
 STEPS = 6
@@ -39,15 +38,6 @@ HABITS = {
 }
 EVERY_STEP = {"clip", "grad_scaler", "clip_grad_scaler", "lr_set_before_step", "param_edited",
               "horovod_synchronize"}
-
-
-def _force_plan(opt: Any) -> None:
-    """After every bucket's reduce-scatter, gather all of that bucket in 5-column chunks."""
-    if opt._buckets is not None and opt._schedule.plan is None:
-        opt._schedule.plan = Plan(after={
-            b.spec.index: tuple((b.spec.index, s, n)
-                                for s, n in chunk_columns(b.spec.shard_numel, 5))
-            for b in opt._buckets})
 
 
 def _run(opt_name: str, sharded: bool, habit: str) -> dict:
@@ -78,7 +68,7 @@ def _run(opt_name: str, sharded: bool, habit: str) -> dict:
     saved = []
     for step in range(STEPS):
         if sharded:
-            _force_plan(opt)
+            force_plan(opt)
         opt.zero_grad()
         x, y = batch(step, world, rank)
         loss = F.mse_loss(model(x, branch_used(step, rank) if habit == "branch" else True), y)
