@@ -269,6 +269,8 @@ def _loop(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: range,
           passes: int = 1) -> None:
     rank, world = dear.rank(), dear.size()
     for step in steps:
+        if opt.shard_optimizer_state:          # early updates (kept or undone) in every case
+            force_plan(opt)
         opt.zero_grad()
         for k in range(passes):
             x, y = batch(step * passes + k, world, rank)
