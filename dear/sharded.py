@@ -92,6 +92,7 @@ class ShardedState:
         # The parameters' versions when each bucket's reduce-scatter started, noted by the
         # training thread: an early update reads them at some later moment, step() at its own.
         self._versions: dict[int, list[int]] = {}
+        self._saved_bytes = 0                   # what _saved holds now
         self.peak_saved_bytes = 0               # the most state saved for undo at once
         # The optimizer's attributes as the training thread saw them when backward began: what
         # the stand-in of an early update starts from (that thread may be changing them).
@@ -168,7 +169,7 @@ class ShardedState:
     # --------------------------------------------------- early updates, in backward's gaps
     def launched(self, bucket: Bucket) -> None:
         """Its reduce-scatter starts (training thread): note its parameters' versions."""
-        self._versions[self.buckets.index(bucket)] = [p._version for p in bucket.params]
+        self._versions[bucket.spec.index] = [p._version for p in bucket.params]
 
     def unwritten(self) -> bool:
         """No parameter was written since its bucket's reduce-scatter started: an update run
@@ -182,25 +183,25 @@ class ShardedState:
         """The update of one bucket before step() (its chunks are gathered in backward), kept
         undoable: its segments' state is saved first. Every parameter of the bucket had a
         gradient here; whether on every rank, step() learns (`everyone_used`)."""
-        k = self.buckets.index(bucket)
+        k = bucket.spec.index                   # its place in self.buckets (the layout's)
         if k in self.updated:
             return
         self.absorb(optimizer.state)
         for seg in self.segments[k]:
             entry = self.state.get(seg.value)
-            self._saved[seg.value] = (None if entry is None else
-                                      {key: _saved_copy(v) for key, v in entry.items()})
+            saved = (None if entry is None else
+                     {key: _saved_copy(v) for key, v in entry.items()})
+            self._saved[seg.value] = saved
+            self._saved_bytes += sum(v.numel() * v.element_size() for v in (saved or {}).values()
+                                     if isinstance(v, torch.Tensor))
         self.early.add(k)
-        self.peak_saved_bytes = max(self.peak_saved_bytes, sum(
-            v.numel() * v.element_size() for entry in self._saved.values() if entry
-            for v in entry.values() if isinstance(v, torch.Tensor)))
+        self.peak_saved_bytes = max(self.peak_saved_bytes, self._saved_bytes)
         self.update(optimizer, inner_step, [[True] * len(b.params) for b in self.buckets],
                     hyper, only=[bucket], attributes=self.attributes)
 
-    def undo_early(self) -> list[Bucket]:
-        """Put back the state the early updates started from; returns their buckets, which
-        step() updates again (and gathers again)."""
-        undone = []
+    def undo_early(self) -> None:
+        """Put back the state the early updates started from; step() updates their buckets
+        again (and gathers them again)."""
         for k in sorted(self.early):
             for seg in self.segments[k]:
                 saved = self._saved.pop(seg.value, None)
@@ -220,10 +221,9 @@ class ShardedState:
                         live[key] = v
             self.buckets[k].outgoing = None
             self.updated.discard(k)
-            undone.append(self.buckets[k])
         self.early = set()
         self._saved = {}
-        return undone
+        self._saved_bytes = 0
 
     def end_step(self) -> None:
         """The iteration's updates are final."""
@@ -231,6 +231,7 @@ class ShardedState:
         self.updated = set()
         self.early = set()
         self._saved = {}
+        self._saved_bytes = 0
         self._versions = {}
 
     @staticmethod

@@ -61,9 +61,9 @@ def _run(opt_name: str, sharded: bool, habit: str) -> dict:
             update_early(*args, **kwargs)      # chunks of the bucket find it done
             counts["early"] += len(state.early) - before
 
-        def counted_undo() -> Any:
+        def counted_undo() -> None:
             counts["undone"] += len(state.early)
-            return undo_early()
+            undo_early()
         state.update_early, state.undo_early = counted_update, counted_undo
     saved = []
     for step in range(STEPS):
