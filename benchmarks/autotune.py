@@ -17,21 +17,23 @@ from __future__ import annotations
 
 import argparse
 import gc
+import functools
 import json
 import os
 import statistics
 import sys
 import tempfile
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 
 import dear
-from benchmarks import results
+from benchmarks import cli, results
 from benchmarks.bench import CONFIGS
-from benchmarks.train import make_sgd, slowest_median, time_steps, workload
+from benchmarks.timing import slowest_median, time_steps
+from benchmarks.train import make_sgd, workload
 from dear.fusion.fusion_config import FusionConfig
 
 MB = 1 << 20
@@ -70,7 +72,7 @@ def run_tuner(args: argparse.Namespace, parts: tuple, out_dir: str,
     build, _, batch, loss_fn = parts
     model = build()
     opt = dear.DistributedOptimizer(make_sgd(model.parameters()), model=model, autotune=mode)
-    tuner = opt._autotuner
+    tuner = opt.autotuner
     iterations = 0
     wall = time.perf_counter()
     while not tuner.finished:
@@ -225,15 +227,15 @@ def report(args: argparse.Namespace, grid: dict, default: float, tuned: dict,
                                           "online tuner": chosen.describe(),
                                           "offline tuner": off_cfg.describe()},
                               "times_s": final, "ratio_to_grid_best": final_ratio}},
-        table, notes)
-    plot(name, grid, best, tuned["trials"])
+        table, notes, figure=plot(grid, best, tuned["trials"]))
 
 
-def plot(name: str, grid: dict, best: float, trials: list[dict]) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def plot(grid: dict, best: float, trials: list[dict]) -> Callable[[str], None]:
+    return functools.partial(_draw, grid, best, trials)
 
+
+def _draw(grid: dict, best: float, trials: list[dict], path: str) -> None:
+    plt = results.pyplot()
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     ks = [t["trial"] for t in trials]
     a.plot(ks, [t["iteration_time_s"] for t in trials], "o-", label="trial")
@@ -250,16 +252,15 @@ def plot(name: str, grid: dict, best: float, trials: list[dict]) -> None:
     b.set_ylabel("iteration time (s)")
     b.set_title("grid: rs / ag / first (MB)")
     fig.tight_layout()
-    fig.savefig(os.path.join(results.RESULTS_DIR, f"{name}.png"), dpi=100)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 def parse(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default="resnet50,bert_base")
     p.add_argument("--model", default="resnet50", help="(per rank)")
-    p.add_argument("--no-shaping", action="store_true")
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--iters", type=int, default=5)
+    cli.add_options(p, warmup=2, iters=5, timeout=3600.0, shaping=True)
     p.add_argument("--window", type=int, default=5)
     p.add_argument("--settle", type=int, default=2)
     p.add_argument("--simulated-trials", type=int, default=40,
@@ -269,7 +270,6 @@ def parse(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--final-rounds", type=int, default=3,
                    help="interleaved rounds of the final comparison (grid best, default, tuners)")
     p.add_argument("--suffix", default="")
-    p.add_argument("--timeout", type=float, default=3600.0)
     p.add_argument("--rank-main", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--bandwidth", default="", help=argparse.SUPPRESS)
     p.add_argument("--batch", type=int, default=8, help=argparse.SUPPRESS)

@@ -1,33 +1,25 @@
-"""The schedules dear is measured against, each wrapping a model and a torch optimizer.
+"""The schedules dear is measured against that neither torch nor Horovod ships as such, and
+FSDP2's wrapping per block (the registry that builds every method: benchmarks/methods.py).
 
-- `allreduce`: one all-reduce of the whole flattened gradient after backward (no overlap).
-- `wfbp`: wait-free backprop, Horovod's schedule: gradients fused into buckets in the order
+- `AllReduceAfterBackward`: one all-reduce of the whole flattened gradient after backward (no
+  overlap).
+- `WFBP`: wait-free backprop, Horovod's schedule: gradients fused into buckets in the order
   backward produces them, each bucket all-reduced as soon as it fills, all waited for in step().
-- `ddp`: torch DistributedDataParallel with its default 25 MB buckets.
-- `fsdp2`: fully_shard(reshard_after_forward=False) per block: reduce-scatter in backward,
+- `fsdp2_wrap`: fully_shard(reshard_after_forward=False) per block: reduce-scatter in backward,
   all-gather of PARAMETERS with prefetch in forward; DeAR's overlap, the other thing gathered.
-- `dear`: dear.DistributedOptimizer on torch.distributed with its defaults (the planned
-  schedule; untied embedding tables of 1 MB or more sent as the rows the batch used);
-  `dear-order`: the same in DeAR's own order (schedule="dear"); `dear-dense`: row_sparse=False
-  (every table whole); `dear-rows`: row_sparse=True; `dear-hvd`: on Horovod; `dear-views`:
-  gradient_as_bucket_view=True (.grad in the buckets, nothing copied).
-All use the same Communicator / process group, so only the schedule differs.
+All use the same Communicator / process group as dear, so only the schedule differs.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
-import dear
 from dear.comm.base import Work
 from dear.fusion.planner import plan_buckets
 from dear.runtime import communicator
-
-METHODS = ("ddp", "fsdp2", "horovod", "allreduce", "wfbp", "dear", "dear-order", "dear-rows",
-           "dear-dense", "dear-hvd", "dear-views", "sharded")
 
 
 class AllReduceAfterBackward:
@@ -106,16 +98,6 @@ class WFBP:
         self.optimizer.step()
 
 
-def release(opt: Any) -> None:
-    """Drop the hooks a method left on its parameters. Hooks on tensors are out of the garbage
-    collector's sight, so without this every method run keeps its model alive (1 GB a run for
-    BERT-Base: the benchmark ran out of memory). dear's own optimizer holds itself weakly there."""
-    for handle in getattr(opt, "hooks", ()):
-        handle.remove()
-    if hasattr(opt, "_grad_accs"):              # hvd.DistributedOptimizer: its hooks live on
-        opt._grad_accs.clear()                  # these autograd nodes; let them go
-
-
 def fsdp2_wrap(model: torch.nn.Module, blocks: Callable[[torch.nn.Module], list[torch.nn.Module]]
                ) -> torch.nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
@@ -126,43 +108,3 @@ def fsdp2_wrap(model: torch.nn.Module, blocks: Callable[[torch.nn.Module], list[
         fully_shard(block, mesh=mesh, reshard_after_forward=False)
     fully_shard(model, mesh=mesh, reshard_after_forward=False)
     return model
-
-
-def prepare(method: str, model: torch.nn.Module,
-            make_optimizer: Callable[[Any], torch.optim.Optimizer],
-            blocks: Callable[[torch.nn.Module], list[torch.nn.Module]]
-            ) -> tuple[torch.nn.Module, Any]:
-    """Return (module to call for the forward pass, object with zero_grad() and step())."""
-    if method == "ddp":
-        return torch.nn.parallel.DistributedDataParallel(model), make_optimizer(model.parameters())
-    if method == "fsdp2":
-        model = fsdp2_wrap(model, blocks)
-        return model, make_optimizer(model.parameters())
-    if method == "allreduce":
-        return model, AllReduceAfterBackward(model, make_optimizer(model.parameters()))
-    if method == "wfbp":
-        return model, WFBP(model, make_optimizer(model.parameters()))
-    if method in ("dear", "dear-hvd"):             # the backend is chosen by dear.init()
-        return model, dear.DistributedOptimizer(make_optimizer(model.parameters()), model=model)
-    if method in ("dear-rows", "dear-dense"):
-        return model, dear.DistributedOptimizer(make_optimizer(model.parameters()), model=model,
-                                                row_sparse=method == "dear-rows")
-    if method == "dear-views":
-        return model, dear.DistributedOptimizer(make_optimizer(model.parameters()), model=model,
-                                                gradient_as_bucket_view=True)
-    if method == "sharded":                        # the simulator's Schedule.SHARDED
-        return model, dear.DistributedOptimizer(make_optimizer(model.parameters()), model=model,
-                                                shard_optimizer_state=True)
-    if method == "dear-order":
-        return model, dear.DistributedOptimizer(make_optimizer(model.parameters()), model=model,
-                                                schedule="dear")
-    if method == "horovod":
-        try:
-            import horovod.torch as hvd
-        except ImportError as exc:
-            raise RuntimeError("method 'horovod' needs Horovod installed (see README)") from exc
-        hvd.init()
-        opt = make_optimizer(model.parameters())
-        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-        return model, hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
-    raise ValueError(f"unknown method {method!r}; expected one of {METHODS}")

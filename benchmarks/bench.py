@@ -83,26 +83,6 @@ def run_model(model: str, args: argparse.Namespace, shaping: bool) -> dict[str, 
         return json.load(fh)
 
 
-def chart(reports: dict[str, dict[str, Any]], path: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(reports), figsize=(6 * len(reports), 4), squeeze=False)
-    for ax, (model, rep) in zip(axes[0], reports.items()):
-        methods = list(rep["methods"])
-        ratios = [rep["methods"][m]["ratio_lb"] for m in methods]
-        colors = ["tab:red" if m.startswith("dear") else "tab:gray" for m in methods]
-        ax.bar(methods, ratios, color=colors)
-        ax.axhline(1.0, color="black", linewidth=1, linestyle="--", label="T_lb")
-        ax.set_title(f"{model}: {rep['t_lb_s'] * 1e3:.0f} ms lower bound")
-        ax.set_ylabel("iteration time / T_lb")
-        ax.tick_params(axis="x", rotation=30)
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="resnet50,bert_base")
@@ -144,12 +124,12 @@ def main(argv: list[str] | None = None) -> int:
         for model, rep in reports.items())
     print(table)
     print(limits)
-    name = f"bench{args.suffix}"
-    png = os.path.join(results.RESULTS_DIR, f"{name}.png")
-    chart(reports, png)
-    results.write(name, "DeAR vs baselines on an emulated 2-node cluster",
+    figure = results.ratio_chart([results.Panel(
+        f"{model}: {rep['t_lb_s'] * 1e3:.0f} ms lower bound",
+        {m: r["ratio_lb"] for m, r in rep["methods"].items()}) for model, rep in reports.items()])
+    results.write(f"bench{args.suffix}", "DeAR vs baselines on an emulated 2-node cluster",
                   {"shaping": shaping, "configs": CONFIGS, "reports": reports}, table,
-                  limits + f"\n\n![ratios]({os.path.basename(png)})" + emulated)
+                  limits + emulated, figure=figure)
     return 0
 
 

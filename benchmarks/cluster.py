@@ -361,12 +361,12 @@ class EmulatedCluster:
                        HOROVOD_GLOO_RENDEZVOUS_ADDR=self.addr(0),
                        HOROVOD_GLOO_RENDEZVOUS_PORT=str(horovod_port))
         if self.shaping:
-            env["DEAR_CLUSTER_BANDWIDTH_REQUESTED"] = f"{self.shape.rate_bps:.0f}"
-            env["DEAR_CLUSTER_LINKS"] = ";".join(
+            env["BENCH_CLUSTER_BANDWIDTH_REQUESTED"] = f"{self.shape.rate_bps:.0f}"
+            env["BENCH_CLUSTER_LINKS"] = ";".join(
                 f"{ns},{dev},{delay:g}" for ns, dev, delay in self.links())
-            env["DEAR_CLUSTER_CONGESTION"] = self.congestion or "system"
+            env["BENCH_CLUSTER_CONGESTION"] = self.congestion or "system"
         if self.measured_bps:
-            env["DEAR_CLUSTER_BANDWIDTH_MEASURED"] = f"{self.measured_bps:.0f}"
+            env["BENCH_CLUSTER_BANDWIDTH_MEASURED"] = f"{self.measured_bps:.0f}"
         if self.pin:
             env["OMP_NUM_THREADS"] = "1"
         return env
@@ -433,10 +433,10 @@ def set_bandwidth(rate: str | float) -> None:
     """From inside a run (any rank, root): give every link of this cluster a new rate, both
     directions, as --bandwidth would have. Lets one run measure several bandwidths in
     interleaved rounds, so the machine's drift hits every bandwidth alike."""
-    links = os.environ.get("DEAR_CLUSTER_LINKS")
+    links = os.environ.get("BENCH_CLUSTER_LINKS")
     if not links:
         raise ClusterError("set_bandwidth() works only inside a shaped benchmarks.cluster run "
-                           "(DEAR_CLUSTER_LINKS is not set)")
+                           "(BENCH_CLUSTER_LINKS is not set)")
     bps = parse_rate(rate) if isinstance(rate, str) else float(rate)
     for link in links.split(";"):
         ns, dev, delay = link.split(",")

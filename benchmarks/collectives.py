@@ -53,7 +53,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from benchmarks import results
+from benchmarks import cli, results
 from benchmarks.launch import free_port, run_ranks
 from dear.comm.torch_dist import TorchCommunicator
 
@@ -321,9 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--world-size", type=int, default=2,
                         help="ranks to spawn (ignored when launched externally)")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--name", default="collectives")
-    parser.add_argument("--timeout", type=float, default=1200.0)
+    cli.add_options(parser, warmup=1, name="collectives", timeout=1200.0)
     parser.add_argument("--backend", choices=("torch", "horovod"), default="torch",
                         help="horovod: Horovod's collectives, under a Horovod launcher")
     args = parser.parse_args(argv)

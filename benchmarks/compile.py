@@ -23,6 +23,8 @@ import time
 from typing import Any
 
 import torch
+
+from benchmarks import cli
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -151,15 +153,13 @@ def _launch(args: argparse.Namespace, mode: str) -> list[dict[str, Any]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--nproc", type=int, default=2)
+    cli.add_options(parser, nproc=2, name="", timeout=900.0)
     parser.add_argument("--backend", default="aot_eager")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--width", type=int, default=16)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--port", type=int, default=29631)
-    parser.add_argument("--timeout", type=float, default=900)
-    parser.add_argument("--name", default=None, help="write benchmarks/results/<name>.{json,md}")
     parser.add_argument("--rank-of", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rank_of:

@@ -22,6 +22,8 @@ import sys
 import time
 
 import torch
+
+from benchmarks import cli
 import torch.nn.functional as F
 
 import dear
@@ -106,13 +108,10 @@ def rank_main(rank: int, args: argparse.Namespace, port: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--nproc", type=int, default=2)
-    parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--rounds", type=int, default=3)
+    cli.add_options(parser, nproc=2, rounds=3, iters=20, timeout=300.0)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--timeout", type=float, default=300.0)
     parser.add_argument("--loopback", action="store_true",
                         help="the loopback demo even where a shaped link is possible")
     args = parser.parse_args(argv)

@@ -29,6 +29,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from benchmarks import cli
+
 DEFAULT_WORKDIR = "/tmp/dear-diagnose"
 METHODS = "dear,ddp,wfbp,allreduce"
 
@@ -39,7 +41,7 @@ def trace_window(net: Any, opt: Any, batch: Callable, loss_fn: Callable, step: i
     """Trace `iterations` iterations into `where`, starting at batch `step`; returns the next
     batch. Iteration 0 runs traced but unrecorded (so the all-gathers iteration 1 waits for are
     traced ones) and one more runs after the window (so the last one's complete)."""
-    from benchmarks.train import time_steps
+    from benchmarks.timing import time_steps
     from dear import diagnose
     with diagnose.trace(net, opt, out=where, iterations=range(1, 1 + iterations)):
         time_steps(net, opt, batch, loss_fn, iterations + 2, step)
@@ -50,8 +52,9 @@ def run(args: argparse.Namespace) -> int:
     """Per method: warm-up, untraced timed iterations, then a traced window (own directory);
     with --overhead-rounds, alternating untraced and traced blocks of --iters iterations."""
     import dear
-    from benchmarks import baselines
-    from benchmarks.train import make_sgd, slowest_median, time_steps, warm_up, workload
+    from benchmarks.methods import Built, parse_method
+    from benchmarks.timing import slowest_median, time_steps, warm_up
+    from benchmarks.train import make_sgd, workload
     from dear import diagnose
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -59,11 +62,12 @@ def run(args: argparse.Namespace) -> int:
     rank = dist.get_rank()
     build, blocks, batch, loss_fn = workload(args)
     out: dict[str, Any] = {"bandwidth_measured_bps":
-                           float(os.environ.get("DEAR_CLUSTER_BANDWIDTH_MEASURED", 0)) or None,
+                           float(os.environ.get("BENCH_CLUSTER_BANDWIDTH_MEASURED", 0)) or None,
                            "methods": {}}
     step = 0
     for method in args.methods.split(","):
-        net, opt = baselines.prepare(method, build(), make_sgd, blocks)
+        built = Built(parse_method(method), build(), make_sgd, blocks)
+        net, opt = built.net, built.opt
         step = warm_up(net, opt, batch, loss_fn, args.warmup, step)
         plain, traced = [], []
         for round_ in range(max(args.overhead_rounds, 1)):
@@ -86,10 +90,12 @@ def run(args: argparse.Namespace) -> int:
         if args.trace_iters:
             step = trace_window(net, opt, batch, loss_fn, step, os.path.join(args.out, method),
                                 args.trace_iters)
-        if method in ("dear", "dear-hvd", "sharded"):
+        if built.is_dear:
             opt.flush_updates()
         out["methods"][method] = res
         dist.barrier()
+        del net, opt
+        built.finish()
     dear.shutdown()
     dist.destroy_process_group()
     if rank == 0:
@@ -391,13 +397,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--image-size", type=int, default=0)
     p.add_argument("--seq-len", type=int, default=0)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--iters", type=int, default=6)
-    p.add_argument("--methods", default=METHODS)
+    cli.add_options(p, methods=METHODS, warmup=2, iters=6, name="", timeout=3000.0)
     p.add_argument("--workdir", default=DEFAULT_WORKDIR, help="where traces go")
     p.add_argument("--trace-bandwidth", default="1gbit")
-    p.add_argument("--timeout", type=float, default=3000)
-    p.add_argument("--name", default="", help="results file name")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -416,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="use the runs already in --workdir instead of launching them again")
     o = sub.add_parser("overhead")
     _common(o)
-    o.add_argument("--rounds", type=int, default=4)
+    cli.add_options(o, rounds=4)
     pr = sub.add_parser("profile")
     _common(pr)
     pr.add_argument("--out", required=True)
@@ -431,11 +433,10 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"DeAR at its best predicted threshold among {TUNE_MB} MB")
     pa.add_argument("--unclaimed-first", action="store_true",
                     help="DeAR buckets with parameters no module claims first in forward order")
-    pa.add_argument("--name", default="")
+    cli.add_options(pa, name="")
     pc = sub.add_parser("precision")
-    pc.add_argument("--rounds", type=int, default=20)
+    cli.add_options(pc, rounds=20, name="")
     pc.add_argument("--workdir", default=DEFAULT_WORKDIR)
-    pc.add_argument("--name", default="")
     args = parser.parse_args(argv)
     return {"run": run, "validate": validate, "overhead": overhead, "profile": profile,
             "paper": paper, "precision": precision}[args.command](args)

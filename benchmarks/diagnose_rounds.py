@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from benchmarks import cli
 from benchmarks.diagnose import DEFAULT_WORKDIR, METHODS, _knob_args, trace_window
 
 RESULTS_NAME = "diagnose_validation_rounds"
@@ -36,17 +37,21 @@ RESULTS_NAME = "diagnose_validation_rounds"
 # ----------------------------------------------------------------------------- one rank
 def run(args: argparse.Namespace) -> int:
     import dear
-    from benchmarks import baselines
+    from benchmarks.methods import Built, parse_method, parse_methods
     from benchmarks.cluster import parse_rate, set_bandwidth
-    from benchmarks.train import make_sgd, slowest_median, time_steps, warm_up, workload
+    from benchmarks.timing import slowest_median, time_steps, warm_up
+    from benchmarks.train import make_sgd, workload
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     dear.init(backend="torch")
     rank = dist.get_rank()
     build, blocks, batch, loss_fn = workload(args)
     methods = args.methods.split(",")
+    if any(m.backend_switch for m in parse_methods(args.methods)):
+        raise SystemExit("diagnose_rounds keeps every method alive at once; dear on another "
+                         "backend (dear-hvd, dear:backend=...) cannot run beside them here")
     schedule = args.schedule.split(",")
-    prepared = {m: baselines.prepare(m, build(), make_sgd, blocks) for m in methods}
+    prepared = {m: Built(parse_method(m), build(), make_sgd, blocks) for m in methods}
     rounds: list[dict[str, dict[str, float]]] = []
     step = 0
     for r in range(args.rounds):
@@ -58,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
             dist.barrier()
             measured[bw] = {}
             for method in methods:
-                net, opt = prepared[method]
+                net, opt = prepared[method].net, prepared[method].opt
                 step = warm_up(net, opt, batch, loss_fn, args.warmup, step)
                 times = time_steps(net, opt, batch, loss_fn, args.iters, step)
                 step += args.iters
@@ -67,17 +72,19 @@ def run(args: argparse.Namespace) -> int:
                     step = trace_window(net, opt, batch, loss_fn, step,
                                         os.path.join(args.out, f"r{r}", method),
                                         args.trace_iters)
-                if method in ("dear", "dear-hvd", "sharded"):
+                if prepared[method].is_dear:
                     opt.flush_updates()        # nothing in flight into the next method's block
                 dist.barrier()
         rounds.append(measured)
         if rank == 0:
             print(f"round {r}: " + json.dumps({bw: {m: round(t * 1e3) for m, t in ms.items()}
                                                for bw, ms in measured.items()}), flush=True)
+    for built in prepared.values():
+        built.finish()
     dear.shutdown()
     dist.destroy_process_group()
     if rank == 0:
-        link = float(os.environ.get("DEAR_CLUSTER_BANDWIDTH_MEASURED", 0)) or None
+        link = float(os.environ.get("BENCH_CLUSTER_BANDWIDTH_MEASURED", 0)) or None
         requested = parse_rate(args.trace_bandwidth)
         links = {bw: (link * parse_rate(bw) / requested if link else parse_rate(bw))
                  for bw in schedule}
@@ -216,10 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--batch", type=int, default=8)
         p.add_argument("--image-size", type=int, default=64)
         p.add_argument("--seq-len", type=int, default=0)
-        p.add_argument("--warmup", type=int, default=2)
-        p.add_argument("--iters", type=int, default=8)
-        p.add_argument("--methods", default=METHODS)
-        p.add_argument("--rounds", type=int, default=2)
+        cli.add_options(p, methods=METHODS, rounds=2, warmup=2, iters=8)
         p.add_argument("--trace-bandwidth", default="1gbit")
         p.add_argument("--trace-iters", type=int, default=6)
     run_p, val_p = sub.choices["run"], sub.choices["validate"]
@@ -227,8 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     run_p.add_argument("--schedule", required=True, help="bandwidths, in the order of a round")
     val_p.add_argument("--bandwidths", default="500mbit,2gbit")
     val_p.add_argument("--workdir", default=DEFAULT_WORKDIR)
-    val_p.add_argument("--timeout", type=float, default=3000)
-    val_p.add_argument("--name", default="")
+    cli.add_options(val_p, name="", timeout=3000.0)
     val_p.add_argument("--reuse", action="store_true",
                        help="recompute from the run already in --workdir")
     argv = sys.argv[1:] if argv is None else argv

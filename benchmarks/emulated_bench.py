@@ -23,27 +23,16 @@ CPU seconds per iteration of each rank's process (all its threads) and the machi
 (/proc/stat, everything on the machine). Losses are compared with DDP's (same data, same
 deterministic emulated gradients).
 
-Methods: a name from METHODS, optionally with keyword options after colons,
-`NAME[:KEY=VALUE[:KEY=VALUE...]]`; values: 2MB / 512KB / 1GB (bytes), true/false, none,
-numbers, else strings. `dear:...` options go to dear.DistributedOptimizer (rs_threshold,
-ag_threshold and first_bucket make a FusionConfig: missing sizes default to fusion_threshold or
-DEAR_FUSION_THRESHOLD; chunk_bytes: the planned schedule's chunk size; row_sparse: dear's
-default "auto" is the word embeddings --tokens made row-sparse, what auto finds in the real
-model, and `row_sparse=off` sends them whole; `whole_reduce_scatter=true`, for A/B runs only:
-a bucket larger than the threshold is reduce-scattered in one collective instead of pieces);
-`ddp:...` to DistributedDataParallel; `wfbp:threshold=8MB`. Any method takes `clip=NORM`: the
-averaged gradient clipped to that global norm each step (dear: optimizer.clip_grad_norm_, the
-others torch's clip_grad_norm_). To add a method, add a function to METHODS.
+Methods: benchmarks/methods.py, the registry every benchmark shares: `NAME[:KEY=VALUE...]`,
+e.g. `dear:first_bucket=2MB`, `wfbp:threshold=8MB`, `ddp:bucket_cap_mb=50`, and `clip=NORM` on any.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import json
 import os
-import re
 import statistics
 import sys
 import tempfile
@@ -53,7 +42,8 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from benchmarks import emulated, results
+from benchmarks import cli, emulated, results, timing
+from benchmarks.methods import Built, Method, parse_methods
 
 DEFAULT_METHODS = "ddp,wfbp,horovod,fsdp2,dear,dear:schedule=dear"
 LOSS_RTOL = 1e-3
@@ -70,129 +60,7 @@ SETUPS: dict[tuple[str, int], tuple[str, int]] = {
 OptFactory = Callable[[Any], torch.optim.Optimizer]
 
 
-# ---------------------------------------------------------------- methods
-
-
-@dataclasses.dataclass(frozen=True)
-class Method:
-    label: str                                    # as given, e.g. dear:first_bucket=2MB
-    base: str
-    options: dict[str, Any]
-
-
-def parse_value(text: str) -> Any:
-    low = text.strip().lower()
-    if low in ("true", "false"):
-        return low == "true"
-    if low == "none":
-        return None
-    m = re.fullmatch(r"([\d.]+)\s*(b|kb|kib|mb|mib|gb|gib)", low)
-    if m:
-        unit = {"b": 1, "kb": 2**10, "kib": 2**10, "mb": 2**20, "mib": 2**20, "gb": 2**30,
-                "gib": 2**30}[m.group(2)]
-        return int(float(m.group(1)) * unit)
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return text
-
-
-def parse_method(text: str) -> Method:
-    base, *opts = text.strip().split(":")
-    if base not in METHODS:
-        raise ValueError(f"unknown method {base!r} in {text!r}; expected one of {sorted(METHODS)}")
-    options = {}
-    for opt in opts:
-        key, sep, value = opt.partition("=")
-        if not sep or not key:
-            raise ValueError(f"bad option {opt!r} in {text!r}: expected KEY=VALUE")
-        options[key.strip()] = parse_value(value)
-    return Method(text.strip(), base, options)
-
-
-def parse_methods(text: str) -> list[Method]:
-    return [parse_method(m) for m in text.split(",") if m.strip()]
-
-
-def _ddp(model: emulated.EmulatedModel, make_opt: OptFactory, opts: dict[str, Any]) -> tuple:
-    net = torch.nn.parallel.DistributedDataParallel(model, **opts)
-    return net, make_opt(model.parameters())
-
-
-def _fsdp2(model: emulated.EmulatedModel, make_opt: OptFactory, opts: dict[str, Any]) -> tuple:
-    from benchmarks.baselines import fsdp2_wrap
-    net = fsdp2_wrap(model, lambda m: m.blocks())
-    return net, make_opt(net.parameters())
-
-
-def _wfbp(model: emulated.EmulatedModel, make_opt: OptFactory, opts: dict[str, Any]) -> tuple:
-    from benchmarks.baselines import WFBP
-    return model, WFBP(model, make_opt(model.parameters()), **opts)
-
-
-def _allreduce(model: emulated.EmulatedModel, make_opt: OptFactory, opts: dict[str, Any]) -> tuple:
-    from benchmarks.baselines import AllReduceAfterBackward
-    return model, AllReduceAfterBackward(model, make_opt(model.parameters()))
-
-
-def _horovod(model: emulated.EmulatedModel, make_opt: OptFactory, opts: dict[str, Any]) -> tuple:
-    import horovod.torch as hvd
-    dist.barrier()                                # every rank done with the last shutdown
-    hvd.init()
-    opt = make_opt(model.parameters())
-    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    return model, hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(), **opts)
-
-
-def _dear(model: emulated.EmulatedModel, make_opt: OptFactory, opts: dict[str, Any]) -> tuple:
-    import dear
-    from dear.fusion.fusion_config import FusionConfig
-    opts = dict(opts)
-    # dear's default (row_sparse="auto") finds the real model's untied nn.Embedding tables; the
-    # emulated layers are not nn.Embedding, so the word embeddings --tokens made row-sparse are
-    # named for it. (The real BERT's 1.5 MB position table, which auto would also send by rows,
-    # travels whole here: its emulated gradient is dense.)
-    setting = opts.pop("row_sparse", None)
-    if setting is None:                            # dear's own default: DEAR_ROW_SPARSE
-        setting = dear.runtime.config().row_sparse
-    if setting in ("tables", "auto", True):
-        opts["row_sparse"] = [f"{name}.weight" for name, m in model.named_modules()
-                              if getattr(m, "_tokens", 0)] or False
-    elif setting not in ("off", False, ""):
-        opts["row_sparse"] = setting
-    else:
-        opts["row_sparse"] = False
-    sizes = {k: opts.pop(k) for k in ("rs_threshold", "ag_threshold", "first_bucket") if k in opts}
-    chunk = opts.pop("chunk_bytes", None)       # alone: dear's default layout, this chunk size
-    if sizes or chunk:
-        cfg = dear.runtime.config()
-        default = (opts.pop("fusion_threshold", None) or cfg.fusion_threshold
-                   or dear.config.auto_threshold(sum(p.numel() * p.element_size()
-                                                     for p in model.parameters())))
-        opts["fusion_config"] = FusionConfig(
-            sizes.get("rs_threshold", default), sizes.get("ag_threshold", default),
-            sizes.get("first_bucket") if sizes else cfg.first_bucket, chunk_bytes=chunk)
-    whole = opts.pop("whole_reduce_scatter", False)
-    opt = dear.DistributedOptimizer(make_opt(model.parameters()), model=model, **opts)
-    if whole:                                      # A/B only: every bucket in one collective
-        build = opt._build_buckets
-
-        def build_whole() -> None:
-            build()
-            for bucket in opt._buckets:
-                bucket.rs_pieces = [(0, bucket.spec.shard_numel)]
-        opt._build_buckets = build_whole
-    return model, opt
-
-
-# name -> build(model, optimizer factory, options) -> (module to call, object with
-# zero_grad() and step()). Add a method here.
-METHODS: dict[str, Callable[..., tuple]] = {
-    "ddp": _ddp, "fsdp2": _fsdp2, "wfbp": _wfbp, "allreduce": _allreduce, "horovod": _horovod,
-    "dear": _dear,
-}
+# ---------------------------------------------------------------- methods (benchmarks.methods)
 
 
 def make_optimizer(update: str) -> OptFactory:
@@ -202,76 +70,35 @@ def make_optimizer(update: str) -> OptFactory:
 # ---------------------------------------------------------------- one method, one rank
 
 
-def _busy_jiffies() -> tuple[int, int]:
-    """(busy, total) CPU jiffies of the whole machine since boot."""
-    with open("/proc/stat") as fh:
-        fields = [int(v) for v in fh.readline().split()[1:]]
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
-    return sum(fields) - idle, sum(fields)
-
-
 def train(method: Method, model_spec: emulated.ModelSpec, warmup: int, iters: int,
           batch_size: int, update: str = "probe", plan_warmup: bool = True) -> dict[str, Any]:
     """Train a fresh emulated model with `method` on this rank: per-iteration times (total and
     forward / backward / step), losses, CPU use over the timed iterations, final parameters
     (update="full" only: to compare methods' numbers). plan_warmup: dear's planned schedule
     warms up until it runs its plan (losses still start at step 0: comparable with DDP's)."""
-    from benchmarks.train import barrier_before_timing
-
-    rank, started = dist.get_rank(), time.perf_counter()
+    started = time.perf_counter()
     warmup = max(warmup, _plan_warmup(method)) if plan_warmup else warmup
     model = emulated.EmulatedModel(model_spec)
-    options = dict(method.options)
-    clip = options.pop("clip", None)            # clip the averaged gradient to this norm
-    net, opt = METHODS[method.base](model, make_optimizer(update), options)
-    rec: dict[str, list[float]] = {"total": [], "forward": [], "backward": [], "step": []}
-    losses: list[float] = []
+    built = Built(method, model, make_optimizer(update))
     rows_sent: list[dict[str, tuple[int, int]]] = []
-    cpu0 = busy0 = wall0 = 0.0
+
+    def note_rows(step: int) -> None:              # tables sent by rows: how many went
+        rows_sent.append(built.opt.row_sparse_stats())
+
     setup = time.perf_counter() - started
-    for step in range(warmup + iters):
-        x, y = emulated.make_batch(step, rank, batch_size)
-        barrier_before_timing(step, warmup)
-        if step == warmup:
-            cpu0, busy0, wall0 = time.process_time(), _busy_jiffies(), time.perf_counter()
-        t0 = time.perf_counter()
-        opt.zero_grad()
-        loss = emulated.loss_fn(net(x), y)
-        t1 = time.perf_counter()
-        loss.backward()
-        if clip is not None:                   # each method's own way to the averaged norm
-            if method.base == "dear":
-                opt.clip_grad_norm_(clip)
-            else:
-                torch.nn.utils.clip_grad_norm_(net.parameters(), clip)
-        t2 = time.perf_counter()
-        opt.step()
-        t3 = time.perf_counter()
-        if step >= warmup:
-            for key, value in zip(rec, (t3 - t0, t1 - t0, t2 - t1, t3 - t2)):
-                rec[key].append(value)
-            if method.base == "dear":              # tables sent by rows: how many went
-                rows_sent.append({opt._names[b.spec.params[0]]: (b.rows, b.sent_rows)
-                                  for b in opt._buckets if getattr(b, "rows", None)})
-        losses.append(loss.item())
-    wall = time.perf_counter() - wall0
-    busy1 = _busy_jiffies()
-    cpu = time.process_time() - cpu0
-    if method.base == "dear":
-        opt.synchronize()                          # the last step's updates
+    run = timing.train_loop(built.net, built.opt, lambda step, rank: emulated.make_batch(
+        step, rank, batch_size), emulated.loss_fn, warmup, iters, after_backward=built.clip,
+        after_step=note_rows if built.is_dear else None)
+    if built.is_dear:
+        built.opt.synchronize()                    # the last step's updates, before reading
     params = ({n: p.detach().clone() for n, p in model.named_parameters()}
               if update == "full" else None)
-    from benchmarks.baselines import release
-    release(opt)
-    del net, opt, model
-    gc.collect()
-    if method.base == "horovod":                  # its background thread would take CPU from
-        import horovod.torch as hvd                # every method measured after it
-        hvd.shutdown()
-    return {"times": rec, "losses": losses, "warmup": warmup, "cpu_s": cpu,
-            "wall_s": wall, "setup_s": setup,
-            "teardown_s": time.perf_counter() - started - setup - wall,
-            "machine_busy": (busy1[0] - busy0[0]) / max(1, busy1[1] - busy0[1]),
+    del model
+    built.finish()
+    return {"times": run.times, "losses": run.losses, "warmup": warmup, "cpu_s": run.cpu_s,
+            "wall_s": run.wall_s, "setup_s": setup,
+            "teardown_s": time.perf_counter() - started - setup - run.wall_s,
+            "machine_busy": run.machine_busy,
             "loadavg": os.getloadavg()[0], "params": params, "rows_sent": rows_sent}
 
 
@@ -293,21 +120,9 @@ def compute_only(model_spec: emulated.ModelSpec, warmup: int, iters: int, batch_
     """Every rank trains alone at once: the emulated compute with no communication."""
     model = emulated.EmulatedModel(model_spec)
     opt = make_optimizer("probe")(model.parameters())
-    rec: dict[str, list[float]] = {"total": [], "forward": [], "backward": [], "step": []}
-    for step in range(warmup + iters):
-        x, y = emulated.make_batch(step, dist.get_rank(), batch_size)
-        t0 = time.perf_counter()
-        opt.zero_grad()
-        loss = emulated.loss_fn(model(x), y)
-        t1 = time.perf_counter()
-        loss.backward()
-        t2 = time.perf_counter()
-        opt.step()
-        t3 = time.perf_counter()
-        if step >= warmup:
-            for key, value in zip(rec, (t3 - t0, t1 - t0, t2 - t1, t3 - t2)):
-                rec[key].append(value)
-    return {"times": rec}
+    run = timing.train_loop(model, opt, lambda step, rank: emulated.make_batch(
+        step, rank, batch_size), emulated.loss_fn, warmup, iters, barrier=False)
+    return {"times": run.times}
 
 
 # ---------------------------------------------------------------- the worker (every rank)
@@ -319,7 +134,6 @@ def worker(args: argparse.Namespace,
     `before_rounds(model_spec)` (benchmarks.emulated_validate: a dear.diagnose trace) runs on
     every rank once the model is timed; rank 0's return value goes into the report as "extra"."""
     import dear
-    from benchmarks.train import measure_comm
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -332,7 +146,7 @@ def worker(args: argparse.Namespace,
     started = time.perf_counter()
     model_spec = dataclasses.replace(emulated.spec(args.model, args.scale), tokens=args.tokens)
     spec_s = time.perf_counter() - started
-    comm = measure_comm(model_spec.numel, args.comm_repeats)
+    comm = timing.measure_comm(model_spec.numel, args.comm_repeats)
     comm_s = time.perf_counter() - started - spec_s
     t = torch.tensor([min(comm.values()), comm["all_reduce"], comm["rs_ag"]])
     dist.all_reduce(t, op=dist.ReduceOp.MAX)         # the slowest rank's view
@@ -444,7 +258,7 @@ def summarize(gathered: list[dict[str, Any]], methods: list[Method],
         "dear_bound_s": max(fwd, t_comm / 2) + max(bwd, t_comm / 2),
         "ddp_bound_s": fwd + max(bwd, t_comm),
         "dep_bound_s": _dependency_bound(model_spec, fwd, bwd, t_comm),
-        "bandwidth_measured_bps": float(os.environ.get("DEAR_CLUSTER_BANDWIDTH_MEASURED", 0))
+        "bandwidth_measured_bps": float(os.environ.get("BENCH_CLUSTER_BANDWIDTH_MEASURED", 0))
         or None, "methods": {}}
     ref = None
     for method in methods:
@@ -646,37 +460,12 @@ busy cores: the whole machine's (/proc/stat; the kernel's network work and anyth
 on the machine included)."""
 
 
-def chart(reports: list[dict[str, Any]], path: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    cols = min(3, len(reports))
-    rows = -(-len(reports) // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(4.5 * cols, 4 * rows), squeeze=False)
-    for ax in axes.flat[len(reports):]:
-        ax.axis("off")
-    for ax, rep in zip(axes.flat, reports):
-        labels = list(rep["methods"])
-        ratios = [rep["methods"][m]["ratio_lb"] for m in labels]
-        top = 2.5                                  # FSDP2 on Gloo/CPU runs at 3-5x: clipped
-        ax.bar(range(len(labels)), [min(r, top) for r in ratios],
-               color=["tab:red" if m.startswith("dear") else "tab:gray" for m in labels])
-        for i, r in enumerate(ratios):
-            ax.text(i, min(r, top), f"{r:.2f}", ha="center", va="bottom", fontsize=7)
-        ax.set_ylim(0, top * 1.08)
-        ax.axhline(1.0, color="black", linewidth=1, linestyle="--")
-        ax.axhline(rep["dear_bound_s"] / rep["t_lb_s"], color="tab:red", linewidth=1,
-                   linestyle=":", label="DeAR bound")
-        ax.set_xticks(range(len(labels)), labels, rotation=35, ha="right", fontsize=8)
-        scaled = f" (1/{rep['scale']})" if rep["scale"] > 1 else ""
-        ax.set_title(f"{rep['model']} x{rep['ranks']}{scaled}: T_lb {rep['t_lb_s'] * 1e3:.0f} ms",
-                     fontsize=10)
-        ax.set_ylabel("iteration / T_lb")
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+def chart(reports: list[dict[str, Any]]) -> Callable[[str], None]:
+    return results.ratio_chart([results.Panel(
+        f"{rep['model']} x{rep['ranks']}" + (f" (1/{rep['scale']})" if rep["scale"] > 1 else "")
+        + f": T_lb {rep['t_lb_s'] * 1e3:.0f} ms",
+        {m: r["ratio_lb"] for m, r in rep["methods"].items()},
+        rep["dear_bound_s"] / rep["t_lb_s"]) for rep in reports], top=2.5)
 
 
 def parse_args(argv: Optional[list[str]] = None,
@@ -686,10 +475,8 @@ def parse_args(argv: Optional[list[str]] = None,
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--setups", default="resnet50:2",
                    help="MODEL:RANKS[:BANDWIDTH[:SCALE]],... (defaults per setup: SETUPS)")
-    p.add_argument("--methods", default=DEFAULT_METHODS)
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--iters", type=int, default=6)
+    cli.add_options(p, methods=DEFAULT_METHODS, rounds=3, warmup=2, iters=6, name="emulated",
+                    timeout=1200.0, shaping=True)
     p.add_argument("--batch", type=int, default=32, help="nominal batch per rank (samples/s)")
     p.add_argument("--comm-repeats", type=int, default=3)
     p.add_argument("--balance", type=float, default=1.0,
@@ -700,12 +487,9 @@ def parse_args(argv: Optional[list[str]] = None,
     p.add_argument("--tokens", type=int, default=0,
                    help="token positions per batch and rank: the word embedding's gradient is "
                         "non-zero only in the rows they look up (0: dense)")
-    p.add_argument("--name", default="emulated", help="results/<name>.{json,md,png}")
-    p.add_argument("--no-shaping", action="store_true", help="loopback, no root needed")
     p.add_argument("--congestion", default="auto",
                    help="TCP congestion control of the ranks: auto (loss-based; why: "
                         "benchmarks/cluster.py), a name, or system")
-    p.add_argument("--timeout", type=float, default=1200.0, help="per setup, seconds")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", default="", help=argparse.SUPPRESS)
     p.add_argument("--model", default="resnet50", help=argparse.SUPPRESS)
@@ -732,11 +516,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     text, notes = table(reports)
     print(text)
     print(notes)
-    png = os.path.join(results.RESULTS_DIR, f"{args.name}.png")
-    chart(reports, png)
     results.write(args.name, "DeAR vs baselines on an emulated accelerator",
-                  {"shaping": shaping, "reports": reports}, text,
-                  f"{notes}\n\n{EXPLAIN}\n\n![x T_lb]({os.path.basename(png)})")
+                  {"shaping": shaping, "reports": reports}, text, f"{notes}\n\n{EXPLAIN}",
+                  figure=chart(reports))
     return 0
 
 

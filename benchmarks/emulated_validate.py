@@ -36,7 +36,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from benchmarks import emulated, emulated_bench, results
+from benchmarks import emulated, emulated_bench, methods, results
 
 METHODS = "ddp,wfbp,horovod,dear:schedule=dear,dear"
 SCHEDULES = {"ddp": "ddp", "wfbp": "wfbp", "horovod": "horovod", "dear:schedule=dear": "dear",
@@ -65,12 +65,12 @@ def trace_and_probe(args: argparse.Namespace, model_spec: emulated.ModelSpec) ->
     """A dear.diagnose trace of dear in DeAR's order (args.trace_dir) and torch's all-reduce
     timed at PROBE_MB sizes (median of 5, slowest rank)."""
     import dear.diagnose
-    from benchmarks.baselines import release
+    from benchmarks.methods import Built, parse_method
 
     rank = dist.get_rank()
     model = emulated.EmulatedModel(model_spec)
-    _, opt = emulated_bench.METHODS["dear"](model, emulated_bench.make_optimizer("probe"),
-                                            {"schedule": "dear"})
+    built = Built(parse_method("dear:schedule=dear"), model, emulated_bench.make_optimizer("probe"))
+    opt = built.opt
     w, k = args.trace_warmup, args.trace_iters
     with dear.diagnose.trace(model, opt, out=args.trace_dir, iterations=range(w, w + k)):
         for step in range(w + k + 1):
@@ -78,16 +78,15 @@ def trace_and_probe(args: argparse.Namespace, model_spec: emulated.ModelSpec) ->
             opt.zero_grad()
             emulated.loss_fn(model(x), y).backward()
             opt.step()
-    opt.synchronize()
-    release(opt)
     del opt, model
+    built.finish()
     probe = {}
     for mb in PROBE_MB:                        # allocated outside the timing
         buf = torch.ones(mb * 2**18)
         probe[mb * 2**20] = _timed(lambda: dist.all_reduce(buf))
     out = {"trace_dir": args.trace_dir, "allreduce_probe_s": probe,
            "wfbp_unpack_s": _timed(_unpack_probe(model_spec))}
-    if "horovod" in [m.base for m in emulated_bench.parse_methods(args.methods)]:
+    if "horovod" in [m.base for m in methods.parse_methods(args.methods)]:
         _probe_in_first_round(args, model_spec, out)
     return out
 
@@ -143,16 +142,17 @@ def _probe_in_first_round(args: argparse.Namespace, model_spec: emulated.ModelSp
     rounds). Why there: no init of its own. One of its own used to make a later init abort at
     8 ranks (Gloo "connection refused": Horovod's rendezvous server kept stale addresses, now
     fixed in benchmarks/cluster.py), which left Horovod unprobed at 8 ranks."""
-    build = emulated_bench.METHODS["horovod"]
+    build = methods.BUILDERS["horovod"]
 
-    def probing(model: emulated.EmulatedModel, make_opt: Any, opts: dict[str, Any]) -> tuple:
-        emulated_bench.METHODS["horovod"] = build            # once: round 1
+    def probing(model: emulated.EmulatedModel, make_opt: Any, opts: dict[str, Any],
+                blocks: Any) -> tuple:
+        methods.BUILDERS["horovod"] = build                   # once: round 1
         plain = _forward_s(args, model_spec)
-        built = build(model, make_opt, opts)                  # hvd.init()
+        built = build(model, make_opt, opts, blocks)          # hvd.init()
         out["horovod_forward_s"] = {"plain": plain, "horovod": _forward_s(args, model_spec)}
         out["horovod_allreduce_s"] = _horovod_allreduce_s()
         return built
-    emulated_bench.METHODS["horovod"] = probing
+    methods.BUILDERS["horovod"] = probing
 
 
 def _horovod_allreduce_s() -> dict[int, float]:
@@ -321,10 +321,7 @@ def scaling(reps: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def plot_scaling(scale: dict[str, Any], path: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = results.pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     colors = dict(zip(SCHEDULES, ("tab:gray", "tab:blue", "tab:green", "tab:orange", "tab:red",
                                   "tab:purple")))

@@ -26,6 +26,8 @@ import tempfile
 import time
 from typing import Any
 
+from benchmarks import cli
+
 CASES = ("optimizer", "kfac", "user-group", "user-group-backward", "horovod", "mpi")
 #: Need CUDA: dear's own NCCL communicator (backend="nccl") and torch's NCCL group (dear.init()
 #: with CUDA tensors). Both ranks use GPU 0 where there is one GPU (NCCL refuses two ranks on
@@ -157,8 +159,8 @@ def _measure(case: str, fault: str, timeout: float) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    cli.add_options(parser, name="")
     parser.add_argument("--timeout", type=float, default=5.0, help="DEAR_TIMEOUT, seconds")
-    parser.add_argument("--name", default=None, help="write benchmarks/results/<name>.{json,md}")
     parser.add_argument("--cases", default=",".join(CASES),
                         help=f"comma-separated, of {CASES + GPU_CASES}")
     parser.add_argument("--rank-of", nargs=3, default=None, help=argparse.SUPPRESS)

@@ -25,7 +25,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from benchmarks import emulated, results
+from benchmarks import cli, emulated, results
 from dear.diagnose.engine import replay
 from dear.fusion.planner import plan_buckets
 
@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--scale", type=int, default=2, help="parameters' first dimension / SCALE")
     p.add_argument("--threshold-mb", type=float, default=25.0)
     p.add_argument("--repeats", type=int, default=4)
-    p.add_argument("--name", default="gloo_concurrency")
+    cli.add_options(p, name="gloo_concurrency")
     args = p.parse_args(argv)
     dist.init_process_group("gloo")
     model = emulated.EmulatedModel(emulated.spec(args.model, args.scale))

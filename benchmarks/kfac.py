@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from benchmarks import models as bench_models
-from benchmarks import results
+from benchmarks import cli, results
 
 KFAC_ARGS = dict(lr=0.1, damping=0.003, factor_decay=0.95, kl_clip=0.001)
 METHODS: dict[str, dict[str, Any]] = {
@@ -123,7 +123,7 @@ def convergence(argv: list[str]) -> int:
     p.add_argument("--seeds", default="0,1,2,3")
     p.add_argument("--batches", default="64,256")
     p.add_argument("--lrs", default="0.05,0.1")
-    p.add_argument("--name", default="kfac.convergence")
+    cli.add_options(p, name="kfac.convergence")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     rows, data = [], []
@@ -172,8 +172,8 @@ def bench_model(name: str) -> tuple[Callable[[], nn.Module], Callable[[int, int]
 
 def _launcher_note() -> str:
     """How the ranks were started (results.command() only sees this rank's argv)."""
-    requested = os.environ.get("DEAR_CLUSTER_BANDWIDTH_REQUESTED")
-    measured = os.environ.get("DEAR_CLUSTER_BANDWIDTH_MEASURED")
+    requested = os.environ.get("BENCH_CLUSTER_BANDWIDTH_REQUESTED")
+    measured = os.environ.get("BENCH_CLUSTER_BANDWIDTH_MEASURED")
     if requested:
         return (f"Ranks started by `python -m benchmarks.cluster --nproc {dist.get_world_size()} "
                 f"--bandwidth {float(requested) / 1e9:g}gbit -- <command>`; link measured "
@@ -184,7 +184,7 @@ def _launcher_note() -> str:
 def _time_method(method: str, inv_freq: int, make: Callable[[], nn.Module],
                  batch: Callable[[int, int], Any], warmup: int, intervals: int) -> dict[str, Any]:
     import dear
-    from benchmarks.train import barrier_before_timing
+    from benchmarks.timing import barrier_before_timing
     from dear.kfac import KFAC
     rank = dist.get_rank()
     torch.manual_seed(0)
@@ -248,14 +248,9 @@ def iteration(argv: list[str]) -> int:
     p.add_argument("--model", default="resnet")
     p.add_argument("--methods", default="sgd,naive,spd,pad")
     p.add_argument("--inv-freqs", default="1,10")
-    p.add_argument("--warmup", type=int, default=2)
+    cli.add_options(p, rounds=1, warmup=2, name="")
     p.add_argument("--intervals", type=int, default=4,
                    help="timed iterations: this many (freq 1) or this many inverse intervals")
-    p.add_argument("--rounds", type=int, default=1,
-                   help="measure every method this many times, interleaved, in an order "
-                        "rotated each round; report the median (this machine drifts by more "
-                        "than the differences measured)")
-    p.add_argument("--name", default="")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -296,7 +291,7 @@ def iteration(argv: list[str]) -> int:
             table += "\n\n" + pairs
         print(table)
         if args.name:
-            bw = os.environ.get("DEAR_CLUSTER_BANDWIDTH_MEASURED")
+            bw = os.environ.get("BENCH_CLUSTER_BANDWIDTH_MEASURED")
             results.write(args.name, f"dear.KFAC iteration time, {args.model}", {
                 "args": vars(args), "world": dist.get_world_size(), "kfac_args": KFAC_ARGS,
                 "bandwidth_measured_bps": float(bw) if bw else None, "methods": report,
@@ -385,7 +380,7 @@ def everything(argv: list[str]) -> int:
     convergence on digits; each writes its own results file."""
     p = argparse.ArgumentParser(prog="benchmarks.kfac")
     p.add_argument("--bandwidth", default="1gbit")
-    p.add_argument("--no-shaping", action="store_true")
+    cli.add_options(p, shaping=True)
     args = p.parse_args(argv)
     shaping = [] if not args.no_shaping and os.geteuid() == 0 else ["--no-shaping"]
     status = 0

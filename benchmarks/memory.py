@@ -21,6 +21,8 @@ import sys
 import tempfile
 from typing import Any
 
+from benchmarks import cli
+
 METHODS = ("ddp", "dear", "dear-sharded", "fsdp2", "zero")
 # dear's planned schedule plans after 2 iterations here (DEAR_PLAN_AFTER) and checks after 2
 # more; with sharding its chunks then carry shards updated early in backward, whose state is
@@ -57,51 +59,27 @@ def _rank(rank: int, world: int, port: int, model_name: str, method: str, out: s
     import torch.distributed as dist
 
     import dear
-    from benchmarks import emulated
+    from benchmarks import emulated, timing
+    from benchmarks.methods import Built, parse_method
     torch.set_num_threads(1)
     dear.init()
     model = emulated.EmulatedModel(emulated.spec(model_name))
     params = sum(p.numel() for p in model.parameters())
     start = _current_rss_mb()
     adam = lambda p: torch.optim.Adam(p, lr=1e-4, foreach=False)   # noqa: E731
-    buffers = saved = 0
-    if method == "ddp":
-        net = torch.nn.parallel.DistributedDataParallel(model)
-        opt = adam(model.parameters())
-        buffers = params * 4                  # the reducer's buckets: one gradient-sized copy
-    elif method.startswith("dear"):
-        net = model
-        opt = dear.DistributedOptimizer(adam(model.parameters()), model=model,
-                                        shard_optimizer_state=method == "dear-sharded")
-    elif method == "fsdp2":
-        from benchmarks.baselines import fsdp2_wrap
-        net = fsdp2_wrap(model, lambda m: m.blocks())
-        opt = adam(net.parameters())
-    else:
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-        net = torch.nn.parallel.DistributedDataParallel(model)
-        opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam,
-                                      lr=1e-4, foreach=False)
-        buffers = params * 4
-    for step in range(STEPS):
-        x, y = emulated.make_batch(step, rank, 4)
-        opt.zero_grad()
-        emulated.loss_fn(net(x), y).backward()
-        opt.step()
-    if method.startswith("dear"):
-        opt.flush_updates()
-        for b in opt._buckets:
-            buffers += _tensor_bytes([b.buffer, b.shard])
-        if opt._sharded is not None:
-            buffers += _tensor_bytes(opt._sharded._values)
-        state = _tensor_bytes(list(opt.state.values()))
-        if opt._sharded is not None:
-            state += _tensor_bytes(list(opt._sharded.state.values()))
-            saved = opt._sharded.peak_saved_bytes
-    elif method == "zero":
-        state = _tensor_bytes(list(opt.optim.state.values()))
-    else:
-        state = _tensor_bytes(list(opt.state.values()))
+    built = Built(parse_method(method), model, adam)
+    timing.train_loop(built.net, built.opt, lambda step, r: emulated.make_batch(step, r, 4),
+                      emulated.loss_fn, STEPS, 0, barrier=False)
+    saved = 0
+    if built.is_dear:
+        built.opt.flush_updates()
+        stats = built.opt.memory_stats()
+        buffers, state, saved = stats["buffers"], stats["state"], stats["peak_saved"]
+    elif method == "zero":                    # DDP's buckets + this rank's share of the state
+        buffers, state = params * 4, _tensor_bytes(list(built.opt.optim.state.values()))
+    else:                                     # DDP: the reducer's one gradient-sized copy
+        buffers = params * 4 if method == "ddp" else 0
+        state = _tensor_bytes(list(built.opt.state.values()))
     row = {"model": model_name, "ranks": world, "method": method, "params": params,
            "state_mb": state / 2**20, "buffers_mb": buffers / 2**20,
            "saved_mb": saved / 2**20,
@@ -127,8 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default="resnet50,bert_base")
     p.add_argument("--ranks", default="2,4")
-    p.add_argument("--methods", default=",".join(METHODS))
-    p.add_argument("--name", default=None, help="write benchmarks/results/<name>.{json,md}")
+    cli.add_options(p, methods=",".join(METHODS), name="")
     args = p.parse_args(argv)
     rows = []
     for model in args.models.split(","):

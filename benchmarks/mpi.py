@@ -43,6 +43,8 @@ import tempfile
 import time
 from typing import Any, Callable, Optional
 
+from benchmarks import cli
+
 _MB = 1024 * 1024
 METHODS = ("gloo_all_reduce", "gloo_rs", "gloo_ag", "mpi_all_reduce", "mpi_rs", "mpi_ag")
 RATIOS = (("gloo_rs", "gloo_all_reduce"), ("gloo_ag", "gloo_all_reduce"),
@@ -67,12 +69,12 @@ def launch(args: argparse.Namespace, rank_argv: list[str]) -> int:
         env = {"MASTER_ADDR": cluster.addr(0), "MASTER_PORT": str(_free_port() if
                                                                   args.no_shaping else 29500),
                "UCX_TLS": "tcp,self", "MPIR_CVAR_NOLOCAL": "1", "OMP_NUM_THREADS": "1",
-               "DEAR_MPI_IFNAMES": ",".join(cluster.ifname(r) for r in range(n)),
-               "DEAR_BENCH_ARGV": shlex.join(sys.argv), "DEAR_MPI_PROGRESS": args.progress}
+               "BENCH_MPI_IFNAMES": ",".join(cluster.ifname(r) for r in range(n)),
+               "BENCH_ARGV": shlex.join(sys.argv), "DEAR_MPI_PROGRESS": args.progress}
         if not args.no_shaping:
             bps = cluster.measure_bandwidth()
-            env["DEAR_CLUSTER_BANDWIDTH_MEASURED"] = f"{bps:.0f}"
-            env["DEAR_CLUSTER_BANDWIDTH_REQUESTED"] = f"{cluster.shape.rate_bps:.0f}"
+            env["BENCH_CLUSTER_BANDWIDTH_MEASURED"] = f"{bps:.0f}"
+            env["BENCH_CLUSTER_BANDWIDTH_REQUESTED"] = f"{cluster.shape.rate_bps:.0f}"
             print(f"mpi: link measured at {bps / 1e9:.3f} Gbit/s", flush=True)
         rank_cmd = [sys.executable, "-m", "benchmarks.mpi", "--rank", *rank_argv]
         genv = [a for k, v in env.items() for a in ("-genv", k, v)]
@@ -122,7 +124,7 @@ def _wait(proc: subprocess.Popen, cluster: Any, timeout: float, forward: bool = 
 def _prepare_rank() -> int:
     """Before MPI starts (mpi4py's import): this rank's interface for UCX and Gloo."""
     rank = int(os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0")))
-    names = [x for x in os.environ.get("DEAR_MPI_IFNAMES", "").split(",") if x]
+    names = [x for x in os.environ.get("BENCH_MPI_IFNAMES", "").split(",") if x]
     if names and names[rank] != "lo":
         os.environ["GLOO_SOCKET_IFNAME"] = names[rank]
         os.environ["UCX_NET_DEVICES"] = names[rank]
@@ -283,9 +285,9 @@ def rank_main(args: argparse.Namespace) -> int:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
     data: dict[str, Any] = {"args": vars(args),
                             "bandwidth_measured_bps": os.environ.get(
-                                "DEAR_CLUSTER_BANDWIDTH_MEASURED"),
+                                "BENCH_CLUSTER_BANDWIDTH_MEASURED"),
                             "bandwidth_requested_bps": os.environ.get(
-                                "DEAR_CLUSTER_BANDWIDTH_REQUESTED"),
+                                "BENCH_CLUSTER_BANDWIDTH_REQUESTED"),
                             "mpi": MPI.Get_library_version().split("\n")[0].strip(),
                             "loadavg_at_start": list(os.getloadavg())}
     if args.sizes_mb:
@@ -305,7 +307,7 @@ def rank_main(args: argparse.Namespace) -> int:
 
 def _write(args: argparse.Namespace, data: dict[str, Any]) -> None:
     from benchmarks import results
-    sys.argv = shlex.split(os.environ.get("DEAR_BENCH_ARGV", "")) or sys.argv
+    sys.argv = shlex.split(os.environ.get("BENCH_ARGV", "")) or sys.argv
     measured = data.get("bandwidth_measured_bps")
     link = f"{float(measured) / 1e9:.3f} Gbit/s measured" if measured else "loopback"
     rows = []
@@ -355,25 +357,20 @@ def _write(args: argparse.Namespace, data: dict[str, Any]) -> None:
 # ---------------------------------------------------------------------------------- main
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--nproc", type=int, default=2)
+    cli.add_options(p, nproc=2, rounds=3, warmup=3, iters=8, name="mpi", timeout=1800.0,
+                    shaping=True)
     p.add_argument("--bandwidth", default="1gbit")
-    p.add_argument("--no-shaping", action="store_true", help="loopback, no namespaces (no root)")
     p.add_argument("--no-pin", action="store_true")
     p.add_argument("--sizes-mb", type=float, nargs="*", default=[100.0, 25.0])
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--model", default="resnet50")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--image-size", type=int, default=96)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--iters", type=int, default=8, help="0: no training run")
     p.add_argument("--trace", type=int, default=4, help="iterations traced by dear.diagnose")
     p.add_argument("--backends", default="torch,mpi,mpi-noprogress",
                    help="dear backends to train with; mpi-noprogress: backend mpi with "
                         "DEAR_MPI_PROGRESS=none (no progress thread), for comparison")
-    p.add_argument("--rounds", type=int, default=3, help="training rounds, backends interleaved")
     p.add_argument("--progress", default="thread", choices=("thread", "none"))
-    p.add_argument("--timeout", type=float, default=1800)
-    p.add_argument("--name", default="mpi")
     p.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 

@@ -13,14 +13,14 @@ import argparse
 import os
 import statistics
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
 
 import dear
-from benchmarks import results
+from benchmarks import cli, results, timing
 from benchmarks.launch import free_port, run_ranks
+from benchmarks.methods import Built, parse_method
 
 
 def build(layers: int, width: int) -> torch.nn.Module:
@@ -29,23 +29,12 @@ def build(layers: int, width: int) -> torch.nn.Module:
 
 
 def time_method(method: str, args: argparse.Namespace) -> list[float]:
-    model = build(args.layers, args.width)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    net: torch.nn.Module = model
-    if method == "ddp":
-        net = torch.nn.parallel.DistributedDataParallel(model)
-    elif method == "dear":
-        opt = dear.DistributedOptimizer(opt, model=model)
+    built = Built(parse_method(method), build(args.layers, args.width),
+                  lambda params: torch.optim.SGD(params, lr=1e-3))
     x = torch.randn(args.batch, args.width)
-    times = []
-    for _ in range(args.iters):
-        start = time.perf_counter()
-        opt.zero_grad()
-        F.mse_loss(net(x), x).backward()
-        opt.step()
-        times.append(time.perf_counter() - start)
-    if method == "dear":
-        opt.synchronize()
+    times = timing.time_steps(built.net, built.opt, lambda step, rank: (x, x), F.mse_loss,
+                              args.iters)
+    built.finish()
     return times[args.iters // 4:]
 
 
@@ -75,14 +64,10 @@ def rank_main(rank: int, args: argparse.Namespace, port: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--nproc", type=int, default=2)
+    cli.add_options(parser, nproc=2, rounds=3, iters=40, name="overhead", timeout=600.0)
     parser.add_argument("--layers", type=int, default=500)
     parser.add_argument("--width", type=int, default=32)
     parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--iters", type=int, default=40)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--name", default="overhead")
-    parser.add_argument("--timeout", type=float, default=600.0)
     args = parser.parse_args(argv)
     return run_ranks(rank_main, args.nproc, (args, free_port()), timeout=args.timeout)
 

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 import dear
-from benchmarks import results
+from benchmarks import cli, results
 from benchmarks.launch import free_port, run_ranks
 from benchmarks.overhead import build
 from dear import native, runtime
@@ -254,17 +254,13 @@ def rank_main(rank: int, args: argparse.Namespace, port: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--nproc", type=int, default=2)
+    cli.add_options(parser, nproc=2, rounds=5, iters=40, name="overhead_native", timeout=1200.0)
     parser.add_argument("--layers", type=int, default=500)
     parser.add_argument("--width", type=int, default=32)
     parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--iters", type=int, default=40)
-    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--profile-iters", type=int, default=20)
     parser.add_argument("--micro-reps", type=int, default=200)
-    parser.add_argument("--name", default="overhead_native")
-    parser.add_argument("--timeout", type=float, default=1200.0)
     args = parser.parse_args(argv)
     if not native.native_available():
         print(f"error: the native extension is not built ({native.load_error()})",

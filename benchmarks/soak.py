@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import dear
-from benchmarks import results
+from benchmarks import cli, results
 from benchmarks.launch import free_port, run_ranks
 
 
@@ -189,16 +189,12 @@ def write(args: argparse.Namespace, runs: dict[str, dict]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--nproc", type=int, default=2)
-    parser.add_argument("--iters", type=int, default=2000)
+    cli.add_options(parser, nproc=2, methods="dear,ddp", iters=2000, name="soak", timeout=1800.0)
     parser.add_argument("--every", type=int, default=100)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--eval-every", type=int, default=250)
     parser.add_argument("--ckpt-every", type=int, default=500)
     parser.add_argument("--fusion-threshold", type=int, default=64 * 1024)
-    parser.add_argument("--name", default="soak")
-    parser.add_argument("--methods", default="dear,ddp")
-    parser.add_argument("--timeout", type=float, default=1800.0)
     args = parser.parse_args(argv)
     runs = {}
     with tempfile.TemporaryDirectory(prefix="dear-soak-") as tmp:

@@ -18,28 +18,20 @@ machine whose speed drifts by tens of percent within minutes, this keeps the rat
 from __future__ import annotations
 
 import argparse
-import gc
 import os
-import statistics
 import sys
-import time
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
 import dear
-from benchmarks import baselines, results
+from benchmarks import cli, results, timing
 from benchmarks import models as bench_models
-from dear.runtime import communicator
+from benchmarks.methods import Built, parse_method, parse_methods
 from tqdm import tqdm
 
 LOSS_RTOL = 1e-3
-
-
-def _quartiles(xs: list[float]) -> tuple[float, float, float]:
-    q = statistics.quantiles(xs, n=4) if len(xs) > 1 else [xs[0]] * 3
-    return q[0], statistics.median(xs), q[2]
 
 
 def workload(args: argparse.Namespace) -> tuple[Callable[[], torch.nn.Module],
@@ -75,35 +67,16 @@ def make_sgd(params: Any) -> torch.optim.Optimizer:
 def run_method(method: str, args: argparse.Namespace, build: Callable, blocks: Callable,
                batch: Callable, loss_fn: Callable) -> tuple[list[float], list[float]]:
     """Train a fresh copy with `method`: (timed iteration times after warm-up, every loss)."""
-    rank = dist.get_rank()
-    net, opt = baselines.prepare(method, build(), make_sgd, blocks)
-    times, losses = [], []
-    for step in range(args.warmup + args.iters):
-        x, y = batch(step, rank)
-        barrier_before_timing(step, args.warmup)
-        start = time.perf_counter()
-        opt.zero_grad()
-        loss = loss_fn(net(x), y)
-        loss.backward()
-        opt.step()
-        times.append(time.perf_counter() - start)
-        losses.append(loss.item())
-    if method.startswith("dear"):
-        opt.synchronize()
-    baselines.release(opt)
-    del net, opt
-    gc.collect()
-    if method == "horovod":
-        # Horovod's background thread keeps cycling after training: left running it would
-        # take CPU from every method measured after this one (one core per rank).
-        import horovod.torch as hvd
-        hvd.shutdown()
-    return times[args.warmup:], losses
+    built = Built(parse_method(method), build(), make_sgd, blocks)
+    run = timing.train_loop(built.net, built.opt, batch, loss_fn, args.warmup, args.iters,
+                            after_backward=built.clip)
+    built.finish()
+    return run.times["total"], run.losses
 
 
 def summarize(timed: list[float], losses: list[float], args: argparse.Namespace) -> dict[str, Any]:
-    median = slowest_median(timed)
-    q1, _, q3 = _quartiles(timed)
+    median = timing.slowest_median(timed)
+    q1, _, q3 = timing.quartiles(timed)
     return {"median_s": median, "q1_s": q1, "q3_s": q3, "losses": losses,
             "samples_per_s": args.batch * dist.get_world_size() / median}
 
@@ -112,83 +85,19 @@ def measure_compute(args: argparse.Namespace, build: Callable, batch: Callable,
                     loss_fn: Callable) -> list[float]:
     """Every rank trains alone at once (same core load as the real run): timed iterations."""
     model = build()
-    return time_steps(model, make_sgd(model.parameters()), batch, loss_fn,
-                      args.warmup + args.iters)[args.warmup:]
-
-
-def time_steps(model: torch.nn.Module, opt: Any, batch: Callable, loss_fn: Callable, steps: int,
-               start: int = 0) -> list[float]:
-    """Time `steps` training iterations (zero_grad, forward, backward, step) from batch `start`."""
-    rank, times = dist.get_rank(), []
-    for step in range(start, start + steps):
-        x, y = batch(step, rank)
-        t0 = time.perf_counter()
-        opt.zero_grad()
-        loss_fn(model(x), y).backward()
-        opt.step()
-        times.append(time.perf_counter() - t0)
-    return times
-
-
-def barrier_before_timing(step: int, warmup: int) -> None:
-    """A barrier at the last warm-up iteration, so the ranks start the timed iterations together.
-    Not at the first timed one: a barrier waits for dear's pending all-gathers, which would spare
-    that iteration's forward its wait (it was 100-300 ms faster than the rest)."""
-    if step == max(warmup - 1, 0):
-        dist.barrier()
-
-
-def warm_up(model: torch.nn.Module, opt: Any, batch: Callable, loss_fn: Callable, steps: int,
-            start: int = 0) -> int:
-    """`steps` untimed iterations from batch `start`, with barrier_before_timing's barrier
-    before the last one. Returns the next batch."""
-    time_steps(model, opt, batch, loss_fn, max(steps - 1, 0), start)
-    dist.barrier()
-    time_steps(model, opt, batch, loss_fn, min(steps, 1), start + max(steps - 1, 0))
-    return start + steps
-
-
-def slowest_median(times: list[float]) -> float:
-    """Ranks' medians differ slightly; the slowest rank sets the pace."""
-    t = torch.tensor([statistics.median(times)])
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
-
-
-def measure_comm(numel: int, repeats: int) -> dict[str, float]:
-    """Whole-gradient all-reduce: torch's all_reduce vs dear's reduce-scatter + all-gather."""
-    comm, n = communicator(), dist.get_world_size()
-    padded = -(-numel // n) * n
-    buf, shard = torch.ones(padded), torch.empty(padded // n)
-    out: dict[str, list[float]] = {"all_reduce": [], "rs_ag": []}
-    for _ in range(repeats + 1):
-        dist.barrier()
-        start = time.perf_counter()
-        dist.all_reduce(buf)
-        out["all_reduce"].append(time.perf_counter() - start)
-        dist.barrier()
-        start = time.perf_counter()
-        comm.reduce_scatter(buf, shard).wait()
-        comm.all_gather(shard, buf).wait()
-        out["rs_ag"].append(time.perf_counter() - start)
-    return {k: statistics.median(v[1:]) for k, v in out.items()}
+    return timing.time_steps(model, make_sgd(model.parameters()), batch, loss_fn,
+                             args.warmup + args.iters)[args.warmup:]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="resnet50")
-    parser.add_argument("--methods", default="ddp,fsdp2,allreduce,wfbp,dear")
+    cli.add_options(parser, methods="ddp,fsdp2,allreduce,wfbp,dear", rounds=1, warmup=3, iters=10,
+                    name="")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--image-size", type=int, default=0)
     parser.add_argument("--seq-len", type=int, default=0)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--comm-repeats", type=int, default=3)
-    parser.add_argument("--rounds", type=int, default=1,
-                        help="repeat compute + every method this many times, interleaved (method "
-                             "order rotated each round), so a machine that slows down mid-run "
-                             "slows every method alike")
-    parser.add_argument("--name", default="", help="write benchmarks/results/<name>.{json,md}")
     parser.add_argument("--spawn", type=int, default=0,
                         help="start this many local ranks on loopback (no launcher needed)")
     return parser.parse_args(argv)
@@ -215,17 +124,17 @@ def run(args: argparse.Namespace) -> int:
     dear.init(backend="torch")
     rank, world = dear.rank(), dear.size()
     build, blocks, batch, loss_fn = workload(args)
-    methods = [m for m in args.methods.split(",") if m]
+    methods = [m.label for m in parse_methods(args.methods)]   # a typo fails here
     probe = build()
     numel = sum(p.numel() for p in probe.parameters())
     del probe
-    comm = measure_comm(numel, args.comm_repeats)
+    comm = timing.measure_comm(numel, args.comm_repeats)
     t_comm = min(comm.values())
-    measured_bw = float(os.environ.get("DEAR_CLUSTER_BANDWIDTH_MEASURED", "0"))
+    measured_bw = float(os.environ.get("BENCH_CLUSTER_BANDWIDTH_MEASURED", "0"))
     link_bound = (2 * (world - 1) / world * numel * 4 * 8 / measured_bw) if measured_bw else None
-    for method in methods:
-        if method in ("horovod", "dear-hvd") and "HOROVOD_RANK" not in os.environ:
-            raise SystemExit(f"method {method!r} needs Horovod's launcher: run under "
+    for method in parse_methods(args.methods):
+        if method.uses_horovod and "HOROVOD_RANK" not in os.environ:
+            raise SystemExit(f"method {method.label!r} needs Horovod's launcher: run under "
                              "benchmarks.cluster --horovod or horovodrun")
     compute_times: list[float] = []
     timed: dict[str, list[float]] = {m: [] for m in methods}
@@ -239,13 +148,7 @@ def run(args: argparse.Namespace) -> int:
         shift = r % len(methods)
         for method in methods[shift:] + methods[:shift]:
             progress.set_postfix_str(f"round {r + 1} {method}")
-            if method == "dear-hvd":               # same schedule, Horovod's collectives
-                dear.shutdown()
-                dear.init(backend="horovod")
             times, losses = run_method(method, args, build, blocks, batch, loss_fn)
-            if method == "dear-hvd":
-                dear.shutdown()
-                dear.init(backend="torch")
             timed[method] += times
             first = first_losses.setdefault(method, losses)
             if max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, first)) > LOSS_RTOL:
@@ -253,7 +156,7 @@ def run(args: argparse.Namespace) -> int:
                                  f"({losses} vs {first}); refusing to report it")
             progress.update()
     progress.close()
-    t_compute = slowest_median(compute_times)
+    t_compute = timing.slowest_median(compute_times)
     t_lb = max(t_compute, t_comm)
     rows: list[list[Any]] = []
     report = {m: summarize(timed[m], first_losses[m], args) for m in methods}
@@ -288,7 +191,7 @@ def run(args: argparse.Namespace) -> int:
                 "args": vars(args), "t_compute_s": t_compute, "t_comm_s": comm,
                 "link_bound_s": link_bound, "t_lb_s": t_lb,
                 "bandwidth_measured_bps": measured_bw or None,
-                "congestion": os.environ.get("DEAR_CLUSTER_CONGESTION"), "methods": report},
+                "congestion": os.environ.get("BENCH_CLUSTER_CONGESTION"), "methods": report},
                 table, limits)
     return 0
 

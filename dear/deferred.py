@@ -1043,6 +1043,36 @@ class _DistributedOptimizer(ExtensionPoints, ReducedGradientMixin, torch.optim.O
         """Whether each rank keeps and updates only its shards of the optimizer state."""
         return self._sharded is not None
 
+    @property
+    def autotuner(self) -> Any:
+        """The fusion autotuner (autotune="online" or "offline"), else None. Read-only for
+        callers: `.finished`, `.current` (the thresholds in force), `.plan`."""
+        return self._autotuner
+
+    def memory_stats(self) -> dict[str, int]:
+        """Bytes this rank holds beside the model's parameters and gradients, for capacity
+        planning: `buffers` (the buckets' flat gradients and shards, and with sharding the
+        shards' parameter values), `state` (the optimizer state held here: all of it, or this
+        rank's shards) and `peak_saved` (with sharding: the most state saved at once to undo
+        updates applied early)."""
+        def nbytes(tensors: Any) -> int:
+            return sum(t.numel() * t.element_size() for t in tensors
+                       if isinstance(t, torch.Tensor))
+        buffers = sum(nbytes((b.buffer, b.shard)) for b in self._buckets or ())
+        state = sum(nbytes(s.values()) for s in self.state.values())
+        saved = 0
+        if self._sharded is not None:
+            buffers += nbytes(self._sharded._values)
+            state += sum(nbytes(s.values()) for s in self._sharded.state.values())
+            saved = self._sharded.peak_saved_bytes
+        return {"buffers": buffers, "state": state, "peak_saved": saved}
+
+    def row_sparse_stats(self) -> dict[str, tuple[int, int]]:
+        """Per embedding table sent by rows (row_sparse): (its rows, the rows the last
+        iteration sent: the union of every rank's)."""
+        return {self._names[b.spec.params[0]]: (b.rows, b.sent_rows)
+                for b in self._buckets or () if isinstance(b, RowSparseBucket)}
+
     def _shard_updater(self) -> Callable[[Sequence[Bucket]], None]:
         """step(), sharded: the wrapped optimizer's update on this rank's shards of some
         buckets (those not updated early), called for each all-gather group before it is

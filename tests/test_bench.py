@@ -16,7 +16,8 @@ def test_every_method_runs_and_matches_ddp(tmp_path):
            "--horovod", "--timeout", "240", "--", sys.executable, "-m", "benchmarks.train",
            "--model", "resnet_tiny", "--warmup", "1", "--iters", "2", "--comm-repeats", "1",
            "--rounds", "2",     # interleaved: Horovod shut down and started again in between
-           "--methods", "ddp,fsdp2,allreduce,wfbp,horovod,dear,dear-hvd", "--name", name]
+           "--methods", "ddp,fsdp2,allreduce,wfbp,horovod,zero,dear,dear-hvd,sharded",
+           "--name", name]
     res = run(cmd, timeout=300)
     path = os.path.join(ROOT, "benchmarks", "results", f"{name}.json")
     try:
@@ -24,7 +25,7 @@ def test_every_method_runs_and_matches_ddp(tmp_path):
         with open(path) as fh:
             report = json.load(fh)
         assert set(report["methods"]) == {"ddp", "fsdp2", "allreduce", "wfbp", "horovod",
-                                          "dear", "dear-hvd"}
+                                          "zero", "dear", "dear-hvd", "sharded"}
         for method, r in report["methods"].items():
             assert r["loss_matches_ddp"], f"{method}: losses differ from DDP's"
             assert r["median_s"] > 0

@@ -32,7 +32,7 @@ import json, os, socket, sys
 from datetime import timedelta
 import torch, torch.distributed as dist
 info = {k: v for k, v in os.environ.items()
-        if k.startswith(("HOROVOD_", "DEAR_", "MASTER_", "LOCAL_", "GLOO_", "OMP_"))
+        if k.startswith(("HOROVOD_", "BENCH_", "MASTER_", "LOCAL_", "GLOO_", "OMP_"))
         or k in ("RANK", "WORLD_SIZE")}
 info["affinity"] = sorted(os.sched_getaffinity(0))
 info["ifaces"] = sorted(name for _, name in socket.if_nameindex())
@@ -189,7 +189,7 @@ def test_no_shaping_runs_ranks_on_loopback(tmp_path: Path, owned: Launchers) -> 
         assert info["MASTER_ADDR"] == "127.0.0.1" and info["GLOO_SOCKET_IFNAME"] == "lo"
         assert info["LOCAL_RANK"] == str(rank) and info["LOCAL_WORLD_SIZE"] == "2"
         assert not any(k.startswith("HOROVOD_") for k in info), "only with --horovod"
-        assert "DEAR_CLUSTER_BANDWIDTH_MEASURED" not in info and info["sum"] == 3.0
+        assert "BENCH_CLUSTER_BANDWIDTH_MEASURED" not in info and info["sum"] == 3.0
 
 
 @pytest.mark.timeout(30)
@@ -214,9 +214,9 @@ def test_ranks_see_their_host_and_everything_is_removed(tmp_path: Path, owned: L
     expected_cc = cluster.pick_congestion("auto")
     if expected_cc is None:  # no loss-based one allowed here: the host's default stays
         expected_cc = Path("/proc/sys/net/ipv4/tcp_congestion_control").read_text().strip()
-        assert infos[0]["DEAR_CLUSTER_CONGESTION"] == "system"
-        infos = [dict(info, DEAR_CLUSTER_CONGESTION=expected_cc) for info in infos]
-    assert f"TCP congestion control {infos[0]['DEAR_CLUSTER_CONGESTION']}" in out, out
+        assert infos[0]["BENCH_CLUSTER_CONGESTION"] == "system"
+        infos = [dict(info, BENCH_CLUSTER_CONGESTION=expected_cc) for info in infos]
+    assert f"TCP congestion control {infos[0]['BENCH_CLUSTER_CONGESTION']}" in out, out
     master = infos[0]["MASTER_ADDR"]
     assert master.startswith("10.") and master.endswith(".1")
     for rank, info in enumerate(infos):
@@ -227,10 +227,10 @@ def test_ranks_see_their_host_and_everything_is_removed(tmp_path: Path, owned: L
         assert (info["RANK"], info["WORLD_SIZE"]) == (str(rank), "2")
         assert (info["LOCAL_RANK"], info["LOCAL_WORLD_SIZE"]) == ("0", "1")
         assert not any(k.startswith("HOROVOD_") for k in info), "only with --horovod"
-        assert 0.6e9 < float(info["DEAR_CLUSTER_BANDWIDTH_MEASURED"]) < 1.05e9
+        assert 0.6e9 < float(info["BENCH_CLUSTER_BANDWIDTH_MEASURED"]) < 1.05e9
         assert info["OMP_NUM_THREADS"] == "1" and len(info["affinity"]) == 1
         assert info["sum"] == 3.0  # Gloo all_reduce across the two namespaces
-        assert info["congestion"] == info["DEAR_CLUSTER_CONGESTION"] == expected_cc
+        assert info["congestion"] == info["BENCH_CLUSTER_CONGESTION"] == expected_cc
     if len(os.sched_getaffinity(0)) > 1:
         assert infos[0]["affinity"] != infos[1]["affinity"]
     assert leftovers(proc.pid) == []
@@ -278,7 +278,7 @@ def test_measured_bandwidth_follows_the_requested_rate(owned: Launchers) -> None
         both = c.measure_bandwidth(both_ways=True)
         assert 0.35e9 < one_way < 0.52e9, one_way
         assert len(c.probe_rates) == 2 and 0.3e9 < both < 0.52e9, c.probe_rates
-        assert c.env(0, 1)["DEAR_CLUSTER_BANDWIDTH_MEASURED"] == f"{one_way:.0f}"
+        assert c.env(0, 1)["BENCH_CLUSTER_BANDWIDTH_MEASURED"] == f"{one_way:.0f}"
     assert leftovers(os.getpid()) == []
 
 
@@ -289,12 +289,12 @@ def test_set_bandwidth_changes_every_link_of_a_running_cluster(owned: Launchers,
     with EmulatedCluster(2, "1gbit") as c:
         before = c.measure_bandwidth(both_ways=True)
         # What a rank sees: the run's links in its environment.
-        monkeypatch.setenv("DEAR_CLUSTER_LINKS", c.env(0, 1)["DEAR_CLUSTER_LINKS"])
+        monkeypatch.setenv("BENCH_CLUSTER_LINKS", c.env(0, 1)["BENCH_CLUSTER_LINKS"])
         cluster.set_bandwidth("300mbit")
         after = c.measure_bandwidth(both_ways=True)
         assert 0.75e9 < before < 1.05e9 and 0.2e9 < after < 0.32e9, (before, after)
-    monkeypatch.delenv("DEAR_CLUSTER_LINKS")
-    with pytest.raises(cluster.ClusterError, match="DEAR_CLUSTER_LINKS"):
+    monkeypatch.delenv("BENCH_CLUSTER_LINKS")
+    with pytest.raises(cluster.ClusterError, match="BENCH_CLUSTER_LINKS"):
         cluster.set_bandwidth("1gbit")
     assert leftovers(os.getpid()) == []
 

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from benchmarks import emulated, emulated_bench
+from benchmarks import emulated, emulated_bench, methods
 from benchmarks import models as real_models
 from tests.distributed import run_distributed
 
@@ -89,15 +89,20 @@ def test_gradients_flow_in_reverse_layer_order_and_are_deterministic() -> None:
 
 
 def test_method_specs() -> None:
-    m = emulated_bench.parse_method("dear:first_bucket=2MB:overlap_allgather=false")
+    m = methods.parse_method("dear:first_bucket=2MB:overlap_allgather=false")
     assert m.base == "dear" and m.label == "dear:first_bucket=2MB:overlap_allgather=false"
     assert m.options == {"first_bucket": 2 * 2**20, "overlap_allgather": False}
-    assert emulated_bench.parse_method("wfbp:threshold=512KB").options == {"threshold": 2**19}
-    assert emulated_bench.parse_value("0.5") == 0.5 and emulated_bench.parse_value("x") == "x"
+    assert methods.parse_method("wfbp:threshold=512KB").options == {"threshold": 2**19}
+    assert methods.parse_value("0.5") == 0.5 and methods.parse_value("x") == "x"
+    # the CPU table's short names are options of the same builders, under their own label
+    hvd = methods.parse_method("dear-hvd")
+    assert (hvd.label, hvd.base, hvd.options) == ("dear-hvd", "dear", {"backend": "horovod"})
+    assert hvd.uses_horovod and hvd.backend_switch and not methods.parse_method("dear").uses_horovod
+    assert methods.parse_method("dear-order").options == {"schedule": "dear"}
     with pytest.raises(ValueError, match="unknown method"):
-        emulated_bench.parse_method("dearr")
+        methods.parse_method("dearr")
     with pytest.raises(ValueError, match="KEY=VALUE"):
-        emulated_bench.parse_method("dear:first_bucket")
+        methods.parse_method("dear:first_bucket")
     assert emulated_bench.parse_setup("resnet50:8") == ("resnet50", 8, "500mbit", 2)
     assert emulated_bench.parse_setup("vgg16:2:2gbit:1") == ("vgg16", 2, "2gbit", 1)
 
@@ -112,7 +117,7 @@ def _train_methods(labels: list[str]) -> dict[str, tuple[list[float], dict[str, 
     out = {}
     for label in labels:
         # 8 steps: dear's planned schedule plans after 4 (DEAR_PLAN_AFTER) and runs its plan
-        res = emulated_bench.train(emulated_bench.parse_method(label), s, warmup=0, iters=8,
+        res = emulated_bench.train(methods.parse_method(label), s, warmup=0, iters=8,
                                    batch_size=4, update="full", plan_warmup=False)
         out[label] = (res["losses"], res["params"])
     dear.shutdown()

@@ -88,8 +88,9 @@ def _train(skip: bool, clip: float, row_sparse: object) -> dict:
         if clip:
             opt.clip_grad_norm_(clip)
         opt.step()
-        table = [b for b in opt._buckets if getattr(b, "rows", None) is not None]
-        sent.append(table[0].sent_rows if table else None)
+        stats = opt.row_sparse_stats()          # {table: (rows, rows sent)}
+        assert set(stats) <= {TABLE}
+        sent.append(stats[TABLE][1] if stats else None)
         touched.append({int(i) for r in range(world) if uses_table(step, r, skip)
                         for i in ids_of(step, r).unique()})
     opt.flush_updates()

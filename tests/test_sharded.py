@@ -105,6 +105,9 @@ def bitwise_checks(names: list[str]) -> dict:
                         if isinstance(v, torch.Tensor) and v.dim() > 0),
             "whole": sum(v.numel() for s in plain_state["state"].values() for v in s.values()
                          if isinstance(v, torch.Tensor) and v.dim() > 0),
+            "scalars": sum(1 for s in opt._sharded.state.values() for v in s.values()
+                           if isinstance(v, torch.Tensor) and v.dim() == 0),
+            "stats": opt.memory_stats(),
         }
     dear.shutdown()
     return out
@@ -127,6 +130,9 @@ def test_elementwise_optimizers_same_bits_as_unsharded(world: int) -> None:
         # (a shard is ceil(bucket / world) elements; the flags and padding hold no state).
         assert sum(held) == whole, (name, held, whole)
         assert max(held) < whole / world + 64 * world, (name, held, whole)
+        for res in results:                  # what memory_stats() reports: the same bytes
+            r = res[name]                    # (fp32 slices, and 0-dim steps of <= 8 bytes)
+            assert 4 * r["held"] <= r["stats"]["state"] <= 4 * r["held"] + 8 * r["scalars"], r
 
 
 def against_reference(world_check: bool) -> dict:
