@@ -1,10 +1,7 @@
-"""dear.diagnose on the emulated cluster: tracing overhead, and replay validated against
-measurement.
+"""dear.diagnose on the emulated cluster: the tracer's overhead, the watcher's precision, and
+the paper's scaling predicted. (The replay validated against measurement: benchmarks.
+diagnose_rounds on real CPU compute, benchmarks.emulated_validate on the emulated accelerator.)
 
-    python -m benchmarks.diagnose validate [--model resnet50 --image-size 64 --batch 8]
-        traces every method at --trace-bandwidth, measures it at --bandwidths too, predicts
-        each method at the other bandwidths from (a) its own trace, (b) DeAR's trace, and writes
-        benchmarks/results/diagnose_validation.{json,md}
     python -m benchmarks.diagnose overhead   iteration time with and without the tracer,
         alternating blocks -> benchmarks/results/diagnose_overhead.{json,md}
     python -m benchmarks.diagnose paper --trace resnet50=DIR --trace bert_base=DIR
@@ -128,89 +125,6 @@ def _knob_args(args: argparse.Namespace) -> list[str]:
     if args.seq_len:
         out += ["--seq-len", str(args.seq_len)]
     return out
-
-
-def validate(args: argparse.Namespace) -> int:
-    from benchmarks import results
-    from dear.diagnose import Simulator, build_report
-    bandwidths = [args.trace_bandwidth] + [b for b in args.bandwidths.split(",") if b]
-    measured: dict[str, dict] = {}
-    for bw in bandwidths:
-        out = os.path.join(args.workdir, f"validate-{args.model}-{bw}")
-        measured[bw] = _launch(args, bw, out, ["--methods", args.methods,
-                                               "--trace-iters", str(args.trace_iters)])
-    base = os.path.join(args.workdir, f"validate-{args.model}-{args.trace_bandwidth}")
-    link0 = measured[args.trace_bandwidth]["bandwidth_measured_bps"]
-    sims = {m: Simulator(os.path.join(base, m)) for m in args.methods.split(",")}
-    rows, data = [], []
-    for bw in bandwidths:
-        link = measured[bw]["bandwidth_measured_bps"]
-        for method in args.methods.split(","):
-            real = measured[bw]["methods"][method]["median_s"]
-            own = sims[method].predict(method, bandwidth_bps=link, traced_bandwidth_bps=link0)
-            from_dear = sims["dear"].predict(method, bandwidth_bps=link,
-                                             traced_bandwidth_bps=link0)
-            # Each bandwidth's own trace replayed as it is: the replay's error on the very
-            # iterations it was built from (no extrapolation, no run-to-run noise).
-            here = os.path.join(args.workdir, f"validate-{args.model}-{bw}", method)
-            at_bw = Simulator(here).predict(method)
-            window = statistics.median(s.time for s in build_report(here).iterations())
-            # This bandwidth's iterations (their compute) with the network extrapolated from
-            # the traced bandwidth: the cost model's error alone, without run-to-run noise.
-            net_only = Simulator(here, cost=sims[method].cost_model(
-                link, None, None, link0)).predict(method)
-            err = lambda p, ref=real: (p - ref) / ref  # noqa: E731
-            rows.append([bw, f"{link / 1e9:.2f}", method, round(real * 1e3, 1),
-                         round(own.iteration_time * 1e3, 1), f"{err(own.iteration_time):+.1%}",
-                         round(from_dear.iteration_time * 1e3, 1),
-                         f"{err(from_dear.iteration_time):+.1%}", round(window * 1e3, 1),
-                         round(at_bw.iteration_time * 1e3, 1),
-                         f"{err(at_bw.iteration_time, window):+.1%}",
-                         round(net_only.iteration_time * 1e3, 1),
-                         f"{err(net_only.iteration_time, window):+.1%}",
-                         f"{own.overlap:.0%}" if own.overlap is not None else "-"])
-            data.append({"bandwidth": bw, "link_bps": link, "method": method, "measured_s": real,
-                         "predicted_own_trace_s": own.iteration_time,
-                         "predicted_from_dear_trace_s": from_dear.iteration_time,
-                         "traced_window_median_s": window,
-                         "replayed_at_this_bandwidth_s": at_bw.iteration_time,
-                         "network_extrapolated_s": net_only.iteration_time,
-                         "predicted_overlap": own.overlap})
-    headers = ["bandwidth (tc)", "link (Gbit/s, TCP)", "method", "measured (ms)",
-               f"predicted from own trace at {args.trace_bandwidth} (ms)", "error",
-               f"predicted from DeAR's trace at {args.trace_bandwidth} (ms)", "error",
-               "traced iterations here (ms)", "their replay (ms)", "error",
-               f"their replay, network from {args.trace_bandwidth} (ms)", "error",
-               "predicted overlap"]
-    table = results.markdown_table(headers, rows)
-    replay_errs = [abs(d["replayed_at_this_bandwidth_s"] / d["traced_window_median_s"] - 1)
-                   for d in data]
-    net_errs = [abs(d["network_extrapolated_s"] / d["traced_window_median_s"] - 1)
-                for d in data if d["bandwidth"] != args.trace_bandwidth]
-    own_errs = [abs(d["predicted_own_trace_s"] / d["measured_s"] - 1) for d in data
-                if d["bandwidth"] != args.trace_bandwidth]
-    dear_errs = [abs(d["predicted_from_dear_trace_s"] / d["measured_s"] - 1) for d in data
-                 if d["bandwidth"] != args.trace_bandwidth]
-    notes = (f"Model {args.model} (batch {args.batch}, knobs {_knob_args(args)}), 2 ranks on the "
-             f"emulated cluster, one core each. Traced at {args.trace_bandwidth}; predictions "
-             f"at other bandwidths keep each collective kind's fitted efficiency "
-             f"(fitted rate / traced link rate). Replay of the traced iterations themselves: "
-             f"mean |error| {statistics.mean(replay_errs):.1%} (max {max(replay_errs):.1%}); "
-             f"the same with the network extrapolated from {args.trace_bandwidth}: "
-             f"{statistics.mean(net_errs):.1%} (max {max(net_errs):.1%}). "
-             f"Mean |error| against measurement at the other bandwidths: own trace "
-             f"{statistics.mean(own_errs):.1%} (max {max(own_errs):.1%}), from DeAR's trace "
-             f"{statistics.mean(dear_errs):.1%} (max {max(dear_errs):.1%}). Measured = median of "
-             f"{args.iters} untraced iterations (slowest rank); predicted = replay of 4 "
-             f"iterations, the last one measured.")
-    if args.reuse:
-        notes += (f" (--reuse: figures recomputed from the runs already in {args.workdir}, made "
-                  f"earlier by this command without --reuse.)")
-    print(table)
-    print(notes)
-    results.write(args.name or "diagnose_validation", "dear.diagnose: replay vs measurement",
-                  {"args": vars(args), "rows": data, "measured": measured}, table, notes)
-    return 0
 
 
 def overhead(args: argparse.Namespace) -> int:
@@ -410,12 +324,6 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--out", required=True)
     r.add_argument("--trace-iters", type=int, default=5)
     r.add_argument("--overhead-rounds", type=int, default=0)
-    v = sub.add_parser("validate")
-    _common(v)
-    v.add_argument("--bandwidths", default="500mbit,2gbit", help="where to compare")
-    v.add_argument("--trace-iters", type=int, default=5)
-    v.add_argument("--reuse", action="store_true",
-                   help="use the runs already in --workdir instead of launching them again")
     o = sub.add_parser("overhead")
     _common(o)
     cli.add_options(o, rounds=4)
@@ -438,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     cli.add_options(pc, rounds=20, name="")
     pc.add_argument("--workdir", default=DEFAULT_WORKDIR)
     args = parser.parse_args(argv)
-    return {"run": run, "validate": validate, "overhead": overhead, "profile": profile,
+    return {"run": run, "overhead": overhead, "profile": profile,
             "paper": paper, "precision": precision}[args.command](args)
 
 
