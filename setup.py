@@ -88,8 +88,8 @@ setup(
     python_requires=">=3.10",
     install_requires=["torch>=2.2", "numpy"],
     extras_require={
-        "dev": ["pytest>=7", "pytest-timeout", "matplotlib", "tqdm", "scikit-optimize>=0.10",
-                "scikit-learn", "ruff>=0.4", "mypy==2.4.0"],
+        "dev": ["pytest>=7", "pytest-timeout", "pytest-xdist>=3", "matplotlib", "tqdm",
+                "scikit-optimize>=0.10", "scikit-learn", "ruff>=0.4", "mypy==2.4.0"],
         "tune": ["scikit-optimize>=0.10"],
         "bench": ["matplotlib", "tqdm"],
         "nccl": ["nccl4py[cu13]"],

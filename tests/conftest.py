@@ -2,7 +2,18 @@
 
 - `distributed`: spawns ranks or subprocesses (tests/distributed.py, tests/subprocesses.py);
 - `slow`: a module whose tests together took more than SLOW_SECONDS in CI on the 2-core machine
-  (SLOW, below, with the measurement it came from).
+  (SLOW, below, with the measurement it came from);
+- `serial`: a module whose assertions read a shaped link's measured rate or how fast a kill
+  lands (SERIAL): with TEST_JOBS > 1, `make test` runs it alone, after the rest.
+
+`make test TEST_JOBS=N` runs the rest on N workers (pytest-xdist, `--dist loadgroup`): each
+module is one group, so a module's tests run in order in one process, as they would alone
+(module fixtures built once, files a module writes not shared), and modules run side by side:
+nothing a test starts is named after anything but its own process (ports from the kernel,
+namespaces after the launcher's pid, temporary directories). Measured on the 2-core machine
+(2026-11-27): one process 1573 s (0.55 cores busy on average), 3 workers 1349 s, where mypy and
+the tuner's Gaussian processes ran 3-6x slower; so the default stays one process there, and
+workers pay where there are cores to spare.
 
 `pytest -m "not slow"` is the developer's check (about 4 minutes of the 21); `make test` runs
 everything.
@@ -26,6 +37,9 @@ SLOW: frozenset[str] = frozenset({
     "test_kfac_distributed", "test_comm", "test_launch", "test_join"})
 
 
+SERIAL: frozenset[str] = frozenset({"test_cluster"})
+
+
 def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
     spawns: dict[Any, bool] = {}
     for item in items:
@@ -41,5 +55,9 @@ def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
                 "run_distributed(", "tests.subprocesses", "subprocess.", "run_ranks("))
         if spawns[module]:
             item.add_marker(pytest.mark.distributed)
-        if module.__name__.rsplit(".", 1)[-1] in SLOW:
+        name = module.__name__.rsplit(".", 1)[-1]
+        if name in SLOW:
             item.add_marker(pytest.mark.slow)
+        if name in SERIAL:
+            item.add_marker(pytest.mark.serial)
+        item.add_marker(pytest.mark.xdist_group(name))
