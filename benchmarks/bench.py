@@ -26,6 +26,7 @@ from typing import Any
 
 from benchmarks import results
 from benchmarks.cluster import EmulatedCluster, check_can_shape
+from benchmarks.methods import horovod_installed
 
 # Sized on the 2-core development machine: one-core iteration ~ the all-reduce time at the rate.
 CONFIGS: dict[str, dict[str, Any]] = {
@@ -47,14 +48,6 @@ EMULATED_METHODS = "ddp,wfbp,horovod,fsdp2,dear,dear:schedule=dear,dear:row_spar
 # non-zero in ~2,300 of 30,522 rows (dear's default sends only those; dear:row_sparse=off
 # sends the whole table).
 EMULATED_TOKENS = 4096
-
-
-def horovod_installed() -> bool:
-    try:
-        import horovod.torch as hvd
-    except ImportError:
-        return False
-    return hasattr(hvd, "init")
 
 
 def run_model(model: str, args: argparse.Namespace, shaping: bool) -> dict[str, Any]:

@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks import cli, emulated, results, timing
-from benchmarks.methods import Built, Method, parse_methods
+from benchmarks.methods import Built, Method, horovod_installed, parse_methods
 
 DEFAULT_METHODS = "ddp,wfbp,horovod,fsdp2,dear,dear:schedule=dear"
 LOSS_RTOL = 1e-3
@@ -323,14 +323,6 @@ def parse_setup(text: str) -> tuple[str, int, str, int]:
     if len(parts) > 3 and parts[3]:
         scale = int(parts[3])
     return model, nproc, bandwidth, scale
-
-
-def horovod_installed() -> bool:
-    try:
-        import horovod.torch as hvd
-    except ImportError:
-        return False
-    return hasattr(hvd, "init")
 
 
 def run_setup(setup: str, args: argparse.Namespace, shaping: bool,

@@ -98,6 +98,15 @@ def parse_methods(text: str) -> list[Method]:
     return [parse_method(m) for m in text.split(",") if m.strip()]
 
 
+def horovod_installed() -> bool:
+    """Horovod importable with its torch extension built (make horovod)."""
+    try:
+        import horovod.torch as hvd
+    except ImportError:
+        return False
+    return hasattr(hvd, "init")
+
+
 # ---------------------------------------------------------------- builders
 
 
