@@ -30,10 +30,12 @@ demo: setup
 # TEST_JOBS=N (N > 1): modules side by side on N workers (pytest-xdist; tests/conftest.py says
 # why that is safe), then the few that must run alone. Default 1, one process: on the 2-core CI
 # machine the suite is CPU-bound enough that 3 workers saved only 14% (1349 s vs 1573 s) and
-# made its CPU-heavy tests (mypy, the tuner's Gaussian processes) 3-6x slower.
+# made its CPU-heavy tests (mypy, the tuner's Gaussian processes) 3-6x slower; the workers now
+# get one BLAS/OpenMP thread each, so N workers do not start 2N threads on the cores.
 TEST_JOBS ?= 1
 define run_tests
 	if [ "$(TEST_JOBS)" = 1 ]; then $(PY) -m pytest -q -rs $(1) tests; else \
+	  OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1 \
 	  $(PY) -m pytest -q -rs -n $(TEST_JOBS) --dist loadgroup -m "not serial$(2)" tests && \
 	  { $(PY) -m pytest -q -rs -m "serial$(2)" tests; s=$$?; [ $$s = 0 ] || [ $$s = 5 ]; }; fi
 endef
