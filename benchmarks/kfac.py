@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from benchmarks import models as bench_models
-from benchmarks import cli, results
+from benchmarks import cli, results, timing
 
 KFAC_ARGS = dict(lr=0.1, damping=0.003, factor_decay=0.95, kl_clip=0.001)
 METHODS: dict[str, dict[str, Any]] = {
@@ -181,12 +181,24 @@ def _launcher_note() -> str:
     return f"{dist.get_world_size()} ranks on loopback (no shaping)."
 
 
+class _SkipSynchronize:
+    """Horovod's loop: step() after the gradients were synchronized by hand."""
+
+    def __init__(self, opt: Any) -> None:
+        self.opt = opt
+
+    def zero_grad(self) -> None:
+        self.opt.zero_grad()
+
+    def step(self) -> None:
+        with self.opt.skip_synchronize():
+            self.opt.step()
+
+
 def _time_method(method: str, inv_freq: int, make: Callable[[], nn.Module],
                  batch: Callable[[int, int], Any], warmup: int, intervals: int) -> dict[str, Any]:
     import dear
-    from benchmarks.timing import barrier_before_timing
     from dear.kfac import KFAC
-    rank = dist.get_rank()
     torch.manual_seed(0)
     with_dear = method.startswith("dear-")
     if with_dear:
@@ -201,39 +213,29 @@ def _time_method(method: str, inv_freq: int, make: Callable[[], nn.Module],
     if method != "sgd":
         precond = KFAC(model, inv_update_freq=inv_freq, **KFAC_ARGS, **METHODS[method])
     iters = intervals * inv_freq if inv_freq > 1 else intervals
-    times, pre_times, losses, phases = [], [], [], []
-    for step in range(warmup + iters):
-        x, y = batch(step, rank)
-        barrier_before_timing(step, warmup)
-        start = time.perf_counter()
-        opt.zero_grad()
-        loss = F.cross_entropy(model(x), y)
-        forward = time.perf_counter()
-        loss.backward()
-        mid = time.perf_counter()
-        phases.append([forward - start, mid - forward])
+    pre_times: list[float] = []
+
+    def precondition() -> None:               # between backward and step(), timed apart
+        begin = time.perf_counter()
         if method == "dear-sync":
             opt.synchronize()
         if precond is not None:
             precond.step()
-        pre_times.append(time.perf_counter() - mid)
-        if method == "dear-sync":
-            with opt.skip_synchronize():
-                opt.step()
-        else:
-            opt.step()
-        times.append(time.perf_counter() - start)
-        losses.append(loss.item())
+        pre_times.append(time.perf_counter() - begin)
+
+    run = timing.train_loop(model, _SkipSynchronize(opt) if method == "dear-sync" else opt,
+                            batch, F.cross_entropy, warmup, iters, after_backward=precondition)
     if with_dear:
         overlapped = precond.overlapped_steps if precond is not None else 0
         dear.shutdown()                        # applies the last pending update
-    timed = times[warmup:]
+    timed = run.times["total"]
     slowest = torch.tensor([statistics.mean(timed)])
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    forward_s, backward_s = (statistics.mean(p[k] for p in phases[warmup:]) for k in (0, 1))
+    pre = pre_times[warmup:]                   # the backward phase includes precondition()
     out = {"mean_s": slowest.item(), "median_s": statistics.median(timed),
-           "forward_mean_s": forward_s, "backward_mean_s": backward_s,
-           "precond_mean_s": statistics.mean(pre_times[warmup:]), "losses": losses}
+           "forward_mean_s": statistics.mean(run.times["forward"]),
+           "backward_mean_s": statistics.mean(b - p for b, p in zip(run.times["backward"], pre)),
+           "precond_mean_s": statistics.mean(pre), "losses": run.losses}
     if with_dear:
         out["overlapped_steps"] = overlapped
     if precond is not None:
