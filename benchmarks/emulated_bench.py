@@ -89,10 +89,11 @@ def train(method: Method, model_spec: emulated.ModelSpec, warmup: int, iters: in
     run = timing.train_loop(built.net, built.opt, lambda step, rank: emulated.make_batch(
         step, rank, batch_size), emulated.loss_fn, warmup, iters, after_backward=built.clip,
         after_step=note_rows if built.is_dear else None)
-    if built.is_dear:
-        built.opt.synchronize()                    # the last step's updates, before reading
-    params = ({n: p.detach().clone() for n, p in model.named_parameters()}
-              if update == "full" else None)
+    params = None
+    if update == "full":
+        if built.is_dear:
+            built.opt.synchronize()                # the last step's updates, before reading
+        params = {n: p.detach().clone() for n, p in model.named_parameters()}
     del model
     built.finish()
     return {"times": run.times, "losses": run.losses, "warmup": warmup, "cpu_s": run.cpu_s,

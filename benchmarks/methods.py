@@ -231,7 +231,6 @@ class Built:
         if self.backend is not None:               # same schedule, another backend's collectives
             dear.shutdown()
             dear.init(backend=self.backend)
-        self.model = model
         self.net, self.opt = BUILDERS[method.base](model, make_opt, options, blocks or _blocks_of)
 
     @property
@@ -253,7 +252,7 @@ class Built:
         if self.is_dear:
             self.opt.synchronize()                 # the last step's updates
         release(self.opt)
-        self.net = self.opt = self.model = None   # type: ignore[assignment]
+        self.net = self.opt = None                # type: ignore[assignment]
         gc.collect()
         if self.method.base == "horovod":
             # Horovod's background thread keeps cycling after training: left running it would

@@ -55,13 +55,11 @@ def busy_jiffies() -> tuple[int, int]:
 def train_loop(net: Any, opt: Any, batch: Batch, loss_fn: LossFn, warmup: int, iters: int, *,
                start: int = 0, barrier: bool = True,
                after_backward: Optional[Callable[[], None]] = None,
-               after_step: Optional[Callable[[int], None]] = None,
-               device_sync: Optional[Callable[[], None]] = None) -> Timed:
+               after_step: Optional[Callable[[int], None]] = None) -> Timed:
     """`warmup` + `iters` iterations from batch `start`; the last `iters` are timed. barrier:
     barrier_before_timing's barrier (off where ranks train alone). after_backward: clipping or
     a preconditioner, timed with backward. after_step(step): after each timed step, outside the
-    timing. device_sync: waits for the device (torch.cuda.synchronize) before an iteration's
-    clock starts and before it stops, so the times are the device's, not the launches'."""
+    timing."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     rec: dict[str, list[float]] = {key: [] for key in PHASES}
     losses: list[float] = []
@@ -74,8 +72,6 @@ def train_loop(net: Any, opt: Any, batch: Batch, loss_fn: LossFn, warmup: int, i
             barrier_before_timing(step - start, warmup)
         if step - start == warmup:
             cpu0, busy0, wall0 = time.process_time(), busy_jiffies(), time.perf_counter()
-        if device_sync is not None:
-            device_sync()
         t0 = time.perf_counter()
         opt.zero_grad()
         loss = loss_fn(net(x), y)
@@ -85,8 +81,6 @@ def train_loop(net: Any, opt: Any, batch: Batch, loss_fn: LossFn, warmup: int, i
             after_backward()
         t2 = time.perf_counter()
         opt.step()
-        if device_sync is not None:
-            device_sync()
         t3 = time.perf_counter()
         if timed:
             for key, value in zip(PHASES, (t3 - t0, t1 - t0, t2 - t1, t3 - t2)):

@@ -53,7 +53,7 @@ from .fusion.views import GradientViews
 from .iteration import Iteration
 from .reduced import ReducedGradientMixin
 from . import sharded_checkpoint
-from .sharded import KFAC_REFUSED, ShardedState, meet_every_rank
+from .sharded import KFAC_REFUSED, ShardedState, meet_every_rank, tensor_bytes
 from .sparse import SparseGradients
 from .stream import StreamCheck, parameter_digest
 from .validation import explicit_groups, held_by_ddp, refuse_construction
@@ -1055,15 +1055,12 @@ class _DistributedOptimizer(ExtensionPoints, ReducedGradientMixin, torch.optim.O
         shards' parameter values), `state` (the optimizer state held here: all of it, or this
         rank's shards) and `peak_saved` (with sharding: the most state saved at once to undo
         updates applied early)."""
-        def nbytes(tensors: Any) -> int:
-            return sum(t.numel() * t.element_size() for t in tensors
-                       if isinstance(t, torch.Tensor))
-        buffers = sum(nbytes((b.buffer, b.shard)) for b in self._buckets or ())
-        state = sum(nbytes(s.values()) for s in self.state.values())
+        buffers = sum(tensor_bytes((b.buffer, b.shard)) for b in self._buckets or ())
+        state = sum(tensor_bytes(s.values()) for s in self.state.values())
         saved = 0
         if self._sharded is not None:
-            buffers += nbytes(self._sharded._values)
-            state += sum(nbytes(s.values()) for s in self._sharded.state.values())
+            buffers += tensor_bytes(self._sharded._values)
+            state += sum(tensor_bytes(s.values()) for s in self._sharded.state.values())
             saved = self._sharded.peak_saved_bytes
         return {"buffers": buffers, "state": state, "peak_saved": saved}
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 
@@ -72,6 +72,11 @@ class Segment:
     hi: int
     at: int                      # where they start in the shard
     value: torch.Tensor          # a view of the bucket's parameter shard: what the step updates
+
+
+def tensor_bytes(values: Iterable[Any]) -> int:
+    """Bytes of the tensors among `values` (state entries hold ints and floats too)."""
+    return sum(v.numel() * v.element_size() for v in values if isinstance(v, torch.Tensor))
 
 
 class ShardedState:
@@ -192,8 +197,7 @@ class ShardedState:
             saved = (None if entry is None else
                      {key: _saved_copy(v) for key, v in entry.items()})
             self._saved[seg.value] = saved
-            self._saved_bytes += sum(v.numel() * v.element_size() for v in (saved or {}).values()
-                                     if isinstance(v, torch.Tensor))
+            self._saved_bytes += tensor_bytes((saved or {}).values())
         self.early.add(k)
         self.peak_saved_bytes = max(self.peak_saved_bytes, self._saved_bytes)
         self.update(optimizer, inner_step, [[True] * len(b.params) for b in self.buckets],
