@@ -22,8 +22,24 @@ GradReady::GradReady(at::Tensor buffer, std::vector<int64_t> offsets, std::vecto
       grads_(layout_.offsets.size()),
       stamps_(layout_.offsets.size(), c10::weak_intrusive_ptr<c10::TensorImpl>(
                                           c10::intrusive_ptr<c10::TensorImpl>())),
-      versions_(layout_.offsets.size(), -1) {
+      versions_(layout_.offsets.size(), -1),
+      fingerprints_(layout_.offsets.size()) {
   check_buffer(buffer_, layout_, "GradReady");
+}
+
+at::Tensor fingerprint(const at::Tensor& grad) {
+  const at::Tensor g = grad.detach();
+  at::ScalarType bits = at::kByte;
+  switch (g.element_size()) {
+    case 8: bits = at::kLong; break;
+    case 4: bits = at::kInt; break;
+    case 2: bits = at::kShort; break;
+    default: break;
+  }
+  const at::Tensor whole = g.view(bits).sum(bits).to(at::kLong).reshape({1});
+  if (!g.is_floating_point()) return whole;
+  const at::Tensor value = g.sum(at::kFloat).view(at::kInt).to(at::kLong).reshape({1});
+  return at::cat({whole, value});
 }
 
 void GradReady::check_index(int64_t j) const {
@@ -38,6 +54,7 @@ bool GradReady::record(int64_t j, const std::optional<at::Tensor>& grad) {
     stamps_[j] = c10::weak_intrusive_ptr<c10::TensorImpl>(grad->getIntrusivePtr());
     versions_[j] = static_cast<int64_t>(grad->_version());
     at::Tensor g = *grad;
+    if (!g.is_sparse()) fingerprints_[j] = fingerprint(g);
     if (g.is_sparse()) {
       TORCH_CHECK(sparse_as_dense_,
                   "dear.DistributedOptimizer got a sparse gradient; dear reduces dense buckets. "
@@ -72,6 +89,7 @@ bool GradReady::recorded(int64_t j) const {
 int64_t GradReady::first_edited(const std::vector<at::Tensor>& params) const {
   TORCH_CHECK(static_cast<int64_t>(params.size()) == size(), "dear: first_edited got ",
               params.size(), " parameters for a bucket of ", size());
+  std::vector<int64_t> same;  // the same tensor at the same version: compare the contents
   for (int64_t j = 0; j < size(); ++j) {
     if (!recorded_[j]) continue;
     const at::Tensor& now = params[j].grad();
@@ -83,6 +101,17 @@ int64_t GradReady::first_edited(const std::vector<at::Tensor>& params) const {
         stamps_[j].expired() || static_cast<int64_t>(now._version()) != versions_[j]) {
       return j;
     }
+    if (fingerprints_[j].defined()) same.push_back(j);
+  }
+  if (same.empty()) return -1;
+  std::vector<at::Tensor> before, after;
+  for (int64_t j : same) {
+    before.push_back(fingerprints_[j]);
+    after.push_back(fingerprint(params[j].grad()));
+  }
+  if (at::equal(at::cat(before), at::cat(after))) return -1;  // one comparison: a GPU syncs once
+  for (size_t k = 0; k < same.size(); ++k) {
+    if (!at::equal(before[k], after[k])) return same[k];
   }
   return -1;
 }
@@ -102,6 +131,7 @@ void GradReady::reset() {
   for (auto& s : stamps_) s = c10::weak_intrusive_ptr<c10::TensorImpl>(
                               c10::intrusive_ptr<c10::TensorImpl>());
   std::fill(versions_.begin(), versions_.end(), -1);
+  for (auto& f : fingerprints_) f = at::Tensor();
   num_recorded_ = 0;
   packed_ = false;
   pending_ = false;

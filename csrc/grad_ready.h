@@ -40,6 +40,11 @@ struct BucketLayout {
   int64_t size() const { return static_cast<int64_t>(offsets.size()); }
 };
 
+// Two sums that move when a gradient's contents do (dear/iteration.py's fingerprint, the same
+// ops): the bit patterns summed as wrapping integers (any one changed element shows) and, for
+// floating point, the float sum's bits (a sign flip of an even number of elements).
+at::Tensor fingerprint(const at::Tensor& grad);
+
 class GradReady {
  public:
   // `buffer` is the bucket's flat buffer (kept for the bucket's life).
@@ -65,8 +70,9 @@ class GradReady {
   // 1.0 for each parameter recorded with a gradient, 0.0 otherwise.
   const std::vector<double>& used() const { return used_; }
 
-  // The first parameter whose .grad is no longer what record() saw (replaced, set to None, or
-  // edited in place: its version counter moved), or -1. `params` are the bucket's parameters.
+  // The first parameter whose .grad is no longer what record() saw (replaced, set to None,
+  // edited in place: its version counter moved, or written through .data: its fingerprint
+  // changed), or -1. `params` are the bucket's parameters.
   // Such an edit after dear took the gradient would be silently ignored: the caller refuses it.
   int64_t first_edited(const std::vector<at::Tensor>& params) const;
 
@@ -91,6 +97,8 @@ class GradReady {
   // reused by another tensor, and its version (none: the rank had no gradient).
   std::vector<c10::weak_intrusive_ptr<c10::TensorImpl>> stamps_;
   std::vector<int64_t> versions_;
+  // fingerprint() of each dense gradient as recorded (undefined: none, or sparse).
+  std::vector<at::Tensor> fingerprints_;
   int64_t num_recorded_ = 0;
   bool packed_ = false;
   bool pending_ = false;

@@ -50,7 +50,7 @@ from .fusion.layout import GatherGroup, build_layout
 from .fusion.rows import RowSparseBucket, resolve_row_sparse
 from .fusion.schedule import ScheduleDriver, issue_mode
 from .fusion.views import GradientViews
-from .iteration import Iteration
+from .iteration import Iteration, fingerprint
 from .reduced import ReducedGradientMixin
 from . import sharded_checkpoint
 from .sharded import KFAC_REFUSED, ShardedState, meet_every_rank, tensor_bytes
@@ -224,8 +224,7 @@ class _DistributedOptimizer(ExtensionPoints, ReducedGradientMixin, torch.optim.O
                     "passes are meant to accumulate")
             it.grads_since_step = True
             if self._buckets is None:          # first iteration: the plan is built in step()
-                grad = param.grad
-                it.taken[i] = (None, -1) if grad is None else (weakref.ref(grad), grad._version)
+                self._take(i, param.grad)
                 self._grad_order.append(i)
                 return
             bucket, j = self._where[i]
@@ -243,10 +242,20 @@ class _DistributedOptimizer(ExtensionPoints, ReducedGradientMixin, torch.optim.O
                 it.taken[i] = (None if grad is None else weakref.ref(grad), _VIEW)
             else:
                 grad = param.grad
-                it.taken[i] = (None, -1) if grad is None else (weakref.ref(grad), grad._version)
+                self._take(i, grad)
             bucket.pack(j, grad)
             if bucket.full:
                 self._launch()
+
+    def _take(self, i: int, grad: Optional[torch.Tensor]) -> None:
+        """Record what parameter i's gradient is as dear takes it, for step()'s edit check."""
+        it = self._iteration
+        if grad is None:
+            it.taken[i] = (None, -1)
+            return
+        it.taken[i] = (weakref.ref(grad), grad._version)
+        if not grad.is_sparse:
+            it.fingerprints[i] = fingerprint(grad)
 
     def _arm_hooks(self) -> None:
         """Let the C++ hooks take gradients only in a plain iteration: buckets built for good,
@@ -381,6 +390,9 @@ class _DistributedOptimizer(ExtensionPoints, ReducedGradientMixin, torch.optim.O
             elif grad is None or (version != _VIEW and grad._version != version) \
                     or grad is not ref():
                 return i
+        by_contents = self._edited_contents()
+        if by_contents is not None:
+            return by_contents
         if self._views is not None and self._buckets is not None:
             edited = self._views.edited(self._buckets)
             if edited is not None:
@@ -391,6 +403,21 @@ class _DistributedOptimizer(ExtensionPoints, ReducedGradientMixin, torch.optim.O
                 if j >= 0:
                     return bucket.spec.params[j]
         return None
+
+    def _edited_contents(self) -> Optional[int]:
+        """A parameter whose .grad is the tensor dear took, at its version, but holds other
+        values (written through .data), or None. One comparison for all: a GPU syncs once."""
+        taken = self._iteration.fingerprints
+        if not taken:
+            return None
+        now = {}
+        for i in taken:
+            grad = self._params[i].grad
+            assert grad is not None, "the caller checked it is the gradient dear took"
+            now[i] = fingerprint(grad)
+        if torch.equal(torch.cat(list(taken.values())), torch.cat(list(now.values()))):
+            return None
+        return next(i for i in taken if not torch.equal(taken[i], now[i]))
 
     def _refuse_edited_grads(self) -> None:
         """Refuse, the same way in every iteration, an edit of .grad made after backward handed
@@ -414,7 +441,8 @@ class _DistributedOptimizer(ExtensionPoints, ReducedGradientMixin, torch.optim.O
                 "(docs/huggingface.md). This step was dropped on this rank.")
         raise RuntimeError(
             f"dear: the gradient of {name} was changed after backward handed it to "
-            "dear.DistributedOptimizer (edited in place, replaced or set to None), e.g. by "
+            "dear.DistributedOptimizer (edited in place, also through .data as in "
+            "p.grad.data.clamp_(-1, 1), replaced or set to None), e.g. by "
             "torch.nn.utils.clip_grad_norm_ or scaler.unscale_(optimizer). dear reduces each "
             "gradient as soon as backward produces it, so the change would be silently "
             "ignored; this step was dropped on this rank. To clip, call "
@@ -868,6 +896,7 @@ class _DistributedOptimizer(ExtensionPoints, ReducedGradientMixin, torch.optim.O
                 p = self._params[i]
                 if self._views.owns(p) and p.grad is not None:
                     self._iteration.taken[i] = (weakref.ref(p.grad), _VIEW)
+                    self._iteration.fingerprints.pop(i, None)   # dear writes the buffer
                     bucket = self._where[i][0]
                     bucket.taken_version = bucket.user_version()
         self._triggers = {}

@@ -14,9 +14,15 @@ import torch.nn.functional as F
 
 import dear
 from tests.distributed import run_distributed
+from tests.test_sharded import force_plan
 from tests.workloads import OPTIMIZERS, batch, make_net, max_diff, state_of
 
-EDITS = ("clip", "replace", "unscale", "none")
+EDITS = ("clip", "replace", "unscale", "none", "data-clamp", "data-neg", "data-ulp")
+# Writes through .data leave autograd's version counter where it was: the DQN tutorial's
+# p.grad.data.clamp_(-1, 1) on every parameter, a sign flip of a tensor with an even number of
+# elements (what a sum of bit patterns cannot see), one element moved by one ulp (what a float
+# sum cannot see).
+DATA_EDITED = {"data-neg": "fc2.weight", "data-ulp": "head.bias"}
 
 
 def _edit(kind: str, model: torch.nn.Module, opt: torch.optim.Optimizer, scaler) -> None:
@@ -28,17 +34,32 @@ def _edit(kind: str, model: torch.nn.Module, opt: torch.optim.Optimizer, scaler)
         model.head.bias.grad = None
     elif kind == "unscale":
         scaler.unscale_(opt)
+    elif kind == "data-clamp":
+        for p in model.parameters():
+            p.grad.data.clamp_(-1e-3, 1e-3)
+    elif kind == "data-neg":
+        assert model.fc2.weight.numel() % 2 == 0
+        model.fc2.weight.grad.data.neg_()
+    elif kind == "data-ulp":
+        g = model.head.bias.grad.data.view(-1)
+        g[0] = torch.nextafter(g[0], torch.tensor(float("inf")))
 
 
-def _edit_loop(kind: str, bad_step: int) -> dict:
-    """Good steps, then one step with the edit (`bad_step`); the error's text and the state."""
+def _edit_loop(kind: str, bad_step: int, sharded: bool = False) -> dict:
+    """Good steps, then one step with the edit (`bad_step`); the error's text and the state.
+    `sharded`: shard_optimizer_state under a forced plan, so the step refused has buckets
+    updated early, in backward, to undo."""
     rank, world = dear.rank(), dear.size()
     model = make_net()
     opt = dear.DistributedOptimizer(OPTIMIZERS["adam"](model.parameters()), model=model,
-                                    fusion_threshold=2048)
+                                    fusion_threshold=2048 if not sharded else 700,
+                                    schedule="planned" if sharded else "dear",
+                                    shard_optimizer_state=sharded)
     scaler = torch.amp.GradScaler("cpu", init_scale=4.0) if kind == "unscale" else None
     error = None
     for step in range(bad_step + 1):
+        if sharded:
+            force_plan(opt)
         opt.zero_grad()
         x, y = batch(step, world, rank)
         loss = F.mse_loss(model(x), y)
@@ -71,6 +92,13 @@ def _every_edit() -> dict:
     return out
 
 
+def _sharded_edits() -> dict:
+    dear.init()
+    out = {kind: _edit_loop(kind, 2, sharded=True) for kind in ("data-clamp", "data-ulp")}
+    dear.shutdown()
+    return out
+
+
 @pytest.mark.parametrize("native", ["1", "0"])
 def test_edit_of_grad_after_backward_is_refused_in_every_iteration(native: str) -> None:
     ranks = run_distributed(_every_edit, 2, timeout=180, env={"DEAR_NATIVE": native})
@@ -82,11 +110,24 @@ def test_edit_of_grad_after_backward_is_refused_in_every_iteration(native: str) 
             if kind == "unscale":
                 assert "scaler.unscale_(optimizer) does not work" in res["error"]
             else:
-                name = {"replace": "fc2.weight", "none": "head.bias"}.get(kind, "")
+                name = {"replace": "fc2.weight", "none": "head.bias", **DATA_EDITED}.get(kind, "")
                 assert f"gradient of {name}" in res["error"], res["error"]
             assert "optimizer.clip_grad_norm_" in res["error"]
             assert "skip_synchronize" in res["error"]
         zero, one = ranks[0][(kind, bad_step)], ranks[1][(kind, bad_step)]
+        assert max_diff(zero["after"], one["after"]) == 0.0
+        assert max_diff(zero["before"], zero["after"]) > 0.0, "training did not go on"
+
+
+def test_edit_through_data_is_refused_with_sharded_state_updated_early() -> None:
+    """The refused step undoes the buckets updated in backward; the ranks train on alike."""
+    ranks = run_distributed(_sharded_edits, 2, timeout=120)
+    for kind in ranks[0]:
+        for rank, outcomes in enumerate(ranks):
+            error = outcomes[kind]["error"]
+            assert error is not None, f"{kind} on rank {rank} was accepted (silently ignored)"
+            assert f"gradient of {DATA_EDITED.get(kind, '')}" in error, error
+        zero, one = ranks[0][kind], ranks[1][kind]
         assert max_diff(zero["after"], one["after"]) == 0.0
         assert max_diff(zero["before"], zero["after"]) > 0.0, "training did not go on"
 
