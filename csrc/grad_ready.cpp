@@ -36,10 +36,14 @@ at::Tensor fingerprint(const at::Tensor& grad) {
     case 2: bits = at::kShort; break;
     default: break;
   }
-  const at::Tensor whole = g.view(bits).sum(bits).to(at::kLong).reshape({1});
-  if (!g.is_floating_point()) return whole;
-  const at::Tensor value = g.sum(at::kFloat).view(at::kInt).to(at::kLong).reshape({1});
-  return at::cat({whole, value});
+  at::Tensor whole = g.view(bits).sum(bits);
+  if (!g.is_floating_point()) return whole.reshape({1});
+  at::Tensor value = g.sum(at::kFloat).view(at::kInt);  // its bits: NaN equals NaN
+  if (whole.scalar_type() != at::kInt) {                // float32 needs no conversion
+    whole = whole.to(at::kLong);
+    value = value.to(at::kLong);
+  }
+  return at::stack({whole, value});  // three kernels for float32: this runs for every gradient
 }
 
 void GradReady::check_index(int64_t j) const {

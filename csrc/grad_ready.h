@@ -40,8 +40,8 @@ struct BucketLayout {
   int64_t size() const { return static_cast<int64_t>(offsets.size()); }
 };
 
-// Two sums that move when a gradient's contents do (dear/iteration.py's fingerprint, the same
-// ops): the bit patterns summed as wrapping integers (any one changed element shows) and, for
+// Two sums that move when a gradient's contents do (the sums of dear/written.py's fingerprint):
+// the bit patterns summed as wrapping integers (any one changed element shows) and, for
 // floating point, the float sum's bits (a sign flip of an even number of elements).
 at::Tensor fingerprint(const at::Tensor& grad);
 

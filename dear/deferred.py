@@ -50,13 +50,14 @@ from .fusion.layout import GatherGroup, build_layout
 from .fusion.rows import RowSparseBucket, resolve_row_sparse
 from .fusion.schedule import ScheduleDriver, issue_mode
 from .fusion.views import GradientViews
-from .iteration import Iteration, fingerprint
+from .iteration import Iteration
 from .reduced import ReducedGradientMixin
 from . import sharded_checkpoint
 from .sharded import KFAC_REFUSED, ShardedState, meet_every_rank, tensor_bytes
 from .sparse import SparseGradients
 from .stream import StreamCheck, parameter_digest
 from .validation import explicit_groups, held_by_ddp, refuse_construction
+from .written import PendingWrites, fingerprint, first_changed
 
 log = logging.getLogger("dear")
 
@@ -149,6 +150,7 @@ class _DistributedOptimizer(ExtensionPoints, ReducedGradientMixin, torch.optim.O
         self._provisional = False              # plan built before any forward: thrown away
         self._where: list[tuple[Bucket, int]] = []
         self._num_pending = 0                  # buckets whose update waits to be applied
+        self._pending_writes = PendingWrites()  # parameters written before their update ran
         self._forward_order: list[int] = []    # parameters in first-execution order
         self._forward_seen: set[int] = set()
         self._grad_order: list[int] = []       # parameters in first-gradient order
@@ -410,18 +412,34 @@ class _DistributedOptimizer(ExtensionPoints, ReducedGradientMixin, torch.optim.O
         taken = self._iteration.fingerprints
         if not taken:
             return None
-        now = {}
+        now = []
         for i in taken:
             grad = self._params[i].grad
             assert grad is not None, "the caller checked it is the gradient dear took"
-            now[i] = fingerprint(grad)
-        if torch.equal(torch.cat(list(taken.values())), torch.cat(list(now.values()))):
-            return None
-        return next(i for i in taken if not torch.equal(taken[i], now[i]))
+            now.append(fingerprint(grad))
+        k = first_changed(list(taken.values()), now)
+        return None if k is None else list(taken)[k]
+
+    def _written_error(self, name: str, how: str) -> RuntimeError:
+        return RuntimeError(
+            f"dear: parameter {name} was written {how} after optimizer.step() and before the "
+            "forward that applies its update: dear applies each update in the next forward, so "
+            "it would land on the written values, while under DDP the write comes after the "
+            "update. Write the parameters through the model (model.parameters(), "
+            "model.state_dict() and the like apply pending updates first), or call "
+            "optimizer.flush_updates() after step() and before writing (docs/deferred-update.md)")
 
     def _refuse_edited_grads(self) -> None:
         """Refuse, the same way in every iteration, an edit of .grad made after backward handed
-        it to dear: the reduce-scatter already took the old values."""
+        it to dear: the reduce-scatter already took the old values. A parameter written through
+        .data before the last update ran shows here too (its contents are compared now)."""
+        written = self._pending_writes.written_since_step()
+        if written is not None:
+            self._abandon_iteration()
+            name = next(n for p, n in zip(self._params, self._names) if p is written)
+            raise self._written_error(
+                name, "through .data (seen now: the update of the last step landed on the "
+                "written values; this step was dropped on this rank)")
         i = self._edited_parameter()
         if i is None:
             return
@@ -494,6 +512,8 @@ class _DistributedOptimizer(ExtensionPoints, ReducedGradientMixin, torch.optim.O
             self._hyper_at_step = [_hyperparameters(g) for g in self.param_groups]
             self._deferred_at_step = self._iteration.deferred
             self._num_pending = len(buckets)
+            for bucket in buckets:
+                self._pending_writes.note_step(bucket.spec.index, bucket.params)
         self._schedule.end_step()
         self._end_iteration()
 
@@ -591,6 +611,7 @@ class _DistributedOptimizer(ExtensionPoints, ReducedGradientMixin, torch.optim.O
                 "step can be saved; resume from the last checkpoint instead")
         for bucket in buckets:
             bucket.reset()                     # the failed collectives are not waited for
+        self._pending_writes.forget()
         self._num_pending = 0
         self._end_iteration()                  # nothing is REDUCING now: it waits for nothing
         return len(buckets)
@@ -680,6 +701,10 @@ class _DistributedOptimizer(ExtensionPoints, ReducedGradientMixin, torch.optim.O
     def _finalize(self, bucket: Bucket) -> None:
         """Run the wrapped optimizer's update on this bucket's parameters only, with the averaged
         gradient as .grad (a view into the gathered buffer); the user's .grad is put back."""
+        j = self._pending_writes.before_update(bucket.spec.index, bucket.params)
+        if j is not None:                      # said once: the updates stay pending
+            self._pending_writes.forget()
+            raise self._written_error(self._names[bucket.spec.params[j]], "in place")
         if self._sharded is not None:          # the all-gather carried the new parameters
             with _scope("dear::finalize"), _observed(self._update_observers, bucket):
                 try:
@@ -889,6 +914,7 @@ class _DistributedOptimizer(ExtensionPoints, ReducedGradientMixin, torch.optim.O
         self._fusion = fusion
         self._layout = layout
         self._buckets, self._where = layout.buckets, layout.where
+        self._pending_writes.forget()          # keyed by bucket: nothing is pending now
         self._gather_groups = layout.gather_groups
         if self._views is not None:            # .grad moves into the new buffers
             self._views.attach(layout.buckets)

@@ -23,9 +23,9 @@ class Iteration:
     # after dear took it would be silently ignored, so step() refuses it (native buckets keep
     # the same record in C++: GradReady.first_edited).
     taken: dict[int, tuple[Optional[weakref.ref], int]] = dataclasses.field(default_factory=dict)
-    # The contents of each dense gradient the Python hook took (`fingerprint`): an edit through
-    # .data (p.grad.data.clamp_(...)) leaves the version counter where it was.
-    fingerprints: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
+    # The contents of each dense gradient the Python hook took (dear/written.py's fingerprint):
+    # an edit through .data (p.grad.data.clamp_(...)) leaves the version counter where it was.
+    fingerprints: dict[int, tuple[torch.Tensor, ...]] = dataclasses.field(default_factory=dict)
     reduced: bool = False                   # reduce-scatters finished (clip_grad_norm_, step)
     stream_verified: bool = False           # dear/stream.py's check issued
     amp_found_inf: Optional[torch.Tensor] = None   # shards unscaled; the agreed found-inf
@@ -46,20 +46,3 @@ class Iteration:
     def start(cls, num_params: int) -> "Iteration":
         return cls(passes=[0] * num_params)
 
-
-_BITS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
-
-
-def fingerprint(grad: torch.Tensor) -> torch.Tensor:
-    """Two sums that move when the gradient's contents do, for step() to compare with what
-    backward handed over: an edit through `.data` bypasses autograd's version counter. The sum
-    of the bit patterns as wrapping integers is exact, so any one changed element shows; the
-    float sum of the values catches what that sum cannot (a sign flip of an even number of
-    elements). The C++ hooks compute the same (csrc/grad_ready.cpp)."""
-    g = grad.detach()
-    bits = _BITS[g.element_size()]
-    whole = g.view(bits).sum(dtype=bits).to(torch.int64).reshape(1)
-    if not g.is_floating_point():
-        return whole
-    value = g.sum(dtype=torch.float32).view(torch.int32).to(torch.int64).reshape(1)
-    return torch.cat([whole, value])

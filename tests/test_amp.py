@@ -211,10 +211,10 @@ def test_misuse_fails_clearly() -> None:
         scaler = torch.amp.GradScaler("cpu")
         x, y = batch(0, 1, 0)
         scaler.scale(F.mse_loss(model(x), y)).backward()
-        scaler.unscale_(opt)                   # reaches only the local .grad under dear
-        opt.clip_grad_norm_(1.0)
         before = state_of(model)
+        scaler.unscale_(opt)                   # reaches only the local .grad under dear
         with pytest.raises(RuntimeError, match="grad_scaler=scaler"):
+            opt.clip_grad_norm_(1.0)           # it sees the gradients unscaled_ wrote
             scaler.step(opt)
         opt.flush_updates()
         assert max_diff(state_of(model), before) == 0.0   # the dropped step changed nothing

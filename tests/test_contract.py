@@ -216,6 +216,104 @@ def test_reads_through_the_model_after_step_see_the_updated_weights():
             assert_float32_close(result[key], exact[key], peer[key], what=f"rank {r} {key}")
 
 
+CLAMP = 0.15                  # bites: Linear(24, 32)'s initial weights reach 1/sqrt(24) = 0.2
+# Writes to the parameters after step() (WGAN's weight clipping, a projection onto constraints).
+# Through the model they apply the pending update first and train as DDP does; through a tensor
+# kept from before, the update would land on the written values, so it is refused: an in-place
+# write in the forward that would apply the update, a write through .data at the next step().
+WRITES = {"model": None, "flush_then_kept": None, "kept_no_grad": "written in place",
+          "kept_data": "written through .data", "param_groups_data": "written through .data",
+          "submodule_data": "written through .data"}
+
+
+def _write_after_step(kind: str, model: torch.nn.Module, kept: list, opt) -> None:
+    if kind == "model":
+        for p in model.parameters():
+            p.data.clamp_(-CLAMP, CLAMP)
+    elif kind == "flush_then_kept":
+        opt.flush_updates()
+        for p in kept:
+            p.data.clamp_(-CLAMP, CLAMP)
+    elif kind == "kept_no_grad":
+        with torch.no_grad():
+            for p in kept:
+                p.clamp_(-CLAMP, CLAMP)
+    elif kind == "kept_data":
+        for p in kept:
+            p.data.clamp_(-CLAMP, CLAMP)
+    elif kind == "param_groups_data":
+        for group in opt.param_groups:
+            for p in group["params"]:
+                p.data.clamp_(-CLAMP, CLAMP)
+    elif kind == "submodule_data":
+        for p in model.fc1.parameters():
+            p.data.clamp_(-CLAMP, CLAMP)
+
+
+def _writes() -> dict:
+    import dear
+    dear.init()
+    rank = dear.rank()
+    out = {}
+    for kind in WRITES:
+        torch.manual_seed(0)
+        model = Net()
+        kept = list(model.parameters())
+        opt = dear.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1,
+                                                        momentum=0.9),
+                                        model=model, fusion_threshold=1024)
+        error = None
+        try:
+            for step in range(3):
+                where = f"forward {step}"
+                opt.zero_grad()
+                x, y = batch(step, WORLD, rank)
+                loss = F.mse_loss(model(x), y)
+                loss.backward()
+                where = f"step {step}"
+                opt.step()
+                _write_after_step(kind, model, kept, opt)
+            where = "end"
+            opt.flush_updates()
+        except RuntimeError as exc:
+            error = (where, str(exc))
+        out[kind] = {"error": error, "params": state_of(model)}
+        del opt
+    dear.shutdown()
+    return out
+
+
+def _reference_writes(dtype: torch.dtype) -> dict:
+    torch.manual_seed(0)
+    model = Net().to(dtype)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step in range(3):
+        opt.zero_grad()
+        x, y = batch(step, WORLD)
+        F.mse_loss(model(x.to(dtype)), y.to(dtype)).backward()
+        opt.step()
+        for p in model.parameters():
+            p.data.clamp_(-CLAMP, CLAMP)
+    return state_of(model)
+
+
+def test_writes_to_parameters_after_step_train_as_ddp_or_are_refused():
+    results = run_distributed(_writes, WORLD, timeout=120)
+    exact, peer = _reference_writes(torch.float64), _reference_writes(torch.float32)
+    for r, result in enumerate(results):
+        for kind, says in WRITES.items():
+            error = result[kind]["error"]
+            if says is None:
+                assert error is None, f"rank {r} {kind}: {error}"
+                assert_float32_close(result[kind]["params"], exact, peer, what=f"rank {r} {kind}")
+                continue
+            assert error is not None, f"rank {r} {kind}: the write was silently composed"
+            where, text = error
+            # in place: refused before the update runs; through .data: seen at the next step()
+            assert where == ("forward 1" if kind == "kept_no_grad" else "step 1"), (kind, error)
+            assert says in text and "flush_updates()" in text, (kind, text)
+
+
 def _mismatch(setting: str) -> str:
     import dear
     rank = int(os.environ["RANK"])

@@ -1,0 +1,97 @@
+"""Writes dear cannot let through silently: a tensor it took, or will read, changed behind it.
+
+dear takes each gradient as backward produces it and applies each bucket's update in the next
+forward. A `.grad` edited after backward (step() refuses it, dear/deferred.py) or a parameter
+written between step() and the forward that applies its update (the update would land on the
+written values: under DDP the write comes after the update) would give another model than DDP.
+An in-place write moves autograd's version counter, but a write through `.data` does not, so
+the contents are compared too, by `fingerprint`.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+_BITS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+
+Fingerprint = tuple[torch.Tensor, ...]
+
+
+def fingerprint(tensor: torch.Tensor) -> Fingerprint:
+    """Two sums that move when the tensor's contents do. The sum of the bit patterns as wrapping
+    integers is exact, so any one changed element shows; the float sum of the values catches
+    what that sum cannot (a sign flip of an even number of elements). Only an edit that keeps
+    both (a permutation of the elements, say) goes unseen. Two reductions, no other op: this
+    runs for every gradient and parameter in every iteration. The C++ hooks compute the same
+    sums (csrc/grad_ready.cpp)."""
+    t = tensor.detach()
+    bits = _BITS[t.element_size()]
+    whole = t.view(bits).sum(dtype=bits)
+    if not t.is_floating_point():
+        return (whole,)
+    return (whole, t.sum(dtype=torch.float32).view(torch.int32))   # bits: NaN == NaN
+
+
+def first_changed(before: Sequence[Fingerprint], after: Sequence[Fingerprint]) -> Optional[int]:
+    """The first k whose fingerprints differ, or None; one comparison per dtype of sum when
+    none does (a GPU syncs once or twice)."""
+    groups: dict[torch.dtype, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+    for b, a in zip(before, after):
+        for x, y in zip(b, a):
+            pair = groups.setdefault(x.dtype, ([], []))
+            pair[0].append(x)
+            pair[1].append(y)
+    if all(torch.equal(torch.stack(xs), torch.stack(ys)) for xs, ys in groups.values()):
+        return None
+    return next(k for k, (b, a) in enumerate(zip(before, after))
+                if any(not torch.equal(x, y) for x, y in zip(b, a)))
+
+
+class PendingWrites:
+    """The parameters of each bucket as step() left them, checked when its update runs.
+
+    A write moving the version counter is refused right there, before the update (no host
+    sync: the counters are integers). A write through `.data` shows only in the contents: their
+    fingerprints are taken at step() and before the update, and compared at the next check
+    (`written_since_step`, called by the next step()), where a GPU syncs anyway: that error
+    comes one iteration late, after the update landed on the written values."""
+
+    def __init__(self) -> None:
+        self._at_step: dict[int, tuple[list[int], list[Fingerprint]]] = {}
+        self._applied: list[tuple[Sequence[torch.nn.Parameter], list[Fingerprint],
+                                  list[Fingerprint]]] = []
+
+    def note_step(self, key: int, params: Sequence[torch.nn.Parameter]) -> None:
+        """step() started the all-gathers of this bucket's update."""
+        self._at_step[key] = ([p._version for p in params], [fingerprint(p) for p in params])
+
+    def before_update(self, key: int, params: Sequence[torch.nn.Parameter]) -> Optional[int]:
+        """The update of bucket `key` is about to run: the index of a parameter written in
+        place since step(), or None (the contents are compared later)."""
+        noted = self._at_step.pop(key, None)
+        if noted is None:
+            return None
+        versions, before = noted
+        for j, (p, version) in enumerate(zip(params, versions)):
+            if p._version != version:
+                return j
+        self._applied.append((params, before, [fingerprint(p) for p in params]))
+        return None
+
+    def written_since_step(self) -> Optional[torch.nn.Parameter]:
+        """A parameter whose contents changed between a step() and its update (through
+        `.data`), since the last call, or None."""
+        applied, self._applied = self._applied, []
+        before = [f for _, b, _ in applied for f in b]
+        after = [f for _, _, a in applied for f in a]
+        k = first_changed(before, after)
+        if k is None:
+            return None
+        params = [p for ps, _, _ in applied for p in ps]
+        return params[k]
+
+    def forget(self) -> None:
+        self._at_step = {}
+        self._applied = []
