@@ -29,7 +29,8 @@ demo: setup
 
 # TEST_JOBS=N (N > 1): modules side by side on N workers (pytest-xdist; tests/conftest.py says
 # why that is safe), then the few that must run alone. Default 1, one process: on the 2-core CI
-# machine the suite is CPU-bound enough that 3 workers saved only 14% (1349 s vs 1573 s) and
+# machine the suite is CPU-bound (1.5-1.7 cores busy in one process: tools/suite_cpu.py), so
+# 3 workers saved only 14% (1349 s vs 1573 s) and
 # made its CPU-heavy tests (mypy, the tuner's Gaussian processes) 3-6x slower; the workers now
 # get one BLAS/OpenMP thread each, so N workers do not start 2N threads on the cores.
 TEST_JOBS ?= 1

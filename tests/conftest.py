@@ -11,9 +11,12 @@ module is one group, so a module's tests run in order in one process, as they wo
 (module fixtures built once, files a module writes not shared), and modules run side by side:
 nothing a test starts is named after anything but its own process (ports from the kernel,
 namespaces after the launcher's pid, temporary directories). Measured on the 2-core machine
-(2026-11-27): one process 1573 s (0.55 cores busy on average), 3 workers 1349 s, where mypy and
-the tuner's Gaussian processes ran 3-6x slower; so the default stays one process there, and
-workers pay where there are cores to spare.
+(2026-11-27): one process 1573 s, 3 workers 1349 s, where mypy and the tuner's Gaussian
+processes ran 3-6x slower; so the default stays one process there, and workers pay where there
+are cores to spare. The suite is CPU-bound on 2 cores: tools/suite_cpu.py (the machine's
+counters, which see the forked ranks) put it at 1.5-1.7 cores busy on average in one process,
+about 2300-2700 CPU-seconds (two runs with other work beside them); `time` had shown 0.55
+cores, as it does not count the ranks the forkserver forks.
 
 `pytest -m "not slow"` is the developer's check (about 4 minutes of the 21); `make test` runs
 everything.
