@@ -45,4 +45,3 @@ class Iteration:
     @classmethod
     def start(cls, num_params: int) -> "Iteration":
         return cls(passes=[0] * num_params)
-
