@@ -436,10 +436,9 @@ class _DistributedOptimizer(ExtensionPoints, ReducedGradientMixin, torch.optim.O
         written = self._pending_writes.written_since_step()
         if written is not None:
             self._abandon_iteration()
-            name = next(n for p, n in zip(self._params, self._names) if p is written)
             raise self._written_error(
-                name, "through .data (seen now: the update of the last step landed on the "
-                "written values; this step was dropped on this rank)")
+                self._names[self._index[written]], "through .data (seen now: the update of the "
+                "last step landed on the written values; this step was dropped on this rank)")
         i = self._edited_parameter()
         if i is None:
             return
@@ -512,8 +511,9 @@ class _DistributedOptimizer(ExtensionPoints, ReducedGradientMixin, torch.optim.O
             self._hyper_at_step = [_hyperparameters(g) for g in self.param_groups]
             self._deferred_at_step = self._iteration.deferred
             self._num_pending = len(buckets)
-            for bucket in buckets:
-                self._pending_writes.note_step(bucket.spec.index, bucket.params)
+            if not gradients:                  # else synchronize() applies them right away
+                for bucket in buckets:
+                    self._pending_writes.note_step(bucket.spec.index, bucket.params)
         self._schedule.end_step()
         self._end_iteration()
 
