@@ -28,12 +28,13 @@ demo: setup
 	$(PY) -m benchmarks.demo
 
 # TEST_JOBS=N (N > 1): modules side by side on N workers (pytest-xdist; tests/conftest.py says
-# why that is safe), then the few that must run alone. Default 1, one process: on the 2-core CI
-# machine the suite is CPU-bound (1.5-1.7 cores busy in one process: tools/suite_cpu.py), so
-# 3 workers saved only 14% (1349 s vs 1573 s) and
-# made its CPU-heavy tests (mypy, the tuner's Gaussian processes) 3-6x slower; the workers now
-# get one BLAS/OpenMP thread each, so N workers do not start 2N threads on the cores.
-TEST_JOBS ?= 1
+# why that is safe), then the few that must run alone; TEST_JOBS=1: one process. Default: the
+# cores, at most 4. On the 2-core machine, quiet (2026-11-27): one process 910 s, 2 workers
+# 744 s, and 550 s once the ranks' forkserver preloaded torch._dynamo (tests/conftest.py): one
+# process keeps 1.26 of the 2 cores busy on average (tools/suite_cpu.py), the rest is ranks
+# waiting on each other, deadlines and subprocesses starting, which a second worker fills. Each
+# worker gets one BLAS/OpenMP thread, so N workers do not start 2N threads.
+TEST_JOBS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ $$n -gt 4 ] && n=4; echo $$n)
 define run_tests
 	if [ "$(TEST_JOBS)" = 1 ]; then $(PY) -m pytest -q -rs $(1) tests; else \
 	  OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1 \

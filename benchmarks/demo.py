@@ -10,7 +10,10 @@ Without root (no network namespaces): one small model on 2 CPU ranks over loopba
 data with both, the loss trajectories compared; the time ratio is printed with one line on what
 loopback can and cannot show (there is no network to hide there).
 
-    python -m benchmarks.demo [--loopback] [--nproc 2] [--iters 20] [--rounds 3] [--hidden 1024]
+    python -m benchmarks.demo [--rounds N] [--loopback] [--nproc 2] [--iters 20] [--hidden 1024]
+
+--rounds: each method this many times, interleaved (default 2 on the shaped link, 3 on loopback;
+the suite runs 1, a check that the demo works rather than a measurement).
 """
 
 from __future__ import annotations
@@ -108,7 +111,9 @@ def rank_main(rank: int, args: argparse.Namespace, port: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    cli.add_options(parser, nproc=2, rounds=3, iters=20, timeout=300.0)
+    cli.add_options(parser, nproc=2, iters=20, timeout=300.0)
+    parser.add_argument("--rounds", type=int, default=None,
+                        help=cli.HELP["rounds"] + " (default 2 on the shaped link, 3 on loopback)")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=4)
@@ -118,18 +123,19 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.cluster import check_can_shape
     why = "--loopback given" if args.loopback else check_can_shape()
     if why is None:
-        return shaped_link_demo()
+        return shaped_link_demo(args.rounds or 2)
+    args.rounds = args.rounds or 3
     print(f"demo: no shaped link ({why}); DDP and DeAR on loopback", flush=True)
     from benchmarks.launch import free_port, run_ranks
     return run_ranks(rank_main, args.nproc, (args, free_port()), timeout=args.timeout)
 
 
-def shaped_link_demo() -> int:
+def shaped_link_demo(rounds: int) -> int:
     """ResNet-50's shapes on 2 ranks over a shaped 1 Gbit/s link: DDP and DeAR as ratios to
     T_lb, DeAR's losses against DDP's (the demo fails if they differ)."""
     from benchmarks import emulated_bench
     args = emulated_bench.parse_args(["--setups", "resnet50:2", "--methods", "ddp,dear",
-                                      "--rounds", "2", "--timeout", "400"])
+                                      "--rounds", str(rounds), "--timeout", "400"])
     print("demo: ResNet-50's parameter shapes on 2 ranks, each behind a shaped 1 Gbit/s link "
           "(the emulated accelerator: layers take their share of the compute time)", flush=True)
     report = emulated_bench.run_setup("resnet50:2", args, shaping=True)

@@ -6,20 +6,20 @@
 - `serial`: a module whose assertions read a shaped link's measured rate or how fast a kill
   lands (SERIAL): with TEST_JOBS > 1, `make test` runs it alone, after the rest.
 
-`make test TEST_JOBS=N` runs the rest on N workers (pytest-xdist, `--dist loadgroup`): each
-module is one group, so a module's tests run in order in one process, as they would alone
-(module fixtures built once, files a module writes not shared), and modules run side by side:
-nothing a test starts is named after anything but its own process (ports from the kernel,
-namespaces after the launcher's pid, temporary directories). Measured on the 2-core machine
-(2026-11-27): one process 1573 s, 3 workers 1349 s, where mypy and the tuner's Gaussian
-processes ran 3-6x slower; so the default stays one process there, and workers pay where there
-are cores to spare. The suite is CPU-bound on 2 cores: tools/suite_cpu.py (the machine's
-counters, which see the forked ranks) put it at 1.5-1.7 cores busy on average in one process,
-about 2300-2700 CPU-seconds (two runs with other work beside them); `time` had shown 0.55
-cores, as it does not count the ranks the forkserver forks.
+`make test` runs the rest on TEST_JOBS workers (default: the cores, at most 4; pytest-xdist,
+`--dist loadgroup`): each module is one group, so a module's tests run in order in one process,
+as they would alone (module fixtures built once, files a module writes not shared), and modules
+run side by side: nothing a test starts is named after anything but its own process (ports from
+the kernel, namespaces after the launcher's pid, temporary directories). Measured on the 2-core
+machine, quiet (2026-11-27): one process 910 s of tests and 1133 CPU-s (tools/suite_cpu.py: 1.26
+cores busy; the rest is ranks waiting on each other, deadlines, subprocesses starting), 2 workers
+744 s. Then the forkserver that forks the ranks (dear/testing/ranks.py) began to preload
+torch._dynamo, which each rank had imported for about 1 CPU-s at its first optimizer, a few tests
+stopped sleeping past their point and the demo's test runs one round: 2 workers, 533 s + 17 s
+alone, 888 CPU-s for the whole `make test`. The 2-core machine of the earlier sessions was slower:
+1440 s in one process (fresh clones, 2026-11-27) where this one took 910 s.
 
-`pytest -m "not slow"` is the developer's check (about 4 minutes of the 21); `make test` runs
-everything.
+`pytest -m "not slow"` (`make test-fast`) is the developer's check; `make test` runs everything.
 """
 
 from __future__ import annotations

@@ -299,13 +299,13 @@ def _slow_search(out_dir: str, world: int) -> bool:
     original = offline.OfflineAutotuner._plan
 
     def slow(self, *args, **kwargs):           # a search longer than DEAR_TIMEOUT (README:
-        time.sleep(15)                         # 6-48 s on real models)
+        time.sleep(8)                          # 6-48 s on real models)
         return original(self, *args, **kwargs)
     offline.OfflineAutotuner._plan = slow      # type: ignore[method-assign]
-    return bool(_train("offline", out_dir, world, extra={"DEAR_TIMEOUT": "6"})["finished"])
+    return bool(_train("offline", out_dir, world, extra={"DEAR_TIMEOUT": "3"})["finished"])
 
 
 def test_a_search_longer_than_dear_timeout_does_not_kill_a_healthy_job(tmp_path) -> None:
     """Rank 0 searches while the others wait for its plan: they meet it every few seconds, so
-    DEAR_TIMEOUT bounds a stalled peer, not the search (a 15 s search under DEAR_TIMEOUT=6)."""
+    DEAR_TIMEOUT bounds a stalled peer, not the search (an 8 s search under DEAR_TIMEOUT=3)."""
     assert run_distributed(_slow_search, 2, str(tmp_path), 2, timeout=240) == [True, True]

@@ -8,6 +8,8 @@ working: optimizer.clip_grad_norm_, Horovod's synchronize()/skip_synchronize(), 
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -225,9 +227,10 @@ def test_horovods_broadcast_optimizer_state_idiom_does_not_hang() -> None:
     assert ranks[0]["steps"] == ranks[1]["steps"] == [4]
 
 
-def _object_broadcast_nobody_joins() -> dict:
+def _object_broadcast_nobody_joins(done: str) -> dict:
     """The user's own process group (torch's default timeout, 30 minutes), DEAR_TIMEOUT=3: rank 1
-    never joins dear's object broadcast; rank 0 must fail within DEAR_TIMEOUT, not hang."""
+    never joins dear's object broadcast; rank 0 must fail within DEAR_TIMEOUT, not hang. Rank 1
+    stays alive (its exit would end the broadcast early) until rank 0 is done, or 20 s."""
     import datetime
     import time
 
@@ -235,7 +238,9 @@ def _object_broadcast_nobody_joins() -> dict:
     dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=30))
     dear.init()
     if dear.rank() == 1:
-        time.sleep(20)
+        end = time.monotonic() + 20
+        while not os.path.exists(done) and time.monotonic() < end:
+            time.sleep(0.1)
         return {}
     start = time.monotonic()
     try:
@@ -243,11 +248,13 @@ def _object_broadcast_nobody_joins() -> dict:
         error = None
     except Exception as exc:                     # torch's "timed out" RuntimeError
         error = str(exc)
-    return {"error": error, "elapsed": time.monotonic() - start}
+    elapsed = time.monotonic() - start
+    open(done, "w").close()
+    return {"error": error, "elapsed": elapsed}
 
 
-def test_object_broadcasts_are_bounded_by_dear_timeout() -> None:
-    ranks = run_distributed(_object_broadcast_nobody_joins, 2, timeout=90,
+def test_object_broadcasts_are_bounded_by_dear_timeout(tmp_path) -> None:
+    ranks = run_distributed(_object_broadcast_nobody_joins, 2, str(tmp_path / "done"), timeout=90,
                             env={"DEAR_TIMEOUT": "3"})
     assert ranks[0]["error"] is not None, "the broadcast returned without rank 1"
     assert ranks[0]["elapsed"] < 15, "rank 0 waited for rank 1 instead of DEAR_TIMEOUT"

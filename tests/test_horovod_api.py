@@ -457,7 +457,7 @@ def test_distributed_optimizer_is_dears():
 
 
 # ---------------------------------------------------------------------------- errors
-def _error_ranks() -> None:
+def _error_ranks(done: str) -> None:
     import dear.horovod as hvd
     with pytest.raises(ValueError, match="not been initialized"):
         hvd.rank()
@@ -510,17 +510,21 @@ def _error_ranks() -> None:
         hvd.grouped_allreduce([torch.ones(1), torch.ones(1, device="meta")])
     hvd.barrier()
     # a rank that never comes: the agreement round fails within DEAR_TIMEOUT
-    if r == 1:
-        time.sleep(12)
+    if r == 1:                                     # alive (its exit would end the round
+        end = time.monotonic() + 12                # early) until rank 0 is done, or 12 s
+        while not os.path.exists(done) and time.monotonic() < end:
+            time.sleep(0.1)
         return
     start = time.monotonic()
     with pytest.raises(hvd.HorovodInternalError, match="agreement round"):
         hvd.allreduce(torch.ones(2))
     assert time.monotonic() - start < 10
+    open(done, "w").close()
 
 
-def test_errors_are_clear_and_leave_the_group_usable():
-    run_distributed(_error_ranks, 2, timeout=150, env={"DEAR_TIMEOUT": "4"})
+def test_errors_are_clear_and_leave_the_group_usable(tmp_path):
+    run_distributed(_error_ranks, 2, str(tmp_path / "done"), timeout=150,
+                    env={"DEAR_TIMEOUT": "4"})
 
 
 # -------------------------------------------------------------- launchers and import hygiene

@@ -64,8 +64,10 @@ def test_demo_short():
 @pytest.mark.root
 @pytest.mark.skipif(os.geteuid() != 0, reason="the shaped link needs root")
 def test_demo_on_a_shaped_link():
-    """What `make demo` runs as root: ratios to T_lb for DDP and DeAR, losses compared."""
-    res = run([os.path.join(BIN, "python"), "-m", "benchmarks.demo"], timeout=420)
+    """What `make demo` runs as root: ratios to T_lb for DDP and DeAR, losses compared (one
+    round instead of two: the suite checks that it works, the ratios are `make demo`'s)."""
+    res = run([os.path.join(BIN, "python"), "-m", "benchmarks.demo", "--rounds", "1"],
+              timeout=420)
     assert res.returncode == 0, res.stdout + res.stderr
     rows = {m: re.search(rf"^{m}\s+(\d+)\s+([\d.]+)\s+same$", res.stdout, re.M)
             for m in ("ddp", "dear")}
