@@ -304,7 +304,10 @@ class _DistributedOptimizer(ExtensionPoints, ReducedGradientMixin, torch.optim.O
                                                          for g in self.param_groups]
                     self._sharded.attributes = dict(self.__dict__)   # read on that thread
                 if self._sharded is not None:
-                    self._sharded.launched(bucket)
+                    # contents: an update may run early now, or next time (if held back now)
+                    schedule = self._schedule
+                    self._sharded.launched(bucket, schedule.before_gather is not None
+                                           and schedule.plan is not None and not schedule.paused)
                 bucket.start_reduce_scatter(self._comm, self._prescale, self._schedule.submitter())
                 self._schedule.reduce_scatter_submitted(bucket, self._postscale)
                 self._iteration.next_launch += 1

@@ -28,6 +28,7 @@ import torch
 
 from .comm.base import Communicator
 from .fusion.bucket import Bucket
+from .written import Fingerprint, fingerprint, first_changed
 
 #: torch optimizers whose update is elementwise: safe on flat segments, the same bits.
 ELEMENTWISE: tuple[type, ...] = (
@@ -97,6 +98,7 @@ class ShardedState:
         # The parameters' versions when each bucket's reduce-scatter started, noted by the
         # training thread: an early update reads them at some later moment, step() at its own.
         self._versions: dict[int, list[int]] = {}
+        self._prints: dict[int, list[Fingerprint]] = {}
         self._saved_bytes = 0                   # what _saved holds now
         self.peak_saved_bytes = 0               # the most state saved for undo at once
         # The optimizer's attributes as the training thread saw them when backward began: what
@@ -172,16 +174,27 @@ class ShardedState:
             self.updated.add(k)
 
     # --------------------------------------------------- early updates, in backward's gaps
-    def launched(self, bucket: Bucket) -> None:
-        """Its reduce-scatter starts (training thread): note its parameters' versions."""
-        self._versions[bucket.spec.index] = [p._version for p in bucket.params]
+    def launched(self, bucket: Bucket, contents: bool) -> None:
+        """Its reduce-scatter starts (training thread): note its parameters' versions, and with
+        `contents` (early updates may run in this iteration) their fingerprints: a write
+        through `.data` leaves the version alone. Whole parameters, not this rank's segments,
+        so that every rank sees the same writes and decides alike."""
+        k = bucket.spec.index
+        self._versions[k] = [p._version for p in bucket.params]
+        if contents:
+            self._prints[k] = [fingerprint(p) for p in bucket.params]
 
     def unwritten(self) -> bool:
         """No parameter was written since its bucket's reduce-scatter started: an update run
         since then, early or now, reads the same values (the same answer on every rank,
         however far the collective thread had got)."""
-        return all(p._version == v for k, versions in self._versions.items()
-                   for p, v in zip(self.buckets[k].params, versions))
+        if not all(p._version == v for k, versions in self._versions.items()
+                   for p, v in zip(self.buckets[k].params, versions)):
+            return False
+        keys = sorted(self._prints)
+        return first_changed([f for k in keys for f in self._prints[k]],
+                             [fingerprint(p) for k in keys for p in self.buckets[k].params]
+                             ) is None
 
     def update_early(self, optimizer: Any, inner_step: Callable[[Any], Any], bucket: Bucket,
                      hyper: Sequence[dict[str, Any]]) -> None:
@@ -237,6 +250,7 @@ class ShardedState:
         self._saved = {}
         self._saved_bytes = 0
         self._versions = {}
+        self._prints = {}
 
     @staticmethod
     def install(bucket: Bucket) -> None:

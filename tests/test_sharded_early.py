@@ -32,12 +32,14 @@ HABITS = {
     "clip_grad_scaler": False,
     "lr_set_before_step": False,              # a warm-up written before optimizer.step()
     "param_edited": False,                    # the parameters written before step()
+    "param_data_edited": False,               # the same through .data (no version bump)
+    "param_data_one_element": False,          # one element through .data: one rank's shard
     "horovod_synchronize": False,             # synchronize(); edit .grad; skip_synchronize
     "state_dict_mid_iteration": False,        # checkpoint between backward and step()
     "branch": False,                          # some ranks skip a layer: not everyone used all
 }
 EVERY_STEP = {"clip", "grad_scaler", "clip_grad_scaler", "lr_set_before_step", "param_edited",
-              "horovod_synchronize"}
+              "param_data_edited", "param_data_one_element", "horovod_synchronize"}
 
 
 def _run(opt_name: str, sharded: bool, habit: str) -> dict:
@@ -87,6 +89,10 @@ def _run(opt_name: str, sharded: bool, habit: str) -> dict:
         elif habit == "param_edited" and now:
             with torch.no_grad():
                 model.head.weight.mul_(0.99)
+        elif habit == "param_data_edited" and now:
+            model.head.weight.data.mul_(0.99)
+        elif habit == "param_data_one_element" and now:
+            model.head.weight.data[-1, -1] += 0.01
         elif habit == "state_dict_mid_iteration" and step == 3:
             saved.append(copy.deepcopy(opt.state_dict()))   # torch returns live tensors
         if habit == "horovod_synchronize" and now:
