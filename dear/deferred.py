@@ -57,7 +57,7 @@ from .sharded import KFAC_REFUSED, ShardedState, meet_every_rank, tensor_bytes
 from .sparse import SparseGradients
 from .stream import StreamCheck, parameter_digest
 from .validation import explicit_groups, held_by_ddp, refuse_construction
-from .written import PendingWrites, fingerprint, first_changed
+from .written import Fingerprint, PendingWrites, fingerprint, first_changed
 
 log = logging.getLogger("dear")
 
@@ -304,10 +304,7 @@ class _DistributedOptimizer(ExtensionPoints, ReducedGradientMixin, torch.optim.O
                                                          for g in self.param_groups]
                     self._sharded.attributes = dict(self.__dict__)   # read on that thread
                 if self._sharded is not None:
-                    # contents: an update may run early now, or next time (if held back now)
-                    schedule = self._schedule
-                    self._sharded.launched(bucket, schedule.before_gather is not None
-                                           and schedule.plan is not None and not schedule.paused)
+                    self._sharded.launched(bucket, self._schedule.updates_early)
                 bucket.start_reduce_scatter(self._comm, self._prescale, self._schedule.submitter())
                 self._schedule.reduce_scatter_submitted(bucket, self._postscale)
                 self._iteration.next_launch += 1
@@ -492,7 +489,7 @@ class _DistributedOptimizer(ExtensionPoints, ReducedGradientMixin, torch.optim.O
         With shard_optimizer_state each rank first updates its shards, and the all-gathers
         carry parameters (`gradients`: the averaged gradients all the same, synchronize())."""
         self._finish_reduce()
-        self._settle_early_updates(grad_scaler, gradients)
+        prints = self._settle_early_updates(grad_scaler, gradients)
         if self._buffer_sync is not None:      # dear/buffers.py: DDP's broadcast_buffers
             self._buffer_sync()
         if self._sparse is not None:           # dear/sparse.py: Embedding(sparse=True) weights
@@ -516,7 +513,8 @@ class _DistributedOptimizer(ExtensionPoints, ReducedGradientMixin, torch.optim.O
             self._num_pending = len(buckets)
             if not gradients:                  # else synchronize() applies them right away
                 for bucket in buckets:
-                    self._pending_writes.note_step(bucket.spec.index, bucket.params)
+                    k = bucket.spec.index
+                    self._pending_writes.note_step(k, bucket.params, prints.get(k))
         self._schedule.end_step()
         self._end_iteration()
 
@@ -1156,16 +1154,19 @@ class _DistributedOptimizer(ExtensionPoints, ReducedGradientMixin, torch.optim.O
         with _scope("dear::update_early"):
             sharded.update_early(self, self._inner_step, bucket, hyper)
 
-    def _settle_early_updates(self, grad_scaler: Optional[Any], gradients: bool) -> None:
+    def _settle_early_updates(self, grad_scaler: Optional[Any], gradients: bool
+                              ) -> dict[int, list[Fingerprint]]:
         """step(), sharded, every reduce-scatter done: keep the updates run early only if
         step() would run the same ones: no GradScaler, clipping that scaled by exactly 1,
         every parameter with a gradient on some rank (on every rank, as each
         assumed), the same hyperparameters and no parameter written since. Else undo them
         (the same decision on every rank: these are global facts). Whether the next iteration
-        may run them early follows from the same test."""
+        may run them early follows from the same test. Returns the parameters' fingerprints
+        that test took, per bucket (step() writes no parameter: note_step reuses them)."""
+        prints: dict[int, list[Fingerprint]] = {}
         sharded = self._sharded
         if sharded is None:
-            return
+            return prints
         it = self._iteration
         self._stream.settle()                  # everyone_used
         kept = (grad_scaler is None and not gradients and self._stream.everyone_used
@@ -1173,11 +1174,12 @@ class _DistributedOptimizer(ExtensionPoints, ReducedGradientMixin, torch.optim.O
                 and it.hyper_at_backward is not None
                 and _same_hyperparameters(it.hyper_at_backward,
                                           [_hyperparameters(g) for g in self.param_groups])
-                and sharded.unwritten())
+                and sharded.unwritten(prints))
         self._schedule.held = not kept
         if not kept:
             self._undo_early_updates()
         it.deferred = []                       # each was 1 (or was applied to the shards)
+        return prints
 
     def _undo_early_updates(self) -> None:
         """The early updates of this iteration are undone and their chunks forgotten: step()

@@ -184,17 +184,18 @@ class ShardedState:
         if contents:
             self._prints[k] = [fingerprint(p) for p in bucket.params]
 
-    def unwritten(self) -> bool:
+    def unwritten(self, now: dict[int, list[Fingerprint]]) -> bool:
         """No parameter was written since its bucket's reduce-scatter started: an update run
         since then, early or now, reads the same values (the same answer on every rank,
-        however far the collective thread had got)."""
+        however far the collective thread had got). The fingerprints it takes of the
+        parameters as they are now go into `now`, per bucket."""
         if not all(p._version == v for k, versions in self._versions.items()
                    for p, v in zip(self.buckets[k].params, versions)):
             return False
         keys = sorted(self._prints)
+        now.update((k, [fingerprint(p) for p in self.buckets[k].params]) for k in keys)
         return first_changed([f for k in keys for f in self._prints[k]],
-                             [fingerprint(p) for k in keys for p in self.buckets[k].params]
-                             ) is None
+                             [f for k in keys for f in now[k]]) is None
 
     def update_early(self, optimizer: Any, inner_step: Callable[[Any], Any], bucket: Bucket,
                      hyper: Sequence[dict[str, Any]]) -> None:

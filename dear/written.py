@@ -63,9 +63,12 @@ class PendingWrites:
         self._applied: list[tuple[Sequence[torch.nn.Parameter], list[Fingerprint],
                                   list[Fingerprint]]] = []
 
-    def note_step(self, key: int, params: Sequence[torch.nn.Parameter]) -> None:
-        """step() started the all-gathers of this bucket's update."""
-        self._at_step[key] = ([p._version for p in params], [fingerprint(p) for p in params])
+    def note_step(self, key: int, params: Sequence[torch.nn.Parameter],
+                  prints: Optional[list[Fingerprint]] = None) -> None:
+        """step() started the all-gathers of this bucket's update (`prints`: the parameters'
+        fingerprints, where this step() already took them)."""
+        self._at_step[key] = ([p._version for p in params],
+                              prints if prints is not None else [fingerprint(p) for p in params])
 
     def before_update(self, key: int, params: Sequence[torch.nn.Parameter]) -> Optional[int]:
         """The update of bucket `key` is about to run: the index of a parameter written in

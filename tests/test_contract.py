@@ -250,8 +250,11 @@ def _write_after_step(kind: str, model: torch.nn.Module, kept: list, opt) -> Non
             p.data.clamp_(-CLAMP, CLAMP)
 
 
-def _writes() -> dict:
+def _writes(sharded: bool) -> dict:
+    """sharded: shard_optimizer_state under a forced plan, so the step's fingerprints of the
+    parameters come from the early-update check (ShardedState.unwritten)."""
     import dear
+    from tests.test_sharded import force_plan
     dear.init()
     rank = dear.rank()
     out = {}
@@ -261,10 +264,14 @@ def _writes() -> dict:
         kept = list(model.parameters())
         opt = dear.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1,
                                                         momentum=0.9),
-                                        model=model, fusion_threshold=1024)
+                                        model=model, fusion_threshold=1024,
+                                        schedule="planned" if sharded else "dear",
+                                        shard_optimizer_state=sharded)
         error = None
         try:
             for step in range(3):
+                if sharded:
+                    force_plan(opt)
                 where = f"forward {step}"
                 opt.zero_grad()
                 x, y = batch(step, WORLD, rank)
@@ -297,8 +304,10 @@ def _reference_writes(dtype: torch.dtype) -> dict:
     return state_of(model)
 
 
-def test_writes_to_parameters_after_step_train_as_ddp_or_are_refused():
-    results = run_distributed(_writes, WORLD, timeout=120)
+@pytest.mark.parametrize("sharded", [False, True])
+def test_writes_to_parameters_after_step_train_as_ddp_or_are_refused(sharded: bool):
+    results = run_distributed(_writes, WORLD, sharded, timeout=120,
+                              env={"DEAR_PLAN_AFTER": "100"} if sharded else None)
     exact, peer = _reference_writes(torch.float64), _reference_writes(torch.float32)
     for r, result in enumerate(results):
         for kind, says in WRITES.items():

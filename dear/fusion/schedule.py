@@ -269,6 +269,12 @@ class ScheduleDriver:
     def active(self) -> bool:
         return self.plan is not None and not self.paused and not self.held
 
+    @property
+    def updates_early(self) -> bool:
+        """Early updates (with shard_optimizer_state) may run in this iteration, or, held back
+        now, in a later one that the step of this one decides."""
+        return self.before_gather is not None and self.plan is not None and not self.paused
+
     def submitter(self) -> Optional[Callable[..., Work]]:
         """How this iteration's reduce-scatters are issued: through the executor (directly while
         a dear.diagnose Tracer records this optimizer: it records on the training thread)."""
