@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 import dear
-from tests.distributed import run_distributed
+from tests.distributed import run_distributed, wait_for_file
 from tests.horovod_launch import run_horovod
 from tests.subprocesses import BIN, run
 from tests.workloads import batch, make_net, max_diff, state_of
@@ -159,8 +159,7 @@ def _faulty_training(fault: str, marker: str) -> dict:
                     fh.write(repr(stalled))
                 if fault == "dies":
                     os.kill(os.getpid(), signal.SIGKILL)
-                while not os.path.exists(marker + ".seen") and time.time() < stalled + 30:
-                    time.sleep(0.05)           # stalls until rank 0 has given up on it
+                wait_for_file(marker + ".seen", 30)   # stalls until rank 0 gave up on it
                 os._exit(0)
             opt.zero_grad()
             x, y = batch(step, dear.size(), rank)

@@ -8,14 +8,12 @@ working: optimizer.clip_grad_norm_, Horovod's synchronize()/skip_synchronize(), 
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 import dear
-from tests.distributed import run_distributed
+from tests.distributed import run_distributed, wait_for_file
 from tests.test_sharded import force_plan
 from tests.workloads import OPTIMIZERS, batch, make_net, max_diff, state_of
 
@@ -238,9 +236,7 @@ def _object_broadcast_nobody_joins(done: str) -> dict:
     dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=30))
     dear.init()
     if dear.rank() == 1:
-        end = time.monotonic() + 20
-        while not os.path.exists(done) and time.monotonic() < end:
-            time.sleep(0.1)
+        wait_for_file(done, 20)
         return {}
     start = time.monotonic()
     try:

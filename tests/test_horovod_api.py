@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.distributed import run_distributed
+from tests.distributed import run_distributed, wait_for_file
 from tests.subprocesses import ROOT
 
 FAST = {"DEAR_TIMEOUT": "60"}
@@ -511,9 +511,7 @@ def _error_ranks(done: str) -> None:
     hvd.barrier()
     # a rank that never comes: the agreement round fails within DEAR_TIMEOUT
     if r == 1:                                     # alive (its exit would end the round
-        end = time.monotonic() + 12                # early) until rank 0 is done, or 12 s
-        while not os.path.exists(done) and time.monotonic() < end:
-            time.sleep(0.1)
+        wait_for_file(done, 12)                    # early) until rank 0 is done, or 12 s
         return
     start = time.monotonic()
     with pytest.raises(hvd.HorovodInternalError, match="agreement round"):

@@ -119,6 +119,17 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
         return results
 
 
+def wait_for_file(path: str, seconds: float) -> bool:
+    """Wait until `path` exists or `seconds` pass; whether it exists. For a rank that must stay
+    alive (its exit would end a peer's collective early) until the peer says it is done."""
+    end = time.monotonic() + seconds
+    while not os.path.exists(path):
+        if time.monotonic() >= end:
+            return False
+        time.sleep(0.05)
+    return True
+
+
 def _rank_context() -> Any:
     """Forkserver with torch and dear imported in the server (where the platform has it: else
     spawn). The server holds no thread and no process group, so forking it is safe."""
