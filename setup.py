@@ -40,7 +40,7 @@ def _native_build() -> dict:
         _warn("torch is not importable while building (pip's build isolation?), so the native "
               "extension is not built; `pip install --no-build-isolation -e .` builds it")
         return {}
-    sources = ["csrc/module.cpp", "csrc/grad_ready.cpp", "csrc/pack.cpp"]
+    sources = ["csrc/module.cpp", "csrc/grad_ready.cpp", "csrc/pack.cpp", "csrc/digest.cpp"]
     kwargs: dict = {"define_macros": [], "include_dirs": [], "library_dirs": [],
                     "extra_link_args": [],
                     "extra_compile_args": {"cxx": ["-O3"], "nvcc": ["-O3"]}}

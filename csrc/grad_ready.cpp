@@ -6,6 +6,7 @@
 #include <stdexcept>
 #include <utility>
 
+#include "digest.h"
 #include "pack.h"
 
 namespace py = pybind11;
@@ -23,6 +24,8 @@ GradReady::GradReady(at::Tensor buffer, std::vector<int64_t> offsets, std::vecto
       stamps_(layout_.offsets.size(), c10::weak_intrusive_ptr<c10::TensorImpl>(
                                           c10::intrusive_ptr<c10::TensorImpl>())),
       versions_(layout_.offsets.size(), -1),
+      has_digest_(layout_.offsets.size(), 0),
+      digests_(layout_.offsets.size(), 0),
       fingerprints_(layout_.offsets.size()) {
   check_buffer(buffer_, layout_, "GradReady");
 }
@@ -58,7 +61,14 @@ bool GradReady::record(int64_t j, const std::optional<at::Tensor>& grad) {
     stamps_[j] = c10::weak_intrusive_ptr<c10::TensorImpl>(grad->getIntrusivePtr());
     versions_[j] = static_cast<int64_t>(grad->_version());
     at::Tensor g = *grad;
-    if (!g.is_sparse()) fingerprints_[j] = fingerprint(g);
+    if (!g.is_sparse()) {
+      if (g.device().is_cpu()) {
+        has_digest_[j] = 1;
+        digests_[j] = digest(g);
+      } else {
+        fingerprints_[j] = fingerprint(g);
+      }
+    }
     if (g.is_sparse()) {
       TORCH_CHECK(sparse_as_dense_,
                   "dear.DistributedOptimizer got a sparse gradient; dear reduces dense buckets. "
@@ -105,7 +115,11 @@ int64_t GradReady::first_edited(const std::vector<at::Tensor>& params) const {
         stamps_[j].expired() || static_cast<int64_t>(now._version()) != versions_[j]) {
       return j;
     }
-    if (fingerprints_[j].defined()) same.push_back(j);
+    if (has_digest_[j]) {
+      if (digest(now) != digests_[j]) return j;
+    } else if (fingerprints_[j].defined()) {
+      same.push_back(j);
+    }
   }
   if (same.empty()) return -1;
   std::vector<at::Tensor> before, after;
@@ -135,6 +149,7 @@ void GradReady::reset() {
   for (auto& s : stamps_) s = c10::weak_intrusive_ptr<c10::TensorImpl>(
                               c10::intrusive_ptr<c10::TensorImpl>());
   std::fill(versions_.begin(), versions_.end(), -1);
+  std::fill(has_digest_.begin(), has_digest_.end(), 0);
   for (auto& f : fingerprints_) f = at::Tensor();
   num_recorded_ = 0;
   packed_ = false;

@@ -40,9 +40,9 @@ struct BucketLayout {
   int64_t size() const { return static_cast<int64_t>(offsets.size()); }
 };
 
-// Two sums that move when a gradient's contents do (the sums of dear/written.py's fingerprint):
-// the bit patterns summed as wrapping integers (any one changed element shows) and, for
-// floating point, the float sum's bits (a sign flip of an even number of elements).
+// Two sums that move when a device (CUDA) gradient's contents do (dear/written.py's
+// fingerprint): the bit patterns summed as wrapping integers (any one changed element shows)
+// and, for floating point, the float sum's bits. CPU gradients get a digest (digest.h) instead.
 at::Tensor fingerprint(const at::Tensor& grad);
 
 class GradReady {
@@ -97,7 +97,11 @@ class GradReady {
   // reused by another tensor, and its version (none: the rank had no gradient).
   std::vector<c10::weak_intrusive_ptr<c10::TensorImpl>> stamps_;
   std::vector<int64_t> versions_;
-  // fingerprint() of each dense gradient as recorded (undefined: none, or sparse).
+  // What each dense gradient held when record() took it, on the training thread: every rank
+  // sees a later edit alike, whenever pack() runs. A CPU gradient's digest (digest.h;
+  // has_digest_ set), a device one's fingerprint() (undefined: none, or sparse).
+  std::vector<uint8_t> has_digest_;
+  std::vector<uint64_t> digests_;
   std::vector<at::Tensor> fingerprints_;
   int64_t num_recorded_ = 0;
   bool packed_ = false;

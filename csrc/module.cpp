@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include "digest.h"
 #include "grad_ready.h"
 #include "pack.h"
 
@@ -123,6 +124,23 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return old;
       },
       py::arg("params"), py::arg("grads"));
+  m.def(
+      "digests",
+      [](const std::vector<at::Tensor>& tensors, bool portable) {
+        // dear/written.py's fingerprint of each CPU tensor, in one call without the GIL.
+        for (const auto& t : tensors) {
+          TORCH_CHECK(t.defined() && t.device().is_cpu() && t.layout() == at::kStrided,
+                      "dear: digests() takes dense CPU tensors, got ", t.toString());
+        }
+        py::gil_scoped_release no_gil;
+        std::vector<uint64_t> out;
+        out.reserve(tensors.size());
+        for (const auto& t : tensors) out.push_back(dear::digest(t, portable));
+        return out;
+      },
+      py::arg("tensors"), py::arg("portable") = false,
+      "The content digest (csrc/digest.h) of each dense CPU tensor (portable: the hash used "
+      "where the CPU has no CRC-32C instruction).");
   m.def("build_info", &build_info, "What this build of the extension contains.");
 
 #ifdef DEAR_WITH_NCCL

@@ -57,7 +57,7 @@ from .sharded import KFAC_REFUSED, ShardedState, meet_every_rank, tensor_bytes
 from .sparse import SparseGradients
 from .stream import StreamCheck, parameter_digest
 from .validation import explicit_groups, held_by_ddp, refuse_construction
-from .written import Fingerprint, PendingWrites, fingerprint, first_changed
+from .written import Fingerprint, PendingWrites, fingerprint, fingerprints, first_changed
 
 log = logging.getLogger("dear")
 
@@ -412,11 +412,9 @@ class _DistributedOptimizer(ExtensionPoints, ReducedGradientMixin, torch.optim.O
         taken = self._iteration.fingerprints
         if not taken:
             return None
-        now = []
-        for i in taken:
-            grad = self._params[i].grad
-            assert grad is not None, "the caller checked it is the gradient dear took"
-            now.append(fingerprint(grad))
+        grads = [self._params[i].grad for i in taken]
+        assert all(g is not None for g in grads), "the caller checked it is the gradient dear took"
+        now = fingerprints(grads)       # type: ignore[arg-type]
         k = first_changed(list(taken.values()), now)
         return None if k is None else list(taken)[k]
 

@@ -10,6 +10,8 @@ from typing import Optional
 
 import torch
 
+from .written import Fingerprint
+
 
 @dataclasses.dataclass
 class Iteration:
@@ -25,7 +27,7 @@ class Iteration:
     taken: dict[int, tuple[Optional[weakref.ref], int]] = dataclasses.field(default_factory=dict)
     # The contents of each dense gradient the Python hook took (dear/written.py's fingerprint):
     # an edit through .data (p.grad.data.clamp_(...)) leaves the version counter where it was.
-    fingerprints: dict[int, tuple[torch.Tensor, ...]] = dataclasses.field(default_factory=dict)
+    fingerprints: dict[int, Fingerprint] = dataclasses.field(default_factory=dict)
     reduced: bool = False                   # reduce-scatters finished (clip_grad_norm_, step)
     stream_verified: bool = False           # dear/stream.py's check issued
     amp_found_inf: Optional[torch.Tensor] = None   # shards unscaled; the agreed found-inf

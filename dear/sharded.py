@@ -28,7 +28,7 @@ import torch
 
 from .comm.base import Communicator
 from .fusion.bucket import Bucket
-from .written import Fingerprint, fingerprint, first_changed
+from .written import Fingerprint, fingerprints, first_changed
 
 #: torch optimizers whose update is elementwise: safe on flat segments, the same bits.
 ELEMENTWISE: tuple[type, ...] = (
@@ -182,7 +182,7 @@ class ShardedState:
         k = bucket.spec.index
         self._versions[k] = [p._version for p in bucket.params]
         if contents:
-            self._prints[k] = [fingerprint(p) for p in bucket.params]
+            self._prints[k] = fingerprints(bucket.params)
 
     def unwritten(self, now: dict[int, list[Fingerprint]]) -> bool:
         """No parameter was written since its bucket's reduce-scatter started: an update run
@@ -193,7 +193,7 @@ class ShardedState:
                    for p, v in zip(self.buckets[k].params, versions)):
             return False
         keys = sorted(self._prints)
-        now.update((k, [fingerprint(p) for p in self.buckets[k].params]) for k in keys)
+        now.update((k, fingerprints(self.buckets[k].params)) for k in keys)
         return first_changed([f for k in keys for f in self._prints[k]],
                              [f for k in keys for f in now[k]]) is None
 

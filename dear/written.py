@@ -10,22 +10,41 @@ the contents are compared too, by `fingerprint`.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import torch
 
+from . import native as _native
+
 _BITS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
-Fingerprint = tuple[torch.Tensor, ...]
+# A CPU tensor's digest (csrc/digest.h) where the extension is built; else, and on a GPU, two
+# sums in tensors (compared without a host sync until first_changed).
+Fingerprint = Union[int, tuple[torch.Tensor, ...]]
 
 
 def fingerprint(tensor: torch.Tensor) -> Fingerprint:
-    """Two sums that move when the tensor's contents do. The sum of the bit patterns as wrapping
-    integers is exact, so any one changed element shows; the float sum of the values catches
-    what that sum cannot (a sign flip of an even number of elements). Only an edit that keeps
-    both (a permutation of the elements, say) goes unseen. Two reductions, no other op: this
-    runs for every gradient and parameter in every iteration. The C++ hooks compute the same
-    sums (csrc/grad_ready.cpp)."""
+    """What moves when the tensor's contents do: one read of it, for every gradient and
+    parameter in every iteration."""
+    return fingerprints([tensor])[0]
+
+
+def fingerprints(tensors: Sequence[torch.Tensor]) -> list[Fingerprint]:
+    """On the CPU with the extension, a 64-bit digest (csrc/digest.h): any one changed element
+    always shows, any other change is missed only by a 1-in-2^32 coincidence, at the speed of
+    one reduction. Otherwise two sums: the bit patterns as wrapping integers (exact: any one
+    changed element shows) and the float sum of the values (a sign flip of an even number of
+    elements); an edit that keeps both (a permutation of the elements, say) goes unseen."""
+    ext = _native.extension()
+    if ext is not None and all(t.device.type == "cpu" and t.layout == torch.strided
+                               for t in tensors):
+        return list(ext.digests(list(tensors)))
+    return [_sums(t) if not (ext is not None and t.device.type == "cpu"
+                             and t.layout == torch.strided) else ext.digests([t])[0]
+            for t in tensors]
+
+
+def _sums(tensor: torch.Tensor) -> tuple[torch.Tensor, ...]:
     t = tensor.detach()
     bits = _BITS[t.element_size()]
     whole = t.view(bits).sum(dtype=bits)
@@ -35,18 +54,31 @@ def fingerprint(tensor: torch.Tensor) -> Fingerprint:
 
 
 def first_changed(before: Sequence[Fingerprint], after: Sequence[Fingerprint]) -> Optional[int]:
-    """The first k whose fingerprints differ, or None; one comparison per dtype of sum when
-    none does (a GPU syncs once or twice)."""
-    groups: dict[torch.dtype, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+    """The first k whose fingerprints differ, or None; the sums in tensors are compared once
+    per dtype and device when none differs (a GPU syncs once or twice)."""
+    groups: dict[tuple[torch.dtype, torch.device],
+                 tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
     for b, a in zip(before, after):
-        for x, y in zip(b, a):
-            pair = groups.setdefault(x.dtype, ([], []))
-            pair[0].append(x)
-            pair[1].append(y)
-    if all(torch.equal(torch.stack(xs), torch.stack(ys)) for xs, ys in groups.values()):
-        return None
-    return next(k for k, (b, a) in enumerate(zip(before, after))
-                if any(not torch.equal(x, y) for x, y in zip(b, a)))
+        if _sums_alike(b, a):
+            for x, y in zip(b, a):      # type: ignore[arg-type]
+                pair = groups.setdefault((x.dtype, x.device), ([], []))
+                pair[0].append(x)
+                pair[1].append(y)
+    sums_same = all(torch.equal(torch.stack(xs), torch.stack(ys)) for xs, ys in groups.values())
+    return next((k for k, (b, a) in enumerate(zip(before, after))
+                 if not (sums_same and _sums_alike(b, a)) and _differs(b, a)), None)
+
+
+def _sums_alike(b: Fingerprint, a: Fingerprint) -> bool:
+    """Both are sums in tensors of the same dtypes and devices (one stack compares them)."""
+    return (isinstance(b, tuple) and isinstance(a, tuple) and len(b) == len(a)
+            and all((x.dtype, x.device) == (y.dtype, y.device) for x, y in zip(b, a)))
+
+
+def _differs(b: Fingerprint, a: Fingerprint) -> bool:
+    if isinstance(b, int) or isinstance(a, int):
+        return b != a
+    return not _sums_alike(b, a) or any(not torch.equal(x, y) for x, y in zip(b, a))
 
 
 class PendingWrites:
@@ -68,7 +100,7 @@ class PendingWrites:
         """step() started the all-gathers of this bucket's update (`prints`: the parameters'
         fingerprints, where this step() already took them)."""
         self._at_step[key] = ([p._version for p in params],
-                              prints if prints is not None else [fingerprint(p) for p in params])
+                              prints if prints is not None else fingerprints(params))
 
     def before_update(self, key: int, params: Sequence[torch.nn.Parameter]) -> Optional[int]:
         """The update of bucket `key` is about to run: the index of a parameter written in
@@ -80,7 +112,7 @@ class PendingWrites:
         for j, (p, version) in enumerate(zip(params, versions)):
             if p._version != version:
                 return j
-        self._applied.append((params, before, [fingerprint(p) for p in params]))
+        self._applied.append((params, before, fingerprints(params)))
         return None
 
     def written_since_step(self) -> Optional[torch.nn.Parameter]:
