@@ -66,6 +66,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("size", &dear::GradReady::size)
       .def("missing", &dear::GradReady::missing)
       .def("first_edited", &dear::GradReady::first_edited, py::arg("params"),
+           py::call_guard<py::gil_scoped_release>(),  // it reads gradients: let comm run
            "First recorded parameter whose .grad was replaced or edited since, or -1.")
       .def("used", &dear::GradReady::used)
       .def("reset", &dear::GradReady::reset)

@@ -486,7 +486,7 @@ class _DistributedOptimizer(ExtensionPoints, ReducedGradientMixin, torch.optim.O
         all-gathers in forward order; a step the scaler skips gathers nothing, on every rank.
         With shard_optimizer_state each rank first updates its shards, and the all-gathers
         carry parameters (`gradients`: the averaged gradients all the same, synchronize())."""
-        self._finish_reduce()
+        self._finish_reduce(at_step=not gradients)
         prints = self._settle_early_updates(grad_scaler, gradients)
         if self._buffer_sync is not None:      # dear/buffers.py: DDP's broadcast_buffers
             self._buffer_sync()
@@ -512,13 +512,17 @@ class _DistributedOptimizer(ExtensionPoints, ReducedGradientMixin, torch.optim.O
             if not gradients:                  # else synchronize() applies them right away
                 for bucket in buckets:
                     k = bucket.spec.index
-                    self._pending_writes.note_step(k, bucket.params, prints.get(k))
+                    self._pending_writes.note_step(
+                        k, bucket.params, prints.get(k, self._iteration.param_prints.get(k)))
         self._schedule.end_step()
         self._end_iteration()
 
-    def _finish_reduce(self, verify: bool = True) -> None:
+    def _finish_reduce(self, verify: bool = True, at_step: bool = False) -> None:
         """Finish the reduce-scatters and average each shard, once per iteration; then (once,
-        here or at the next call) the stream check, the first collective after them."""
+        here or at the next call) the stream check, the first collective after them. `at_step`
+        (step() without shards): the parameters' fingerprints for PendingWrites are taken
+        while the last reduce-scatters run, not after: nothing writes a parameter from here
+        to the end of step()."""
         if self._iteration.reduced:
             if verify:
                 self._verify_stream()
@@ -535,6 +539,9 @@ class _DistributedOptimizer(ExtensionPoints, ReducedGradientMixin, torch.optim.O
                         bucket.pack(j, None)
             bucket.pack_missing()              # unused parameters count as zero
         self._launch()
+        if at_step and self._sharded is None:
+            self._iteration.param_prints = {b.spec.index: fingerprints(b.params)
+                                            for b in buckets}
         self._schedule.drain()                 # what backward submitted is issued: our turn
         flight.mark_phase("reduced")           # the stream check, clipping's all-reduce
         for bucket in reversed(buckets):

@@ -28,6 +28,8 @@ class Iteration:
     # The contents of each dense gradient the Python hook took (dear/written.py's fingerprint):
     # an edit through .data (p.grad.data.clamp_(...)) leaves the version counter where it was.
     fingerprints: dict[int, Fingerprint] = dataclasses.field(default_factory=dict)
+    # Each bucket's parameters as step() found them (PendingWrites.note_step), by bucket index.
+    param_prints: dict[int, list[Fingerprint]] = dataclasses.field(default_factory=dict)
     reduced: bool = False                   # reduce-scatters finished (clip_grad_norm_, step)
     stream_verified: bool = False           # dear/stream.py's check issued
     amp_found_inf: Optional[torch.Tensor] = None   # shards unscaled; the agreed found-inf
