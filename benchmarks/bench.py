@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_emulated(args: argparse.Namespace, shaping: bool) -> str:
     """The emulated-accelerator table (bench_emulated.*); returns a section for bench.md."""
-    from benchmarks import emulated_bench
+    from benchmarks import emulated_bench, emulated_report
 
     name = f"bench_emulated{args.suffix}"
     iters = (["--rounds", "1", "--warmup", "1", "--iters", "2"] if args.quick else
@@ -141,9 +141,9 @@ def run_emulated(args: argparse.Namespace, shaping: bool) -> str:
     emulated_bench.main(cmd)
     with open(os.path.join(results.RESULTS_DIR, f"{name}.json")) as fh:
         reports = json.load(fh)["reports"]
-    table, notes = emulated_bench.table(reports)
+    table, notes = emulated_report.table(reports)
     return (f"\n\n## Emulated accelerator (compute off the CPU): {name}.md\n\n{table}\n\n"
-            f"{notes}\n\n{emulated_bench.EXPLAIN}\n\n![x T_lb]({name}.png)")
+            f"{notes}\n\n{emulated_report.EXPLAIN}\n\n![x T_lb]({name}.png)")
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from benchmarks import emulated, emulated_bench, methods, results
+from benchmarks import emulated, emulated_bench, emulated_report, methods, results
 
 METHODS = "ddp,wfbp,horovod,dear:schedule=dear,dear"
 SCHEDULES = {"ddp": "ddp", "wfbp": "wfbp", "horovod": "horovod", "dear:schedule=dear": "dear",
@@ -405,7 +405,7 @@ def write(args: argparse.Namespace, reps: list[dict[str, Any]], rows: list[dict[
         [[r["setup"], r["method"], r["schedule"], round(r["measured_s"] * 1e3),
           f"{r['q1_s'] * 1e3:.0f}-{r['q3_s'] * 1e3:.0f}", round(r["predicted_s"] * 1e3),
           f"{r['error']:+.1%}", "yes" if abs(r["error"]) <= TOLERANCE else "NO"] for r in rows])
-    notes = [emulated_bench.table(reps)[1]]
+    notes = [emulated_report.table(reps)[1]]
     if measured:
         notes.insert(0, "Predictions recomputed (--reuse) from the runs measured by: "
                      + "; ".join(measured))

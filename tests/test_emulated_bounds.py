@@ -1,10 +1,10 @@
-"""benchmarks.emulated_bench.dependency_bound against hand-computed cases."""
+"""benchmarks.emulated_report.dependency_bound against hand-computed cases."""
 
 from __future__ import annotations
 
 import pytest
 
-from benchmarks.emulated_bench import dependency_bound
+from benchmarks.emulated_report import dependency_bound
 
 
 def test_first_layer_ready_last_and_needed_first() -> None:
