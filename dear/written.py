@@ -36,12 +36,12 @@ def fingerprints(tensors: Sequence[torch.Tensor]) -> list[Fingerprint]:
     changed element shows) and the float sum of the values (a sign flip of an even number of
     elements); an edit that keeps both (a permutation of the elements, say) goes unseen."""
     ext = _native.extension()
-    if ext is not None and all(t.device.type == "cpu" and t.layout == torch.strided
-                               for t in tensors):
-        return list(ext.digests(list(tensors)))
-    return [_sums(t) if not (ext is not None and t.device.type == "cpu"
-                             and t.layout == torch.strided) else ext.digests([t])[0]
-            for t in tensors]
+    if ext is None:
+        return [_sums(t) for t in tensors]
+    host = [t.device.type == "cpu" and t.layout == torch.strided for t in tensors]
+    if all(host):
+        return list(ext.digests(list(tensors)))      # one call, without the GIL
+    return [ext.digests([t])[0] if on_host else _sums(t) for t, on_host in zip(tensors, host)]
 
 
 def _sums(tensor: torch.Tensor) -> tuple[torch.Tensor, ...]:
