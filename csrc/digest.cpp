@@ -114,17 +114,12 @@ uint64_t digest_bytes(const void* data, size_t nbytes, bool portable) {
   return have_crc() && !portable ? crc_streams(bytes, nbytes) : hashed_words(bytes, nbytes);
 }
 
-bool digests_in_place(const at::Tensor& t) {
-  return t.defined() && t.device().is_cpu() && t.layout() == at::kStrided &&
-         t.is_non_overlapping_and_dense();
-}
-
 uint64_t digest(const at::Tensor& t, bool portable) {
   TORCH_CHECK(t.defined() && t.device().is_cpu() && t.layout() == at::kStrided,
               "dear: digest() takes a dense CPU tensor, got ", t.toString());
   // Dense without overlap: the numel() elements fill [data_ptr, + nbytes) in some order of the
   // dimensions (strides are never negative); otherwise (an expanded or sliced view) a copy.
-  if (digests_in_place(t)) {
+  if (t.is_non_overlapping_and_dense()) {
     return digest_bytes(t.const_data_ptr(), t.numel() * t.element_size(), portable);
   }
   c10::AutoGradMode no_grad(false);  // a parameter's copy needs no autograd history

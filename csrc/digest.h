@@ -24,10 +24,6 @@ namespace dear {
 // for tests).
 uint64_t digest_bytes(const void* data, size_t nbytes, bool portable = false);
 
-// Whether digest() reads the tensor where it lies: on the CPU, strided, dense and without
-// overlap (any order of dimensions: channels_last counts).
-bool digests_in_place(const at::Tensor& t);
-
 // The digest of a CPU tensor's elements in memory order (a copy first where they are not
 // dense). Two calls agree when the tensor's bytes and strides did not change.
 uint64_t digest(const at::Tensor& t, bool portable = false);

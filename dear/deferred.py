@@ -57,7 +57,7 @@ from .sharded import KFAC_REFUSED, ShardedState, meet_every_rank, tensor_bytes
 from .sparse import SparseGradients
 from .stream import StreamCheck, parameter_digest
 from .validation import explicit_groups, held_by_ddp, refuse_construction
-from .written import Fingerprint, PendingWrites, fingerprint, fingerprints, first_changed
+from .written import PendingWrites, fingerprint, fingerprints, first_changed
 
 log = logging.getLogger("dear")
 
@@ -487,7 +487,7 @@ class _DistributedOptimizer(ExtensionPoints, ReducedGradientMixin, torch.optim.O
         With shard_optimizer_state each rank first updates its shards, and the all-gathers
         carry parameters (`gradients`: the averaged gradients all the same, synchronize())."""
         self._finish_reduce(at_step=not gradients)
-        prints = self._settle_early_updates(grad_scaler, gradients)
+        self._settle_early_updates(grad_scaler, gradients)
         if self._buffer_sync is not None:      # dear/buffers.py: DDP's broadcast_buffers
             self._buffer_sync()
         if self._sparse is not None:           # dear/sparse.py: Embedding(sparse=True) weights
@@ -512,8 +512,8 @@ class _DistributedOptimizer(ExtensionPoints, ReducedGradientMixin, torch.optim.O
             if not gradients:                  # else synchronize() applies them right away
                 for bucket in buckets:
                     k = bucket.spec.index
-                    self._pending_writes.note_step(
-                        k, bucket.params, prints.get(k, self._iteration.param_prints.get(k)))
+                    self._pending_writes.note_step(k, bucket.params,
+                                                   self._iteration.param_prints.get(k))
         self._schedule.end_step()
         self._end_iteration()
 
@@ -1159,19 +1159,18 @@ class _DistributedOptimizer(ExtensionPoints, ReducedGradientMixin, torch.optim.O
         with _scope("dear::update_early"):
             sharded.update_early(self, self._inner_step, bucket, hyper)
 
-    def _settle_early_updates(self, grad_scaler: Optional[Any], gradients: bool
-                              ) -> dict[int, list[Fingerprint]]:
+    def _settle_early_updates(self, grad_scaler: Optional[Any], gradients: bool) -> None:
         """step(), sharded, every reduce-scatter done: keep the updates run early only if
         step() would run the same ones: no GradScaler, clipping that scaled by exactly 1,
         every parameter with a gradient on some rank (on every rank, as each
         assumed), the same hyperparameters and no parameter written since. Else undo them
         (the same decision on every rank: these are global facts). Whether the next iteration
-        may run them early follows from the same test. Returns the parameters' fingerprints
-        that test took, per bucket (step() writes no parameter: note_step reuses them)."""
-        prints: dict[int, list[Fingerprint]] = {}
+        may run them early follows from the same test. The parameters' fingerprints that test
+        takes go into the iteration's param_prints (step() writes no parameter, and undoing
+        touches only the optimizer state: note_step reuses them)."""
         sharded = self._sharded
         if sharded is None:
-            return prints
+            return
         it = self._iteration
         self._stream.settle()                  # everyone_used
         kept = (grad_scaler is None and not gradients and self._stream.everyone_used
@@ -1179,12 +1178,11 @@ class _DistributedOptimizer(ExtensionPoints, ReducedGradientMixin, torch.optim.O
                 and it.hyper_at_backward is not None
                 and _same_hyperparameters(it.hyper_at_backward,
                                           [_hyperparameters(g) for g in self.param_groups])
-                and sharded.unwritten(prints))
+                and sharded.unwritten(it.param_prints))
         self._schedule.held = not kept
         if not kept:
             self._undo_early_updates()
         it.deferred = []                       # each was 1 (or was applied to the shards)
-        return prints
 
     def _undo_early_updates(self) -> None:
         """The early updates of this iteration are undone and their chunks forgotten: step()
