@@ -125,11 +125,11 @@ class _DistributedOptimizer(ExtensionPoints, ReducedGradientMixin, torch.optim.O
         # shard_optimizer_state (dear/sharded.py): each rank updates its shards and the
         # all-gathers carry parameters, so a chunk gathered in backward needs its bucket's
         # update first: run early, undone at step() unless nothing it assumed changed
-        # (_settle_early_updates). Built for the executor thread (CPU tensors) only: on a
-        # GPU's stream mode the plan stays off with sharding.
+        # (_settle_early_updates). On the executor thread (CPU tensors) or, on a GPU, on the
+        # chunks' side stream, ordered before step() by the schedule's drain().
         self._sharded = ShardedState(comm) if shard_optimizer_state else None
         if self._sharded is not None:
-            if self._schedule.executor is None:
+            if self._schedule.mode is None:
                 self._schedule.paused = True
             self._schedule.before_gather = _weak_method(self._update_early)
             row_sparse = "off"

@@ -45,23 +45,23 @@ def _edit(kind: str, model: torch.nn.Module, opt: torch.optim.Optimizer, scaler)
         g[0] = torch.nextafter(g[0], torch.tensor(float("inf")))
 
 
-def _edit_loop(kind: str, bad_step: int, sharded: bool = False) -> dict:
+def _edit_loop(kind: str, bad_step: int, sharded: bool = False, device: str = "cpu") -> dict:
     """Good steps, then one step with the edit (`bad_step`); the error's text and the state.
     `sharded`: shard_optimizer_state under a forced plan, so the step refused has buckets
     updated early, in backward, to undo."""
     rank, world = dear.rank(), dear.size()
-    model = make_net()
+    model = make_net().to(device)
     opt = dear.DistributedOptimizer(OPTIMIZERS["adam"](model.parameters()), model=model,
                                     fusion_threshold=2048 if not sharded else 700,
                                     schedule="planned" if sharded else "dear",
                                     shard_optimizer_state=sharded)
-    scaler = torch.amp.GradScaler("cpu", init_scale=4.0) if kind == "unscale" else None
+    scaler = torch.amp.GradScaler(device, init_scale=4.0) if kind == "unscale" else None
     error = None
     for step in range(bad_step + 1):
         if sharded:
             force_plan(opt)
         opt.zero_grad()
-        x, y = batch(step, world, rank)
+        x, y = (t.to(device) for t in batch(step, world, rank))
         loss = F.mse_loss(model(x), y)
         (scaler.scale(loss) if scaler else loss).backward()
         if step == bad_step:
@@ -78,30 +78,56 @@ def _edit_loop(kind: str, bad_step: int, sharded: bool = False) -> dict:
     before = state_of(model)
     # The dropped step left the optimizer usable: train on, without the edit.
     opt.zero_grad()
-    x, y = batch(bad_step + 1, world, rank)
+    x, y = (t.to(device) for t in batch(bad_step + 1, world, rank))
     F.mse_loss(model(x), y).backward()
     opt.step()
     opt.flush_updates()
-    return {"error": error, "before": before, "after": state_of(model)}
+    return {"error": error, "before": _cpu(before), "after": _cpu(state_of(model))}
 
 
-def _every_edit() -> dict:
+def _cpu(state: dict) -> dict:
+    return {k: v.cpu() for k, v in state.items()}
+
+
+def _init(device: str) -> None:
+    if device == "cuda":        # two ranks on one GPU: Gloo's CUDA collectives, which order
+        torch.distributed.init_process_group("gloo")     # streams as NCCL's do
+        dear.deferred.issue_mode = lambda params, comm: "stream"    # as on NCCL
     dear.init()
-    out = {(kind, bad_step): _edit_loop(kind, bad_step) for kind in EDITS for bad_step in (0, 2)}
+
+
+def _every_edit(device: str = "cpu") -> dict:
+    _init(device)
+    out = {(kind, bad_step): _edit_loop(kind, bad_step, device=device)
+           for kind in EDITS for bad_step in (0, 2)}
     dear.shutdown()
     return out
 
 
-def _sharded_edits() -> dict:
-    dear.init()
-    out = {kind: _edit_loop(kind, 2, sharded=True) for kind in ("data-clamp", "data-ulp")}
+def _sharded_edits(device: str = "cpu") -> dict:
+    _init(device)
+    out = {kind: _edit_loop(kind, 2, sharded=True, device=device)
+           for kind in ("data-clamp", "data-ulp")}
     dear.shutdown()
     return out
 
 
 @pytest.mark.parametrize("native", ["1", "0"])
 def test_edit_of_grad_after_backward_is_refused_in_every_iteration(native: str) -> None:
-    ranks = run_distributed(_every_edit, 2, timeout=180, env={"DEAR_NATIVE": native})
+    _check_every_edit(run_distributed(_every_edit, 2, timeout=180, env={"DEAR_NATIVE": native}))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_edits_of_cuda_gradients_are_refused() -> None:
+    """The same on CUDA tensors (their fingerprints are sums on the GPU), and the sharded
+    edits with the early updates on the side stream."""
+    env = {"DEAR_GLOO_COLLECTIVES": "native"}
+    _check_every_edit(run_distributed(_every_edit, 2, "cuda", timeout=300, env=env))
+    _check_sharded_edits(run_distributed(_sharded_edits, 2, "cuda", timeout=200, env=env))
+
+
+def _check_every_edit(ranks: list[dict]) -> None:
     for (kind, bad_step) in ranks[0]:           # the first iteration, and a later one
         for rank, outcomes in enumerate(ranks):
             res = outcomes[(kind, bad_step)]
@@ -121,7 +147,10 @@ def test_edit_of_grad_after_backward_is_refused_in_every_iteration(native: str) 
 
 def test_edit_through_data_is_refused_with_sharded_state_updated_early() -> None:
     """The refused step undoes the buckets updated in backward; the ranks train on alike."""
-    ranks = run_distributed(_sharded_edits, 2, timeout=120)
+    _check_sharded_edits(run_distributed(_sharded_edits, 2, timeout=120))
+
+
+def _check_sharded_edits(ranks: list[dict]) -> None:
     for kind in ranks[0]:
         for rank, outcomes in enumerate(ranks):
             error = outcomes[kind]["error"]

@@ -1,5 +1,6 @@
 """shard_optimizer_state=True under the planned schedule: the chunks gathered in backward carry
-parameters, so each rank updates those buckets' shards early, on the collective thread, and
+parameters, so each rank updates those buckets' shards early, on the collective thread (or, with
+CUDA tensors, on the chunks' side stream: the "stream" mode, run here on CPU tensors too), and
 step() keeps the early updates only if nothing they assumed changed (dear/deferred.py,
 _settle_early_updates). Every habit of a loop between backward and step() must give the bits of
 dear without sharding (itself checked against single-process training and DDP elsewhere),
@@ -42,16 +43,16 @@ EVERY_STEP = {"clip", "grad_scaler", "clip_grad_scaler", "lr_set_before_step", "
               "param_data_edited", "param_data_one_element", "horovod_synchronize"}
 
 
-def _run(opt_name: str, sharded: bool, habit: str) -> dict:
+def _run(opt_name: str, sharded: bool, habit: str, device: str = "cpu") -> dict:
     rank, world = dear.rank(), dear.size()
-    model = make_net()
+    model = make_net().to(device)
     inner = (torch.optim.Adam(model.parameters(), lr=0.01, weight_decay=0.01)
              if opt_name == "adam" else
              torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, nesterov=True))
     opt = dear.DistributedOptimizer(inner, model=model, fusion_threshold=700,
                                     schedule="planned" if sharded else "dear",
                                     shard_optimizer_state=sharded)
-    scaler = (torch.amp.GradScaler("cpu", init_scale=2.0 ** 10) if "grad_scaler" in habit
+    scaler = (torch.amp.GradScaler(device, init_scale=2.0 ** 10) if "grad_scaler" in habit
               else None)
     counts = {"early": 0, "undone": 0}
     if sharded:
@@ -72,7 +73,7 @@ def _run(opt_name: str, sharded: bool, habit: str) -> dict:
         if sharded:
             force_plan(opt)
         opt.zero_grad()
-        x, y = batch(step, world, rank)
+        x, y = (t.to(device) for t in batch(step, world, rank))
         loss = F.mse_loss(model(x, branch_used(step, rank) if habit == "branch" else True), y)
         now = step >= START
         use_scaler = scaler is not None and now
@@ -106,23 +107,63 @@ def _run(opt_name: str, sharded: bool, habit: str) -> dict:
         else:
             opt.step()
     counts["buckets"] = len(opt._buckets)
-    return {"params": state_of(model), "state": opt.state_dict(), "counts": counts,
-            "saved": saved}
+    counts["mode"] = opt._schedule.mode
+    return {"params": _to_cpu(state_of(model)), "state": _to_cpu(opt.state_dict()),
+            "counts": counts, "saved": _to_cpu(saved)}
 
 
-def early_checks(habits: list[str], opt_name: str) -> dict:
+def _to_cpu(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.cpu()
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_cpu(v) for v in value)
+    return value
+
+
+def early_checks(habits: list[str], opt_name: str, mode: str = "thread",
+                 device: str = "cpu") -> dict:
+    if mode != "thread":                       # the GPU's way of issuing (training thread)
+        dear.deferred.issue_mode = lambda params, comm: mode
+    if device == "cuda":                       # two ranks on one GPU: Gloo's CUDA collectives
+        torch.distributed.init_process_group("gloo")
     dear.init()
     out = {}
     for habit in habits:
-        out[habit] = {"plain": _run(opt_name, False, habit), "sharded": _run(opt_name, True, habit)}
+        out[habit] = {"plain": _run(opt_name, False, habit, device),
+                      "sharded": _run(opt_name, True, habit, device)}
     dear.shutdown()
     return out
 
 
 @pytest.mark.parametrize("world,opt_name", [(2, "adam"), (3, "sgd")])
 def test_early_updates_kept_or_undone_give_the_unsharded_bits(world: int, opt_name: str) -> None:
-    habits = list(HABITS)
-    ranks = run_distributed(early_checks, world, habits, opt_name, env=NO_PLAN, timeout=300)
+    ranks = run_distributed(early_checks, world, list(HABITS), opt_name, env=NO_PLAN,
+                            timeout=300)
+    _check(ranks, "thread")
+
+
+def test_early_updates_in_the_gpu_issue_mode() -> None:
+    """The same where the training thread issues the chunks and runs the early updates (a
+    GPU's "stream" mode; the side stream is the host here)."""
+    ranks = run_distributed(early_checks, 2, list(HABITS), "adam", "stream", env=NO_PLAN,
+                            timeout=300)
+    _check(ranks, "stream")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_early_updates_on_cuda_tensors() -> None:
+    """The same on CUDA tensors: the early updates run on the chunks' side stream, step()
+    orders its stream after them (two ranks share the one GPU through Gloo's CUDA
+    collectives, which order streams as NCCL's do)."""
+    ranks = run_distributed(early_checks, 2, list(HABITS), "adam", "stream", "cuda",
+                            env={**NO_PLAN, "DEAR_GLOO_COLLECTIVES": "native"}, timeout=400)
+    _check(ranks, "stream")
+
+
+def _check(ranks: list[dict], mode: str) -> None:
     for rank, res in enumerate(ranks):
         for habit, stands in HABITS.items():
             plain, sharded = res[habit]["plain"], res[habit]["sharded"]
@@ -130,7 +171,8 @@ def test_early_updates_kept_or_undone_give_the_unsharded_bits(world: int, opt_na
             assert _same(plain["params"], sharded["params"]), f"{where}: parameters differ"
             assert _same(plain["state"], sharded["state"]), f"{where}: state differs"
             assert _same(plain["saved"], sharded["saved"]), f"{where}: mid-iteration state_dict"
-            counts = sharded["counts"]
+            counts = dict(sharded["counts"])
+            assert counts.pop("mode") == mode, f"{where}: issued in another mode"
             buckets = counts["buckets"]
             if stands:                         # every step after the first (which lays out)
                 assert counts == {"early": buckets * (STEPS - 1), "undone": 0,

@@ -158,3 +158,18 @@ def test_first_changed_mixes_digests_and_sums() -> None:
     assert first_changed([7, sums, 9], [7, (torch.tensor(3), torch.tensor(5)), 8]) == 1
     assert first_changed([7, sums], [sums, sums]) == 0           # a tensor moved device
     assert first_changed([sums], [(torch.tensor(3),)]) == 0
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_tensors_are_fingerprinted_by_sums_on_the_gpu() -> None:
+    ts = [torch.randn(1000, device="cuda"), torch.randn(7, device="cuda").half(), torch.randn(5)]
+    before = fingerprints(ts)
+    assert isinstance(before[0], tuple) and before[0][0].is_cuda
+    assert first_changed(before, fingerprints(ts)) is None
+    ts[1][3] += 1
+    assert first_changed(before, fingerprints(ts)) == 1
+    ts[0][998:].neg_()                          # a balanced sign flip: the float sum moves
+    assert first_changed(before[:1], fingerprints(ts[:1])) == 0
+    ts[2][0] += 1                               # the CPU tensor beside them: its digest
+    assert first_changed(before[2:], fingerprints(ts[2:])) == 0

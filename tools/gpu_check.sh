@@ -4,6 +4,7 @@
 # the csrc NCCL communicator step by step (a crash names its step, exit included), run the CUDA
 # tests and the demo (two CPU ranks on a GPU machine), then SUITE if given.
 #   SUITE="tests/test_x.py ..." adds a pytest run of those (-n 14); SUITE_TIMEOUT bounds it.
+#   CUDA_TIMEOUT bounds the CUDA tests (-n 4); DEMO=0 leaves the demo out.
 # Last run: 2026-11-24 on an H100 (torch 2.11+cu130, NCCL 2.28.9): the CUDA tests passed
 # (tests/test_cuda_torch_dist.py and test_amp_cuda.py once more after the last change), nccl4py's
 # skipped (not installed there).
@@ -21,10 +22,12 @@ for m in raw csrc; do
   timeout 60 "$PY" tools/gpu_probe.py "$m" >"$OUT/probe_$m.log" 2>&1; echo "probe $m: exit $?"
 done
 echo "== CUDA tests"
-timeout 200 "$PY" -m pytest -q -rfEs -p no:cacheprovider --tb=short -m cuda tests 2>&1 \
-  | tee "$OUT/cuda.log" | tail -12
-echo "== demo"
-timeout 90 "$PY" -m benchmarks.demo --loopback 2>&1 | tail -4
+timeout -s INT "${CUDA_TIMEOUT:-300}" "$PY" -m pytest -q -rfEs -p no:cacheprovider --tb=short \
+  -n 4 --timeout 280 -m cuda tests 2>&1 | tee "$OUT/cuda.log" | tail -12
+if [ "${DEMO:-1}" != 0 ]; then
+  echo "== demo"
+  timeout 90 "$PY" -m benchmarks.demo --loopback 2>&1 | tail -4
+fi
 if [ -n "${SUITE-}" ]; then
   echo "== suite: $SUITE"
   timeout -s INT "${SUITE_TIMEOUT:-200}" "$PY" -m pytest -q -rfE -p no:cacheprovider --tb=short \

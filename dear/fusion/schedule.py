@@ -222,6 +222,7 @@ class ScheduleDriver:
         if comm_of().size == 1:
             mode = None                         # nothing to plan
         self.enabled = enabled and mode is not None
+        self.mode = mode
         self._plan_after = plan_after
         self.default_chunk_bytes = chunk_bytes  # Config's; a FusionConfig may carry its own
         self._chunk_bytes = chunk_bytes
@@ -331,8 +332,13 @@ class ScheduleDriver:
         return bool(self._prefix)
 
     def drain(self) -> None:
+        """What backward submitted comes before what the training thread does next: issued
+        ("thread"), or ("stream") ordered before the current stream's next work, so that it
+        reads what the side stream wrote (averaged shards, sharded early updates)."""
         if self.executor is not None:
             self.executor.drain()
+        elif self._side is not None:
+            torch.cuda.current_stream(self._side.device).wait_stream(self._side)
 
     def gather_rest(self, groups: Sequence[Any],
                     before: Optional[Callable[[Sequence[Any]], None]] = None) -> None:
