@@ -49,7 +49,7 @@ def _native_build() -> dict:
                  and os.environ.get("DEAR_BUILD_CUDA", "1") != "0")
     if with_cuda:
         extension = cpp_extension.CUDAExtension
-        sources.append("csrc/cuda/pack_kernels.cu")
+        sources += ["csrc/cuda/pack_kernels.cu", "csrc/cuda/digest_kernels.cu"]
         kwargs["define_macros"].append(("DEAR_WITH_CUDA", None))
         nccl = _find_nccl()
         if nccl is None:

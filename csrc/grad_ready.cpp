@@ -9,6 +9,10 @@
 #include "digest.h"
 #include "pack.h"
 
+#ifdef DEAR_WITH_CUDA
+#include "cuda/digest_cuda.h"
+#endif
+
 namespace py = pybind11;
 
 namespace dear {
@@ -32,6 +36,9 @@ GradReady::GradReady(at::Tensor buffer, std::vector<int64_t> offsets, std::vecto
 
 at::Tensor fingerprint(const at::Tensor& grad) {
   const at::Tensor g = grad.detach();
+#ifdef DEAR_WITH_CUDA
+  if (g.is_cuda() && g.layout() == at::kStrided) return cuda::digests({g});  // one kernel
+#endif
   at::ScalarType bits = at::kByte;
   switch (g.element_size()) {
     case 8: bits = at::kLong; break;
@@ -122,10 +129,24 @@ int64_t GradReady::first_edited(const std::vector<at::Tensor>& params) const {
     }
   }
   if (same.empty()) return -1;
-  std::vector<at::Tensor> before, after;
+  std::vector<at::Tensor> before, now, after;
   for (int64_t j : same) {
     before.push_back(fingerprints_[j]);
-    after.push_back(fingerprint(params[j].grad()));
+    now.push_back(params[j].grad().detach());
+  }
+#ifdef DEAR_WITH_CUDA
+  bool one_device = true;  // CUDA gradients on one device: one kernel digests them all
+  for (const auto& t : now) {
+    one_device = one_device && t.is_cuda() && t.layout() == at::kStrided &&
+                 t.device() == now[0].device();
+  }
+  if (one_device) {
+    const at::Tensor all = cuda::digests(now);
+    for (size_t k = 0; k < now.size(); ++k) after.push_back(all.narrow(0, static_cast<int64_t>(k), 1));
+  }
+#endif
+  if (after.empty()) {
+    for (const auto& t : now) after.push_back(fingerprint(t));
   }
   if (at::equal(at::cat(before), at::cat(after))) return -1;  // one comparison: a GPU syncs once
   for (size_t k = 0; k < same.size(); ++k) {

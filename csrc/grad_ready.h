@@ -40,9 +40,10 @@ struct BucketLayout {
   int64_t size() const { return static_cast<int64_t>(offsets.size()); }
 };
 
-// Two sums that move when a device (CUDA) gradient's contents do (dear/written.py's
-// fingerprint): the bit patterns summed as wrapping integers (any one changed element shows)
-// and, for floating point, the float sum's bits. CPU gradients get a digest (digest.h) instead.
+// What moves when a device gradient's contents do (dear/written.py's fingerprint), as a tensor
+// there: on CUDA (built with it) its digest (cuda/digest_cuda.h, one kernel); else two sums,
+// the bit patterns as wrapping integers (any one changed element shows) and, for floating point,
+// the float sum's bits. CPU gradients get a digest (digest.h) instead.
 at::Tensor fingerprint(const at::Tensor& grad);
 
 class GradReady {

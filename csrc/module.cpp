@@ -9,6 +9,9 @@
 #include "grad_ready.h"
 #include "pack.h"
 
+#ifdef DEAR_WITH_CUDA
+#include "cuda/digest_cuda.h"
+#endif
 #ifdef DEAR_WITH_NCCL
 #include "cuda/nccl_communicator.h"
 #endif
@@ -139,6 +142,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       py::arg("tensors"), py::arg("portable") = false,
       "The content digest (csrc/digest.h) of each dense CPU tensor (portable: the hash used "
       "where the CPU has no CRC-32C instruction).");
+#ifdef DEAR_WITH_CUDA
+  m.def("digests_cuda", &dear::cuda::digests, py::arg("tensors"),
+        "The content digests of dense tensors on one CUDA device, as one int64 tensor there: "
+        "digest.h's portable hash, one kernel on the current stream.");
+#endif
   m.def("build_info", &build_info, "What this build of the extension contains.");
 
 #ifdef DEAR_WITH_NCCL

@@ -18,8 +18,9 @@ from . import native as _native
 
 _BITS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
-# A CPU tensor's digest (csrc/digest.h) where the extension is built; else, and on a GPU, two
-# sums in tensors (compared without a host sync until first_changed).
+# A CPU tensor's digest (csrc/digest.h) where the extension is built; a CUDA tensor's digest
+# computed there (csrc/cuda/digest_cuda.h, with a CUDA build), in a 1-tuple of a tensor on the
+# GPU; else two sums in tensors. Tensors are compared without a host sync until first_changed.
 Fingerprint = Union[int, tuple[torch.Tensor, ...]]
 
 
@@ -30,18 +31,33 @@ def fingerprint(tensor: torch.Tensor) -> Fingerprint:
 
 
 def fingerprints(tensors: Sequence[torch.Tensor]) -> list[Fingerprint]:
-    """On the CPU with the extension, a 64-bit digest (csrc/digest.h): any one changed element
-    always shows, any other change is missed only by a 1-in-2^32 coincidence, at the speed of
-    one reduction. Otherwise two sums: the bit patterns as wrapping integers (exact: any one
-    changed element shows) and the float sum of the values (a sign flip of an even number of
-    elements); an edit that keeps both (a permutation of the elements, say) goes unseen."""
+    """With the extension, a 64-bit digest (csrc/digest.h): any one changed element always
+    shows, any other change is missed only by a 1-in-2^32 coincidence, at the speed of one
+    reduction; CUDA tensors with one kernel per call and device, whatever their number (a GPU
+    spends microseconds per launch). Otherwise two sums: the bit patterns as wrapping integers
+    (exact: any one changed element shows) and the float sum of the values (a sign flip of an
+    even number of elements); an edit that keeps both (a permutation, say) goes unseen."""
     ext = _native.extension()
     if ext is None:
         return [_sums(t) for t in tensors]
     host = [t.device.type == "cpu" and t.layout == torch.strided for t in tensors]
     if all(host):
         return list(ext.digests(list(tensors)))      # one call, without the GIL
-    return [ext.digests([t])[0] if on_host else _sums(t) for t, on_host in zip(tensors, host)]
+    out: dict[int, Fingerprint] = {}
+    on_host = [k for k, h in enumerate(host) if h]
+    out.update(zip(on_host, ext.digests([tensors[k] for k in on_host])))
+    on_gpu: dict[torch.device, list[int]] = {}
+    for k, t in enumerate(tensors):
+        if host[k]:
+            continue
+        if t.is_cuda and t.layout == torch.strided and hasattr(ext, "digests_cuda"):
+            on_gpu.setdefault(t.device, []).append(k)
+        else:
+            out[k] = _sums(t)
+    for ks in on_gpu.values():
+        digests = ext.digests_cuda([tensors[k] for k in ks]).unbind()
+        out.update((k, (d,)) for k, d in zip(ks, digests))
+    return [out[k] for k in range(len(tensors))]
 
 
 def _sums(tensor: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -160,16 +160,60 @@ def test_first_changed_mixes_digests_and_sums() -> None:
     assert first_changed([sums], [(torch.tensor(3),)]) == 0
 
 
+def _signed(value: int) -> int:
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+@needs_native
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_cuda_tensors_are_fingerprinted_by_sums_on_the_gpu() -> None:
+def test_cuda_digest_is_the_stated_formula() -> None:
+    """The CUDA kernel computes digest.h's portable hash: every size and dtype, tensors of
+    many blocks, and slices that start off a 4-byte boundary, in one call."""
+    ext = native.extension()
+    assert ext is not None and hasattr(ext, "digests_cuda"), "the extension has no CUDA digest"
+    cases = [_example(n, dtype, seed=n).cuda() for dtype in DTYPES for n in SIZES]
+    cases += [_example(300_001, torch.float32).cuda(), _example(200_003, torch.int8).cuda()]
+    raw = torch.randint(0, 256, (1000,), dtype=torch.uint8).cuda()
+    cases += [raw[o:o + n] for o in (1, 2, 3) for n in (1, 5, 13, 996 - o)]
+    half = _example(101, torch.float16).cuda()
+    cases += [half[1:], half[3:50], torch.empty(0, device="cuda")]
+    got = ext.digests_cuda(cases).cpu().tolist()
+    want = [_signed(_hash_digest(_bytes(t.cpu()))) for t in cases]
+    assert got == want
+    assert want[-1] == 0
+
+
+@needs_native
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_fingerprints_see_every_changed_element_and_layouts() -> None:
+    x = _example(97, torch.bfloat16).cuda()
+    before = fingerprints([x])
+    assert isinstance(before[0], tuple) and before[0][0].is_cuda
+    for k in range(x.numel()):
+        y = x.clone()
+        y[k] = -y[k] if y[k] != 0 else 1
+        assert first_changed(before, fingerprints([y])) == 0, k
+    z = torch.randn(2, 3, 4, 5, device="cuda")
+    cl = z.to(memory_format=torch.channels_last)
+    assert first_changed(fingerprints([cl]), fingerprints([cl.clone(
+        memory_format=torch.channels_last)])) is None
+    strided = z[:, :, ::2]
+    assert first_changed(fingerprints([strided]), fingerprints([strided.contiguous()])) is None
+    p = torch.nn.Parameter(torch.randn(6, 4, device="cuda").t())
+    assert first_changed(fingerprints([p]), fingerprints([p.detach().clone()])) is None
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_tensors_beside_cpu_tensors() -> None:
     ts = [torch.randn(1000, device="cuda"), torch.randn(7, device="cuda").half(), torch.randn(5)]
     before = fingerprints(ts)
-    assert isinstance(before[0], tuple) and before[0][0].is_cuda
     assert first_changed(before, fingerprints(ts)) is None
     ts[1][3] += 1
     assert first_changed(before, fingerprints(ts)) == 1
-    ts[0][998:].neg_()                          # a balanced sign flip: the float sum moves
+    ts[0][998:].neg_()
     assert first_changed(before[:1], fingerprints(ts[:1])) == 0
-    ts[2][0] += 1                               # the CPU tensor beside them: its digest
+    ts[2][0] += 1                               # the CPU tensor beside them: its own digest
     assert first_changed(before[2:], fingerprints(ts[2:])) == 0

@@ -7,7 +7,8 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include <algorithm>
-#include <cstring>
+
+#include "device_table.h"
 
 namespace dear {
 namespace cuda {
@@ -38,17 +39,6 @@ __global__ void segments_kernel(const Segment* segments, int64_t num_segments) {
       dst[i] = src != nullptr ? src[i] : fill;
     }
   }
-}
-
-// The segment table goes to the device through pinned memory from torch's caching host
-// allocator: the non-blocking copy records an event on the pinned block, so the block is not
-// reused before the copy has read it, and the host never waits for the GPU.
-template <typename T>
-at::Tensor table_on_device(const std::vector<T>& table, const at::Device& device) {
-  const int64_t bytes = static_cast<int64_t>(table.size() * sizeof(T));
-  at::Tensor host = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
-  std::memcpy(host.data_ptr(), table.data(), bytes);
-  return host.to(device, /*non_blocking=*/true);
 }
 
 dim3 grid_for(int64_t max_numel, size_t num_segments) {
