@@ -42,7 +42,7 @@ def _edit(kind: str, model: torch.nn.Module, opt: torch.optim.Optimizer, scaler)
         model.fc2.weight.grad.data.neg_()
     elif kind == "data-ulp":
         g = model.head.bias.grad.data.view(-1)
-        g[0] = torch.nextafter(g[0], torch.tensor(float("inf")))
+        g[0] = torch.nextafter(g[0], torch.tensor(float("inf"), device=g.device))
 
 
 def _edit_loop(kind: str, bad_step: int, sharded: bool = False, device: str = "cpu") -> dict:
