@@ -235,6 +235,7 @@ class ShardedState:
                     if isinstance(v, torch.Tensor) and isinstance(old, torch.Tensor) \
                             and old.shape == v.shape and old.dtype == v.dtype:
                         old.copy_(v)
+                        _read_on_this_stream(v)
                     else:
                         live[key] = v
             self.buckets[k].outgoing = None
@@ -358,10 +359,20 @@ def _slice(v: Any, seg: Segment) -> Any:
                 f"optimizer state of shape {tuple(v.shape)} for a parameter of shape "
                 f"{tuple(seg.param.shape)}: shard_optimizer_state=True handles elementwise state "
                 "(one value per parameter element) and scalars only")
+        _read_on_this_stream(v)
         return v.detach().reshape(-1)[seg.lo:seg.hi].to(seg.param.device).clone()
     if isinstance(v, torch.Tensor):
+        _read_on_this_stream(v)
         return v.detach().clone()
     return v
+
+
+def _read_on_this_stream(v: torch.Tensor) -> None:
+    """`v` is read by work queued on the current stream and may be freed before that work runs
+    (the unsharded state cut in an early update on the side stream, a saved copy put back on
+    the training stream): its memory must not be handed out again until then."""
+    if v.is_cuda:
+        v.record_stream(torch.cuda.current_stream(v.device))
 
 
 def _saved_copy(v: Any) -> Any:
