@@ -4,7 +4,8 @@
 # the csrc NCCL communicator step by step (a crash names its step, exit included), run the CUDA
 # tests and the demo (two CPU ranks on a GPU machine), then SUITE if given.
 #   SUITE="tests/test_x.py ..." adds a pytest run of those (-n 14); SUITE_TIMEOUT bounds it.
-#   CUDA_TIMEOUT bounds the CUDA tests (-n 4); DEMO=0 leaves the demo out.
+#   CUDA_TIMEOUT bounds the CUDA tests (-n 4); DEMO=0 leaves the demo out; GPU_BENCH=1 adds
+#   benchmarks.gpu_edit_checks (torch vs dear at one rank, its result files copied to $OUT).
 # Last run: 2026-11-27 on an H200 (torch 2.11+cu130, NCCL 2.28.9): 48 CUDA tests passed, 1
 # skipped (nccl4py not installed there), 1 failed on a test bug fixed after (then passed).
 set -u
@@ -26,6 +27,11 @@ timeout -s INT "${CUDA_TIMEOUT:-300}" "$PY" -m pytest -q -rfEs -p no:cacheprovid
 if [ "${DEMO:-1}" != 0 ]; then
   echo "== demo"
   timeout 90 "$PY" -m benchmarks.demo --loopback 2>&1 | tail -4
+fi
+if [ "${GPU_BENCH:-0}" != 0 ]; then
+  echo "== benchmarks.gpu_edit_checks"
+  timeout 200 "$PY" -m benchmarks.gpu_edit_checks --iters 40 2>&1 | tail -9
+  cp benchmarks/results/gpu_edit_checks.* "$OUT/" 2>/dev/null
 fi
 if [ -n "${SUITE-}" ]; then
   echo "== suite: $SUITE"
