@@ -6,6 +6,8 @@
 
 #include <cstring>
 
+#include "word_hash.h"
+
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <nmmintrin.h>
 #define DEAR_CRC_X86 1
@@ -74,15 +76,6 @@ uint64_t crc_streams(const char*, size_t) { return 0; }
 #endif
 
 // ---------------------------------------------------------------- the portable hash
-inline uint32_t fmix32(uint32_t h) {
-  h ^= h >> 16;
-  h *= 0x85ebca6bu;
-  h ^= h >> 13;
-  h *= 0xc2b2ae35u;
-  h ^= h >> 16;
-  return h;
-}
-
 uint64_t hashed_words(const char* src, size_t nbytes) {
   constexpr int kLanes = 8;  // independent sums: the compiler keeps them in vector registers
   const size_t nwords = nbytes / 4;
@@ -92,7 +85,7 @@ uint64_t hashed_words(const char* src, size_t nbytes) {
     for (int l = 0; l < kLanes; ++l) {
       uint32_t w;
       std::memcpy(&w, src + 4 * (i + l), 4);
-      acc[l] += fmix32(w ^ (static_cast<uint32_t>(i + l) * 0x9e3779b9u));
+      acc[l] += word_term(w, i + l);
     }
   }
   uint64_t sum = 0;
@@ -101,7 +94,7 @@ uint64_t hashed_words(const char* src, size_t nbytes) {
     if (n == 0) break;
     uint32_t w = 0;
     std::memcpy(&w, src + 4 * i, n);
-    sum += fmix32(w ^ (static_cast<uint32_t>(i) * 0x9e3779b9u));
+    sum += word_term(w, i);
   }
   for (int l = 0; l < kLanes; ++l) sum += acc[l];
   return sum;

@@ -8,6 +8,7 @@
 
 #include <cstdint>
 
+#include "../word_hash.h"
 #include "device_table.h"
 
 namespace dear {
@@ -26,15 +27,6 @@ struct Chunk {
   int64_t end;
   int64_t index;
 };
-
-__device__ __forceinline__ uint32_t fmix32(uint32_t h) {
-  h ^= h >> 16;
-  h *= 0x85ebca6bu;
-  h ^= h >> 13;
-  h *= 0xc2b2ae35u;
-  h ^= h >> 16;
-  return h;
-}
 
 // Word i, little-endian; the 0-3 bytes past the last whole word zero-padded (digest.cpp's
 // hashed_words). A tensor need not start on a 4-byte boundary (a bf16 or int8 slice).
@@ -55,7 +47,7 @@ __global__ void digest_kernel(const Chunk* chunks, unsigned long long* out) {
   unsigned long long sum = 0;
   for (int64_t i = c.begin + threadIdx.x; i < c.end; i += blockDim.x) {
     const uint32_t w = word_at(c.data, c.nbytes, i, aligned);
-    sum += fmix32(w ^ (static_cast<uint32_t>(i) * 0x9e3779b9u));
+    sum += word_term(w, static_cast<uint64_t>(i));
   }
   for (int offset = 16; offset > 0; offset >>= 1) sum += __shfl_down_sync(0xffffffffu, sum, offset);
   __shared__ unsigned long long warp_sums[kThreads / 32];
