@@ -15,7 +15,8 @@ import torch.nn.functional as F
 import dear
 from tests.distributed import run_distributed, wait_for_file
 from tests.test_sharded import force_plan
-from tests.workloads import OPTIMIZERS, batch, make_net, max_diff, state_of
+from tests.workloads import (OPTIMIZERS, batch, init_in_issue_mode, make_net, max_diff, state_of,
+                             to_cpu)
 
 EDITS = ("clip", "replace", "unscale", "none", "data-clamp", "data-neg", "data-ulp")
 # Writes through .data leave autograd's version counter where it was: the DQN tutorial's
@@ -82,18 +83,12 @@ def _edit_loop(kind: str, bad_step: int, sharded: bool = False, device: str = "c
     F.mse_loss(model(x), y).backward()
     opt.step()
     opt.flush_updates()
-    return {"error": error, "before": _cpu(before), "after": _cpu(state_of(model))}
-
-
-def _cpu(state: dict) -> dict:
-    return {k: v.cpu() for k, v in state.items()}
+    return {"error": error, "before": to_cpu(before), "after": to_cpu(state_of(model))}
 
 
 def _init(device: str) -> None:
-    if device == "cuda":        # two ranks on one GPU: Gloo's CUDA collectives, which order
-        torch.distributed.init_process_group("gloo")     # streams as NCCL's do
-        dear.deferred.issue_mode = lambda params, comm: "stream"    # as on NCCL
-    dear.init()
+    """On CUDA: two ranks on one GPU, the planned schedule issued as on NCCL."""
+    init_in_issue_mode("stream" if device == "cuda" else "thread", device)
 
 
 def _every_edit(device: str = "cpu") -> dict:

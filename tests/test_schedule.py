@@ -15,7 +15,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 import dear
@@ -26,7 +25,8 @@ from dear.fusion.layout import build_layout
 from dear.fusion.plan import calibrate, replay_tail
 from dear.fusion.schedule import CommExecutor, LinkCost, Plan, chunk_columns, plan_gaps
 from tests.distributed import run_distributed
-from tests.workloads import OPTIMIZERS, batch, branch_used, make_net, max_diff, reference, state_of
+from tests.workloads import (OPTIMIZERS, batch, branch_used, init_in_issue_mode, make_net, max_diff,
+                             reference, state_of)
 
 STEPS = 7
 
@@ -227,11 +227,7 @@ def _planned_run(forced: bool, relayout_at: int, mode: str = "thread", device: s
         schedule = dear.fusion.schedule
         schedule.probe_link = lambda *args, **kwargs: LinkCost(0.0, 1.0, 0.0, 1.0)
         schedule.ScheduleDriver._factor = lambda *args: check_factor
-    if mode != "thread":
-        dear.deferred.issue_mode = lambda params, comm: mode
-    if device == "cuda":                       # two ranks on one GPU: Gloo's CUDA collectives
-        dist.init_process_group("gloo")
-    dear.init()
+    init_in_issue_mode(mode, device)
     rank, world = dear.rank(), dear.size()
     recorder = RecordingCommunicator(dear.runtime._state.comm)
     dear.runtime._state.comm = recorder

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 import dear
 from tests.distributed import run_distributed
 from tests.test_sharded import _same, force_plan
-from tests.workloads import batch, branch_used, make_net, state_of
+from tests.workloads import batch, branch_used, init_in_issue_mode, make_net, state_of, to_cpu
 
 STEPS = 6
 START = 2           # the habits begin here, after clean steps: the first one meets early updates
@@ -108,27 +108,13 @@ def _run(opt_name: str, sharded: bool, habit: str, device: str = "cpu") -> dict:
             opt.step()
     counts["buckets"] = len(opt._buckets)
     counts["mode"] = opt._schedule.mode
-    return {"params": _to_cpu(state_of(model)), "state": _to_cpu(opt.state_dict()),
-            "counts": counts, "saved": _to_cpu(saved)}
-
-
-def _to_cpu(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.cpu()
-    if isinstance(value, dict):
-        return {k: _to_cpu(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_to_cpu(v) for v in value)
-    return value
+    return {"params": to_cpu(state_of(model)), "state": to_cpu(opt.state_dict()),
+            "counts": counts, "saved": to_cpu(saved)}
 
 
 def early_checks(habits: list[str], opt_name: str, mode: str = "thread",
                  device: str = "cpu") -> dict:
-    if mode != "thread":                       # the GPU's way of issuing (training thread)
-        dear.deferred.issue_mode = lambda params, comm: mode
-    if device == "cuda":                       # two ranks on one GPU: Gloo's CUDA collectives
-        torch.distributed.init_process_group("gloo")
-    dear.init()
+    init_in_issue_mode(mode, device)
     out = {}
     for habit in habits:
         out[habit] = {"plain": _run(opt_name, False, habit, device),

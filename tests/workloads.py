@@ -93,6 +93,32 @@ def state_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def to_cpu(value: Any) -> Any:
+    """Tensors in (nested dicts, lists, tuples of) `value` on the CPU: what a rank returns."""
+    if isinstance(value, torch.Tensor):
+        return value.cpu()
+    if isinstance(value, dict):
+        return {k: to_cpu(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(to_cpu(v) for v in value)
+    return value
+
+
+def init_in_issue_mode(mode: str = "thread", device: str = "cpu") -> None:
+    """dear.init() in a rank, `mode` "stream" forcing the GPU's way of issuing the planned
+    schedule (dear/fusion/schedule.py's issue_mode; on CPU tensors the side stream is the
+    host). On "cuda" the ranks share one GPU through Gloo's CUDA collectives, which order
+    streams as NCCL's do (NCCL refuses two ranks on one GPU)."""
+    import torch.distributed as dist
+
+    import dear
+    if mode != "thread":
+        dear.deferred.issue_mode = lambda params, comm: mode
+    if device == "cuda":
+        dist.init_process_group("gloo")
+    dear.init()
+
+
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys()
     return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
