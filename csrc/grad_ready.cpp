@@ -56,6 +56,26 @@ at::Tensor fingerprint(const at::Tensor& grad) {
   return at::stack({whole, value});  // three kernels for float32: this runs for every gradient
 }
 
+std::vector<at::Tensor> fingerprints(const std::vector<at::Tensor>& grads) {
+  std::vector<at::Tensor> out;
+#ifdef DEAR_WITH_CUDA
+  bool one_device = !grads.empty();  // CUDA gradients on one device: one kernel for them all
+  for (const auto& g : grads) {
+    one_device = one_device && g.is_cuda() && g.layout() == at::kStrided &&
+                 g.device() == grads[0].device();
+  }
+  if (one_device) {
+    std::vector<at::Tensor> detached;
+    for (const auto& g : grads) detached.push_back(g.detach());
+    const at::Tensor all = cuda::digests(detached);
+    for (int64_t k = 0; k < all.numel(); ++k) out.push_back(all.narrow(0, k, 1));
+    return out;
+  }
+#endif
+  for (const auto& g : grads) out.push_back(fingerprint(g));
+  return out;
+}
+
 void GradReady::check_index(int64_t j) const {
   TORCH_CHECK(j >= 0 && j < size(), "dear: parameter index ", j, " is outside this bucket of ",
               size(), " parameters");
@@ -129,25 +149,12 @@ int64_t GradReady::first_edited(const std::vector<at::Tensor>& params) const {
     }
   }
   if (same.empty()) return -1;
-  std::vector<at::Tensor> before, now, after;
+  std::vector<at::Tensor> before, now;
   for (int64_t j : same) {
     before.push_back(fingerprints_[j]);
-    now.push_back(params[j].grad().detach());
+    now.push_back(params[j].grad());
   }
-#ifdef DEAR_WITH_CUDA
-  bool one_device = true;  // CUDA gradients on one device: one kernel digests them all
-  for (const auto& t : now) {
-    one_device = one_device && t.is_cuda() && t.layout() == at::kStrided &&
-                 t.device() == now[0].device();
-  }
-  if (one_device) {
-    const at::Tensor all = cuda::digests(now);
-    for (size_t k = 0; k < now.size(); ++k) after.push_back(all.narrow(0, static_cast<int64_t>(k), 1));
-  }
-#endif
-  if (after.empty()) {
-    for (const auto& t : now) after.push_back(fingerprint(t));
-  }
+  const std::vector<at::Tensor> after = fingerprints(now);
   if (at::equal(at::cat(before), at::cat(after))) return -1;  // one comparison: a GPU syncs once
   for (size_t k = 0; k < same.size(); ++k) {
     if (!at::equal(before[k], after[k])) return same[k];

@@ -46,6 +46,9 @@ struct BucketLayout {
 // the float sum's bits. CPU gradients get a digest (digest.h) instead.
 at::Tensor fingerprint(const at::Tensor& grad);
 
+// fingerprint() of each; CUDA gradients on one device with one kernel (rows of its result).
+std::vector<at::Tensor> fingerprints(const std::vector<at::Tensor>& grads);
+
 class GradReady {
  public:
   // `buffer` is the bucket's flat buffer (kept for the bucket's life).
