@@ -289,6 +289,9 @@ def _bert_knobs(vocab: int, seq_len: int, batch: int) -> dict[str, Any]:
 
 _TINY_VGG = [8, "M", 16, "M", 32, 32, "M"]
 _TINY_BERT = BertConfig(vocab_size=100, hidden=32, layers=2, heads=2, ffn=64, max_positions=64)
+# The real models' module structure (every layer, hook and bucket boundary) at shapes where host
+# work sets the pace: benchmarks.host_cost.
+_HOST_BERT = BertConfig(vocab_size=1000, hidden=64, layers=12, heads=2, ffn=256, max_positions=64)
 
 # name -> (builder(name, knobs), default knobs); build() accepts exactly these knobs.
 REGISTRY: dict[str, tuple[Callable[[str, dict[str, Any]], Workload], dict[str, Any]]] = {
@@ -300,6 +303,8 @@ REGISTRY: dict[str, tuple[Callable[[str, dict[str, Any]], Workload], dict[str, A
     "vgg_tiny": (partial(_vgg, cfg=_TINY_VGG, hidden=64, pool=1),
                  {**_image_knobs(10, 32, 4), "dropout": 0.0}),
     "bert_tiny": (partial(_bert, config=_TINY_BERT), _bert_knobs(100, 16, 4)),
+    "resnet50_host": (partial(_resnet, layers=[3, 4, 6, 3], width=8), _image_knobs(10, 32, 4)),
+    "bert_base_host": (partial(_bert, config=_HOST_BERT), _bert_knobs(1000, 16, 4)),
 }
 
 

@@ -67,20 +67,20 @@ def train(method: str, args: argparse.Namespace, iters: int) -> list[float]:
             times.append(time.perf_counter() - start)
         if method.startswith("dear"):
             opt.synchronize()
-            assert (opt._buckets[0]._ready is not None) == (method == "dear-native")
+            assert (opt.dear_engine.buckets[0]._ready is not None) == (method == "dear-native")
     return times[iters // 4:]
 
 
 # (label, file suffix or "", function name or the text inside a built-in's name)
 _PROFILED = [
     ("backward: autograd engine, hooks included", "", "run_backward"),
-    ("backward: gradient hooks (optimizer._post_backward)", "deferred.py", "_post_backward"),
+    ("backward: gradient hooks (engine.post_backward)", "engine.py", "post_backward"),
     ("backward: Bucket.pack", "bucket.py", "pack"),
-    ("forward: pre-hooks (optimizer._pre_forward)", "deferred.py", "_pre_forward"),
+    ("forward: pre-hooks (engine.pre_forward)", "engine.py", "pre_forward"),
     ("forward: Linear kernels", "", "torch._C._nn.linear"),
-    ("update: optimizer._finalize (SGD step included)", "deferred.py", "_finalize"),
+    ("update: engine.apply (SGD step included)", "engine.py", "apply"),
     ("update: torch SGD arithmetic", "sgd.py", "_single_tensor_sgd"),
-    ("step(): reduce-scatter finish, all-gather start", "deferred.py", "step"),
+    ("step(): reduce-scatter finish, all-gather start", "steps.py", "step"),
     ("iteration (profiled)", "overhead_native.py", "train"),
 ]
 

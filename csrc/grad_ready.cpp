@@ -56,26 +56,6 @@ at::Tensor fingerprint(const at::Tensor& grad) {
   return at::stack({whole, value});  // three kernels for float32: this runs for every gradient
 }
 
-std::vector<at::Tensor> fingerprints(const std::vector<at::Tensor>& grads) {
-  std::vector<at::Tensor> out;
-#ifdef DEAR_WITH_CUDA
-  bool one_device = !grads.empty();  // CUDA gradients on one device: one kernel for them all
-  for (const auto& g : grads) {
-    one_device = one_device && g.is_cuda() && g.layout() == at::kStrided &&
-                 g.device() == grads[0].device();
-  }
-  if (one_device) {
-    std::vector<at::Tensor> detached;
-    for (const auto& g : grads) detached.push_back(g.detach());
-    const at::Tensor all = cuda::digests(detached);
-    for (int64_t k = 0; k < all.numel(); ++k) out.push_back(all.narrow(0, k, 1));
-    return out;
-  }
-#endif
-  for (const auto& g : grads) out.push_back(fingerprint(g));
-  return out;
-}
-
 void GradReady::check_index(int64_t j) const {
   TORCH_CHECK(j >= 0 && j < size(), "dear: parameter index ", j, " is outside this bucket of ",
               size(), " parameters");
@@ -88,7 +68,7 @@ bool GradReady::record(int64_t j, const std::optional<at::Tensor>& grad) {
     stamps_[j] = c10::weak_intrusive_ptr<c10::TensorImpl>(grad->getIntrusivePtr());
     versions_[j] = static_cast<int64_t>(grad->_version());
     at::Tensor g = *grad;
-    if (!g.is_sparse()) {
+    if (digest_ && !g.is_sparse()) {
       if (g.device().is_cpu() && g.layout() == at::kStrided) {  // dear/written.py's test
         has_digest_[j] = 1;
         digests_[j] = digest(g);
@@ -130,7 +110,6 @@ bool GradReady::recorded(int64_t j) const {
 int64_t GradReady::first_edited(const std::vector<at::Tensor>& params) const {
   TORCH_CHECK(static_cast<int64_t>(params.size()) == size(), "dear: first_edited got ",
               params.size(), " parameters for a bucket of ", size());
-  std::vector<int64_t> same;  // the same tensor at the same version: compare the contents
   for (int64_t j = 0; j < size(); ++j) {
     if (!recorded_[j]) continue;
     const at::Tensor& now = params[j].grad();
@@ -142,24 +121,17 @@ int64_t GradReady::first_edited(const std::vector<at::Tensor>& params) const {
         stamps_[j].expired() || static_cast<int64_t>(now._version()) != versions_[j]) {
       return j;
     }
-    if (has_digest_[j]) {
-      if (digest(now) != digests_[j]) return j;
-    } else if (fingerprints_[j].defined()) {
-      same.push_back(j);
-    }
-  }
-  if (same.empty()) return -1;
-  std::vector<at::Tensor> before, now;
-  for (int64_t j : same) {
-    before.push_back(fingerprints_[j]);
-    now.push_back(params[j].grad());
-  }
-  const std::vector<at::Tensor> after = fingerprints(now);
-  if (at::equal(at::cat(before), at::cat(after))) return -1;  // one comparison: a GPU syncs once
-  for (size_t k = 0; k < same.size(); ++k) {
-    if (!at::equal(before[k], after[k])) return same[k];
+    if (has_digest_[j] && digest(now) != digests_[j]) return j;
   }
   return -1;
+}
+
+std::vector<std::tuple<int64_t, at::Tensor>> GradReady::device_fingerprints() const {
+  std::vector<std::tuple<int64_t, at::Tensor>> out;
+  for (int64_t j = 0; j < size(); ++j) {
+    if (recorded_[j] && fingerprints_[j].defined()) out.emplace_back(j, fingerprints_[j]);
+  }
+  return out;
 }
 
 std::vector<int64_t> GradReady::missing() const {

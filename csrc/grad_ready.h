@@ -27,6 +27,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <vector>
 
 namespace dear {
@@ -45,9 +46,6 @@ struct BucketLayout {
 // the bit patterns as wrapping integers (any one changed element shows) and, for floating point,
 // the float sum's bits. CPU gradients get a digest (digest.h) instead.
 at::Tensor fingerprint(const at::Tensor& grad);
-
-// fingerprint() of each; CUDA gradients on one device with one kernel (rows of its result).
-std::vector<at::Tensor> fingerprints(const std::vector<at::Tensor>& grads);
 
 class GradReady {
  public:
@@ -75,10 +73,15 @@ class GradReady {
   const std::vector<double>& used() const { return used_; }
 
   // The first parameter whose .grad is no longer what record() saw (replaced, set to None,
-  // edited in place: its version counter moved, or written through .data: its fingerprint
-  // changed), or -1. `params` are the bucket's parameters.
+  // edited in place: its version counter moved, or, for a CPU gradient, written through
+  // .data: its digest changed), or -1. `params` are the bucket's parameters.
   // Such an edit after dear took the gradient would be silently ignored: the caller refuses it.
   int64_t first_edited(const std::vector<at::Tensor>& params) const;
+
+  // (j, fingerprint) of each device gradient record() fingerprinted: the caller compares
+  // them with the gradients' fingerprints now on the device, where the answer can wait for a
+  // later step (dear/written.py's Verdict): comparing here would stop the host for the GPU.
+  std::vector<std::tuple<int64_t, at::Tensor>> device_fingerprints() const;
 
   // Forget this iteration's records (after the bucket's update was applied); clears pending.
   void reset();
@@ -87,6 +90,12 @@ class GradReady {
   // gradient arriving now must go through the Python hook, which applies the update first.
   bool pending() const { return pending_; }
   void set_pending(bool pending) { pending_ = pending; }
+
+  // Whether record() keeps what each gradient held (its digest), for first_edited's check of
+  // writes through `.data`: set per iteration by Python (dear/engine/checks.py says which
+  // iterations compare contents). Without it record() keeps only the tensor and its version.
+  bool digesting() const { return digest_; }
+  void set_digest(bool digest) { digest_ = digest; }
 
  private:
   void check_index(int64_t j) const;
@@ -110,6 +119,7 @@ class GradReady {
   int64_t num_recorded_ = 0;
   bool packed_ = false;
   bool pending_ = false;
+  bool digest_ = true;
 };
 
 // Shared by an optimizer's hooks; written by Python between iterations.

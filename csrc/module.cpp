@@ -74,6 +74,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("used", &dear::GradReady::used)
       .def("reset", &dear::GradReady::reset)
       .def("set_pending", &dear::GradReady::set_pending, py::arg("pending"))
+      .def("set_digest", &dear::GradReady::set_digest, py::arg("digest"))
+      .def("device_fingerprints", &dear::GradReady::device_fingerprints)
+      .def("digesting", &dear::GradReady::digesting)
       .def("pending", &dear::GradReady::pending);
   dear::bind_grad_hook(m);
 

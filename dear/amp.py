@@ -96,15 +96,13 @@ def unscale_averaged_grads(scaler: Any, optimizer: torch.optim.Optimizer) -> boo
 def add_step_listener(optimizer: torch.optim.Optimizer, listener: Any) -> None:
     """dear.KFAC (dear/kfac/scaling.py) learns the loss scale from here: `listener(grad_scaler)`
     is called at the start of every step() of this optimizer, before anything is unscaled."""
-    optimizer.__dict__.setdefault("_dear_step_listeners", []).append(listener)
+    optimizer.dear_engine.step_listeners.append(listener)  # type: ignore[attr-defined]
 
 
 def check_contract(optimizer: torch.optim.Optimizer, grad_scaler: Any) -> None:
     """A GradScaler that sets optimizer.found_inf instead of passing itself (the protocol torch
     announces) would bypass dear's check of the reduced gradient: refuse rather than mis-step.
-    step() calls this first; it also tells dear.KFAC's listeners (add_step_listener)."""
-    for listener in optimizer.__dict__.get("_dear_step_listeners", ()):
-        listener(grad_scaler)
+    step() calls this first (after dear.KFAC's listeners, add_step_listener)."""
     if grad_scaler is None and getattr(optimizer, "found_inf", None) is not None:
         raise RuntimeError("this torch's GradScaler no longer passes itself to optimizer.step("
                            "grad_scaler=...); dear's GradScaler support (dear/amp.py) must be "

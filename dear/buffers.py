@@ -35,9 +35,7 @@ def issue_pending() -> None:
     collective keeps its place in the order on every rank (as runtime._flush_all does for the
     user's collectives)."""
     for opt in runtime.optimizers():
-        schedule = getattr(opt, "_schedule", None)
-        if schedule is not None:
-            schedule.drain()
+        opt.dear_schedule.drain()
 
 
 class BufferBroadcast:

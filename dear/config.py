@@ -175,6 +175,12 @@ class Config:
     #: each rank keeps and updates only its shards of the optimizer state (1/N of it); the
     #: all-gathers carry updated parameters (dear/sharded.py) (DEAR_SHARD_OPTIMIZER_STATE).
     shard_optimizer_state: bool = False
+    #: compare the contents of the gradients and parameters (writes through `.data`,
+    #: docs/contract.md) in every iteration of the first 8 of a layout, then in about one
+    #: iteration in this many, the same on every rank; 1: every iteration; 0: never (writes
+    #: that move autograd's version counter are seen in every iteration either way)
+    #: (DEAR_CHECK_EVERY).
+    check_every: int = 16
 
     _ENV: ClassVar[dict[str, tuple[str, Callable[[str], Any]]]] = {
         "fusion_threshold": ("DEAR_FUSION_THRESHOLD", _parse_bytes),
@@ -195,6 +201,7 @@ class Config:
         "row_sparse": ("DEAR_ROW_SPARSE", str),
         "gradient_as_bucket_view": ("DEAR_GRADIENT_AS_BUCKET_VIEW", _parse_bool),
         "shard_optimizer_state": ("DEAR_SHARD_OPTIMIZER_STATE", _parse_bool),
+        "check_every": ("DEAR_CHECK_EVERY", int),
         "timeout": ("DEAR_TIMEOUT", _parse_finite),
         "trace": ("DEAR_TRACE", str),
         "hang_report": ("DEAR_HANG_REPORT", str),
@@ -231,6 +238,9 @@ class Config:
                              f"got {self.autotune_simulated_trials}, {self.autotune_confirm}")
         if self.schedule not in ("planned", "dear"):
             raise ValueError(f"schedule must be 'planned' or 'dear', got {self.schedule!r}")
+        if self.check_every < 0:
+            raise ValueError(f"check_every (DEAR_CHECK_EVERY) must be >= 0 iterations (1: "
+                             f"every iteration, 0: never), got {self.check_every}")
         if self.plan_after < 2 or self.chunk_bytes < 1024:
             raise ValueError("plan_after must be >= 2 iterations and chunk_bytes >= 1KB; got "
                              f"{self.plan_after}, {self.chunk_bytes}")

@@ -9,118 +9,116 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
-from .iteration import Iteration
+from .engine.state import Iteration
 
 if TYPE_CHECKING:
+    from .engine.engine import Engine
     from .buffers import BufferBroadcast
     from .fusion.bucket import Bucket
+    from .fusion.fusion_config import FusionConfig
     from .fusion.layout import Layout
     from .fusion.schedule import ScheduleDriver
 
 
 class ExtensionPoints:
-    """Mixed into `_DistributedOptimizer` (dear/deferred.py), whose state they expose."""
+    """Mixed into the optimizer's dear class (dear/engine/wrapper.py); they read its engine."""
 
-    if TYPE_CHECKING:
-        _iteration: Iteration
-        _model: Optional[torch.nn.Module]
-        _params: list[torch.nn.Parameter]
-        _names: list[str]
-        _index: dict[torch.nn.Parameter, int]
-        _layout: Layout
-        _buckets: Optional[list[Bucket]]
-        _order: list[int]
-        _row_sparse: Any
-        _transform: Any
-        _schedule: ScheduleDriver
-        _buffer_sync: Optional[BufferBroadcast]
-        _comm: Any
-        _update_observers: list[Callable[[Bucket], Any]]
-
-        @property
-        def _had_gradients(self) -> bool: ...
-        def _finish_reduce(self, verify: bool = True) -> None: ...
-        def _attach_transform(self, transform: Any, ties: list[list[int]]) -> None: ...
+    dear_engine: "Engine"
 
     @property
     def dear_iteration(self) -> Iteration:
-        """The state of the iteration in progress (dear/iteration.py); replaced at its end."""
-        return self._iteration
+        """The state of the iteration in progress (dear/engine/state.py); replaced at its end."""
+        return self.dear_engine.iteration
 
     @property
     def dear_model(self) -> Optional[torch.nn.Module]:
         """The `model=` given at the wrap (None without one)."""
-        return self._model
+        return self.dear_engine.model
 
     @property
     def dear_parameters(self) -> list[torch.nn.Parameter]:
         """The trained parameters, in dear's index order (what `dear_layout.where` indexes)."""
-        return self._params
+        return self.dear_engine.params
 
     @property
     def dear_parameter_names(self) -> list[str]:
-        return self._names
+        return self.dear_engine.names
 
     @property
     def dear_parameter_index(self) -> dict[torch.nn.Parameter, int]:
-        return self._index
+        return self.dear_engine.index
 
     @property
     def dear_layout(self) -> Optional[Layout]:
         """Buckets and all-gather groups in force; None until the first step() plans them
         (and again after the trained parameters changed)."""
-        return self._layout if self._buckets is not None else None
+        engine = self.dear_engine
+        return engine.layout if engine.buckets is not None else None
+
+    @property
+    def dear_fusion(self) -> FusionConfig:
+        """The fusion thresholds in force (the autotuner's latest, or the wrap's)."""
+        return self.dear_engine.fusion
 
     @property
     def dear_order(self) -> list[int]:
         """Rank 0's forward order of the parameters, which the layout was planned from."""
-        return self._order
+        return self.dear_engine.order
 
     @property
     def dear_row_sparse(self) -> Any:
         """Indices of the parameters the layout sends as rows (none under dear.KFAC)."""
-        return self._row_sparse if self._transform is None else ()
+        engine = self.dear_engine
+        return engine.row_sparse if engine.transform is None else ()
 
     @property
     def dear_schedule(self) -> ScheduleDriver:
-        return self._schedule
+        return self.dear_engine.schedule
 
     @property
     def dear_buffer_sync(self) -> Optional[BufferBroadcast]:
         """DDP's broadcast_buffers (dear/buffers.py); dear.join moves its root."""
-        return self._buffer_sync
+        return self.dear_engine.buffer_sync
 
     @property
     def dear_synchronized(self) -> bool:
         """synchronize() has put this iteration's averaged gradients in .grad."""
-        return self._iteration.synchronized
+        return self.dear_engine.iteration.synchronized
 
     @property
     def dear_had_gradients(self) -> bool:
         """A backward ran since the last step()."""
-        return self._had_gradients
+        return self.dear_engine.had_gradients
 
     @property
     def dear_communicator(self) -> Any:
         """Every collective of this optimizer goes through it; a tracer may put a proxy with
         the same interface in its place (dear/diagnose/comm.py) and restore it after."""
-        return self._comm
+        return self.dear_engine.comm
 
     @dear_communicator.setter
     def dear_communicator(self, comm: Any) -> None:
-        self._comm = comm
+        self.dear_engine.comm = comm
 
     def dear_finish_reduce(self, verify: bool = True) -> None:
         """Finish this iteration's reduce-scatters now (dear.join, dear.KFAC's clip)."""
-        self._finish_reduce(verify)
+        self.dear_engine.reduce(verify)
 
     def dear_attach_transform(self, transform: Any, ties: list[list[int]]) -> None:
         """dear.KFAC's eigenbasis path (dear/kfac/overlap.py): `transform.before_reduce` and
-        `after_gather` edit each bucket around its collectives; `ties` share a bucket."""
-        self._attach_transform(transform, ties)
+        `after_gather` edit each bucket around its collectives; `ties` share a bucket. With
+        buckets already planned, `ties` take effect at the next synchronized step() (dear.KFAC
+        synchronizes until the layout fits)."""
+        engine = self.dear_engine
+        assert engine.views is None, "dear.KFAC preconditions after synchronize() with views"
+        engine.updates.check_transform()
+        engine.transform, engine.ties = transform, ties
+        engine.schedule.paused = True          # it edits the shards between the collectives
+        engine.relayout_wanted = engine.buckets is not None and not transform.layout_fits()
 
     def dear_observe_updates(self, observer: Callable[[Bucket], Any]) -> Callable[[], None]:
         """`observer(bucket)` returns a context manager entered around each bucket's update
         (the tracer times them); returns the function that removes it."""
-        self._update_observers.append(observer)
-        return lambda: self._update_observers.remove(observer)
+        observers = self.dear_engine.update_observers
+        observers.append(observer)
+        return lambda: observers.remove(observer)

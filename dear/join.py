@@ -63,7 +63,7 @@ class join:  # noqa: N801 (used like a function: `with dear.join(optimizer):`)
         whose forward starts an iteration (default: the first optimizer's model=)."""
         opts: list[Any] = (list(optimizer) if isinstance(optimizer, (list, tuple))
                            else [optimizer])
-        if not opts or not all(hasattr(o, "_dear_setup") for o in opts):
+        if not opts or not all("dear_engine" in getattr(o, "__dict__", {}) for o in opts):
             raise TypeError("dear.join() takes the optimizer(s) dear.DistributedOptimizer "
                             "returned")
         if model is None:
@@ -73,7 +73,7 @@ class join:  # noqa: N801 (used like a function: `with dear.join(optimizer):`)
                              "pass model= to dear.DistributedOptimizer or to dear.join()")
         self._opts = opts
         self._model = model
-        self._comm = opts[0]._comm
+        self._comm = opts[0].dear_communicator
         self._enabled = enable and self._comm.size > 1
         self._hooks: list[Any] = []
         self._armed = True                     # the next training forward starts an iteration
@@ -165,7 +165,7 @@ class join:  # noqa: N801 (used like a function: `with dear.join(optimizer):`)
 
     def _set_buffer_root(self, active: list[int]) -> None:
         for opt in self._opts:
-            if getattr(opt, "_buffer_sync", None) is not None:
+            if opt.dear_buffer_sync is not None:
                 opt.dear_buffer_sync.root = max(active)
 
     def _final_sync(self, root: int) -> None:

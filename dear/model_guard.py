@@ -76,8 +76,9 @@ def flush_for_read(model: torch.nn.Module, what: str) -> None:
     for opt in list(_owners.get(model, ())):
         start = time.perf_counter()
         applied = opt.flush_updates()
-        if applied and not getattr(opt, "_read_warned", False):
-            opt._read_warned = True
+        engine = opt.dear_engine
+        if applied and not engine.read_warned:
+            engine.read_warned = True
             log.warning(
                 "dear: %s read the model while the last step()'s update was pending, so it was "
                 "applied now (%d buckets, %.1f ms): the all-gathers that overlap the next "

@@ -2,7 +2,8 @@
 
 This module checks the arguments, settles the configuration (arguments first, then DEAR_*
 variables: dear/config.py) and turns the user's optimizer into an instance of a subclass of
-its own class mixed with `_DistributedOptimizer` (dear/deferred.py), which holds the data path:
+its own class mixed with `_DistributedOptimizer` (dear/engine/wrapper.py), whose one attribute,
+the engine (dear/engine/engine.py), holds the data path:
 hook -> bucket -> reduce-scatter -> step() -> all-gather -> update in the next forward.
 """
 
@@ -22,7 +23,7 @@ from .comm.base import ReduceOp, resolve_op
 from .compression import Compression
 from .compression import resolve as resolve_compression
 from .config import Autotune, auto_threshold, parse_autotune
-from .deferred import _DistributedOptimizer
+from .engine.wrapper import _DistributedOptimizer, attach
 from .fusion import fusion_config as fusion_file
 from .fusion.fusion_config import FusionConfig
 from .sharded import check_shardable
@@ -268,16 +269,17 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     wrapped: Any = optimizer
     wrapped.__class__ = cls
     try:
-        wrapped._buffer_sync = (BufferBroadcast(model, comm)  # type: ignore[arg-type]
-                                if BufferBroadcast.wanted(model, broadcast_buffers) else None)
-        wrapped._sparse = (SparseGradients(wrapped, sparse_named, comm, sparse_as_dense)
-                           if sparse_named else None)
-        wrapped._dear_setup(named, model, backward_passes_per_step, op, gradient_predivide_factor,
-                            fusion, overlap_allgather, compressor, groups, sparse_as_dense, tune,
-                            schedule, row_sparse, views, comm=comm, owns_comm=set_comm is not None,
-                            shard_optimizer_state=sharded)
+        buffer_sync = (BufferBroadcast(model, comm)  # type: ignore[arg-type]
+                       if BufferBroadcast.wanted(model, broadcast_buffers) else None)
+        sparse = (SparseGradients(wrapped, sparse_named, comm, sparse_as_dense)
+                  if sparse_named else None)
+        attach(wrapped, named, model, backward_passes_per_step, op, gradient_predivide_factor,
+               fusion, overlap_allgather, compressor, groups, sparse_as_dense, tune,
+               schedule, row_sparse, views, comm=comm, owns_comm=set_comm is not None,
+               shard_optimizer_state=sharded, buffer_sync=buffer_sync, sparse=sparse)
     except BaseException:
         wrapped.__class__ = original_class     # nothing half-converted is left behind
+        wrapped.__dict__.pop("dear_engine", None)
         raise
     if instance_step is not None:              # an LR scheduler made before the wrap
         _count_steps(wrapped)

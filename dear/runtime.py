@@ -150,7 +150,7 @@ def shutdown() -> None:
     if _state.comm is None:
         return
     for opt in list(_state.optimizers):
-        opt._shutdown()
+        opt.dear_engine.shutdown()
     from .fusion.schedule import close_shared
     close_shared()
     if _state.reporter is not None:

@@ -38,7 +38,7 @@ ELEMENTWISE: tuple[type, ...] = (
 
 
 #: dear.KFAC with a sharded optimizer: said where dear.KFAC attaches (dear/kfac/overlap.py)
-#: and at the optimizer's extension point it would use (dear/deferred.py).
+#: and at the optimizer's extension point it would use (dear/extension.py).
 KFAC_REFUSED = (
     "dear.KFAC preconditions whole gradients, which a dear.DistributedOptimizer with "
     "shard_optimizer_state=True never holds (each rank updates only its slice of each "

@@ -205,7 +205,7 @@ class SparseGradients:
                 p.grad = g
             for g in groups:
                 g["params"] = [p for p in g["params"] if p in mine]
-            optimizer._inner_step(optimizer)
+            optimizer.dear_engine.inner_step(optimizer)
         finally:
             for g, original in zip(groups, originals):
                 g["params"] = original

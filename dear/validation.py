@@ -90,7 +90,7 @@ def _is_horovod_optimizer(optimizer: object) -> bool:
 
 def check_not_wrapped(optimizer: torch.optim.Optimizer) -> None:
     """dear over dear, or dear over hvd.DistributedOptimizer: refused with what to do."""
-    if any("_dear_setup" in klass.__dict__ for klass in type(optimizer).__mro__):
+    if "dear_engine" in getattr(optimizer, "__dict__", {}):
         raise TypeError(
             "this optimizer is already a dear.DistributedOptimizer; wrap the plain torch "
             "optimizer once and use the result (wrapping twice would average every gradient "

@@ -1,7 +1,7 @@
 """Writes dear cannot let through silently: a tensor it took, or will read, changed behind it.
 
 dear takes each gradient as backward produces it and applies each bucket's update in the next
-forward. A `.grad` edited after backward (step() refuses it, dear/deferred.py) or a parameter
+forward. A `.grad` edited after backward (step() refuses it, dear/engine/steps.py) or a parameter
 written between step() and the forward that applies its update (the update would land on the
 written values: under DDP the write comes after the update) would give another model than DDP.
 An in-place write moves autograd's version counter, but a write through `.data` does not, so
@@ -10,7 +10,7 @@ the contents are compared too, by `fingerprint`.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 import torch
 
@@ -97,26 +97,111 @@ def _differs(b: Fingerprint, a: Fingerprint) -> bool:
     return not _sums_alike(b, a) or any(not torch.equal(x, y) for x, y in zip(b, a))
 
 
+#: Fingerprints held on these kinds of device are compared there and their verdict read later
+#: (`Verdict`): a GPU's host must not wait for the device in a steady iteration. Tests add
+#: "cpu" to run that path on CPU tensors.
+DEFERRED_DEVICES: set[str] = {"cuda"}
+
+
+def _device_of(prints: Sequence[Fingerprint]) -> Optional[torch.device]:
+    for f in prints:
+        if isinstance(f, tuple) and f and f[0].device.type in DEFERRED_DEVICES:
+            return f[0].device
+    return None
+
+
+class Verdict:
+    """Which of two lists of fingerprints differ. Integers and host tensors are compared now;
+    fingerprints on a deferred device (a GPU) are compared there, and the answer comes back
+    through a pinned copy and an event, read once the device has got there (`ready`): checking
+    never makes the host wait for the device."""
+
+    def __init__(self, before: Sequence[Fingerprint], after: Sequence[Fingerprint]) -> None:
+        self._first: Optional[int] = None
+        self._answer: Optional[tuple[torch.Tensor, Any]] = None
+        device = _device_of(before) or _device_of(after)
+        if device is None:
+            self._first = first_changed(before, after)
+            return
+        host = [k for k, (b, a) in enumerate(zip(before, after)) if not _on(b, a, device)]
+        self._first = next((k for k in host if _differs(before[k], after[k])), None)
+        if self._first is not None:
+            return
+        device_items = [k for k in range(len(before)) if k not in set(host)]
+        flags = torch.zeros(len(before), dtype=torch.int32, device=device)
+        groups: dict[torch.dtype, tuple[list[torch.Tensor], list[torch.Tensor], list[int]]] = {}
+        for k in device_items:
+            for x, y in zip(before[k], after[k]):      # type: ignore[arg-type]
+                xs, ys, owners = groups.setdefault(x.dtype, ([], [], []))
+                xs.append(x.reshape(()))
+                ys.append(y.reshape(()))
+                owners.append(k)
+        pinned = device.type == "cuda"        # host memory the device copies from / to async
+        for xs, ys, owners in groups.values():
+            owner = torch.tensor(owners, dtype=torch.int64)
+            owner = (owner.pin_memory() if pinned else owner).to(device, non_blocking=pinned)
+            flags.index_add_(0, owner, torch.stack(xs).ne(torch.stack(ys)).to(torch.int32))
+        index = torch.arange(len(before), device=device)
+        first = torch.where(flags > 0, index, len(before)).min()
+        out = torch.empty((), dtype=torch.int64, pin_memory=pinned)
+        out.copy_(first, non_blocking=pinned)
+        event = None
+        if pinned:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(device))
+        self._answer = (out, event)
+        self._size = len(before)
+
+    @property
+    def on_device(self) -> bool:
+        """The answer is being computed on the device (not known yet on the host)."""
+        return self._answer is not None
+
+    @property
+    def ready(self) -> bool:
+        """The answer can be read without waiting."""
+        return self._answer is None or self._answer[1] is None or self._answer[1].query()
+
+    def first(self) -> Optional[int]:
+        """An index whose fingerprints differ, or None (waits for the device if not ready)."""
+        if self._answer is not None:
+            out, event = self._answer
+            if event is not None:
+                event.synchronize()
+            k = int(out.numpy())           # a host tensor: no dispatcher read
+            self._first = None if k >= self._size else k
+            self._answer = None
+        return self._first
+
+
+def _on(b: Fingerprint, a: Fingerprint, device: torch.device) -> bool:
+    """Both fingerprints are tensors on `device`."""
+    return (isinstance(b, tuple) and isinstance(a, tuple) and len(b) == len(a)
+            and all(x.device == device and y.device == device and x.dtype == y.dtype
+                    for x, y in zip(b, a)))
+
+
 class PendingWrites:
     """The parameters of each bucket as step() left them, checked when its update runs.
 
     A write moving the version counter is refused right there, before the update (no host
     sync: the counters are integers). A write through `.data` shows only in the contents: their
-    fingerprints are taken at step() and before the update, and compared at the next check
-    (`written_since_step`, called by the next step()), where a GPU syncs anyway: that error
-    comes one iteration late, after the update landed on the written values."""
+    fingerprints are taken at step() and before the update, compared there (on a GPU, on the
+    device: `Verdict`) and the answer read at the next step() (`written_since_step`): that
+    error comes one iteration late, after the update landed on the written values."""
 
     def __init__(self) -> None:
-        self._at_step: dict[int, tuple[list[int], list[Fingerprint]]] = {}
-        self._applied: list[tuple[Sequence[torch.nn.Parameter], list[Fingerprint],
-                                  list[Fingerprint]]] = []
+        self._at_step: dict[int, tuple[list[int], Optional[list[Fingerprint]]]] = {}
+        self._applied: list[tuple[Sequence[torch.nn.Parameter], Verdict]] = []
 
     def note_step(self, key: int, params: Sequence[torch.nn.Parameter],
-                  prints: Optional[list[Fingerprint]] = None) -> None:
+                  prints: Optional[list[Fingerprint]] = None, contents: bool = True) -> None:
         """step() started the all-gathers of this bucket's update (`prints`: the parameters'
-        fingerprints, where this step() already took them)."""
-        self._at_step[key] = ([p._version for p in params],
-                              prints if prints is not None else fingerprints(params))
+        fingerprints, where this step() already took them). Without `contents` only the
+        version counters are noted (an iteration that compares no contents: checks.py)."""
+        if contents and prints is None:
+            prints = fingerprints(params)
+        self._at_step[key] = ([p._version for p in params], prints)
 
     def before_update(self, key: int, params: Sequence[torch.nn.Parameter]) -> Optional[int]:
         """The update of bucket `key` is about to run: the index of a parameter written in
@@ -128,20 +213,24 @@ class PendingWrites:
         for j, (p, version) in enumerate(zip(params, versions)):
             if p._version != version:
                 return j
-        self._applied.append((params, before, fingerprints(params)))
+        if before is not None:
+            self._applied.append((params, Verdict(before, fingerprints(params))))
         return None
 
-    def written_since_step(self) -> Optional[torch.nn.Parameter]:
+    def written_since_step(self, wait: bool = False) -> Optional[torch.nn.Parameter]:
         """A parameter whose contents changed between a step() and its update (through
-        `.data`), since the last call, or None."""
-        applied, self._applied = self._applied, []
-        before = [f for _, b, _ in applied for f in b]
-        after = [f for _, _, a in applied for f in a]
-        k = first_changed(before, after)
-        if k is None:
-            return None
-        params = [p for ps, _, _ in applied for p in ps]
-        return params[k]
+        `.data`), among the updates whose verdict is in (`wait`: all of them), or None."""
+        kept = []
+        found = None
+        for params, verdict in self._applied:
+            if not (wait or verdict.ready):
+                kept.append((params, verdict))      # the device has not got there yet
+                continue
+            k = verdict.first()
+            if k is not None and found is None:
+                found = params[k]
+        self._applied = kept
+        return found
 
     def forget(self) -> None:
         self._at_step = {}

@@ -37,8 +37,8 @@ def _injected_loss(model: torch.nn.Module, loss: torch.Tensor, step: int) -> tor
 
 def _shard_owner(opt: torch.optim.Optimizer, name: str, element: int) -> int:
     """Which rank's shard holds this gradient element after the reduce-scatter."""
-    i = opt._names.index(name)                             # type: ignore[attr-defined]
-    bucket, j = opt._where[i]                              # type: ignore[attr-defined]
+    i = opt.dear_engine.names.index(name)                             # type: ignore[attr-defined]
+    bucket, j = opt.dear_engine.where[i]                              # type: ignore[attr-defined]
     return (bucket.spec.offsets[j] + element) // bucket.spec.shard_numel
 
 
@@ -135,7 +135,7 @@ def low_precision(mode: str) -> dict:
             out = net(x)
         F.mse_loss(out.float(), y).backward()
         opt.step()
-    buckets = [[(b.spec.dtype, p.dtype) for p in b.params] for b in opt._buckets] \
+    buckets = [[(b.spec.dtype, p.dtype) for p in b.params] for b in opt.dear_engine.buckets] \
         if method == "dear" else []
     return {"params": state_of(model), "buckets": buckets}
 

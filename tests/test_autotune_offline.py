@@ -146,21 +146,21 @@ def _hooks(model: torch.nn.Module, opt: torch.optim.Optimizer) -> int:
 def _train(autotune: object, out_dir: str, world: int, steps: int = STEPS,
            extra: Optional[dict] = None) -> dict:
     def observe(model: torch.nn.Module, opt: object) -> tuple:
-        return (opt._layout.signature(), _hooks(model, opt),  # type: ignore[attr-defined]
+        return (opt.dear_engine.layout.signature(), _hooks(model, opt),  # type: ignore[attr-defined]
                 type(opt.dear_communicator).__name__ == "TracingCommunicator"  # type: ignore
-                or bool(opt._update_observers))  # type: ignore[attr-defined]
+                or bool(opt.dear_engine.update_observers))  # type: ignore[attr-defined]
     model, opt, seen = train_autotuned(
         autotune, out_dir, world, steps,
         dict(DEAR_AUTOTUNE_WINDOW="2", DEAR_AUTOTUNE_SETTLE="1",
              DEAR_AUTOTUNE_SIMULATED_TRIALS="8", DEAR_AUTOTUNE_CONFIRM="2", **(extra or {})),
         observe)
     layouts, hooks, traced = (list(column) for column in zip(*seen))
-    tuner = opt._autotuner
+    tuner = opt.dear_engine.autotuner
     out = {"params": {k: v.clone() for k, v in model.state_dict().items()},
            "layouts": layouts, "hooks": hooks, "traced": traced,
            "plan": getattr(tuner, "plan", None), "finished": getattr(tuner, "finished", None),
            "current": getattr(tuner, "current", None),
-           "iterations": getattr(tuner, "iterations", None), "fusion": opt._fusion,
+           "iterations": getattr(tuner, "iterations", None), "fusion": opt.dear_engine.fusion,
            "fingerprint": fusion_config.model_fingerprint(list(model.named_parameters()))}
     dear.shutdown()
     return out
@@ -250,7 +250,7 @@ def test_shutdown_inside_the_traced_window_detaches_the_tracer(tmp_path, monkeyp
         hooks.append(_hooks(model, opt))
     assert hooks[2] > hooks[0], "the tracer should be attached inside its window"
     dear.shutdown()
-    assert _hooks(model, opt) == hooks[0] and opt._autotuner.finished
+    assert _hooks(model, opt) == hooks[0] and opt.dear_engine.autotuner.finished
     assert not (tmp_path / "fusion.json").exists()
 
 

@@ -63,11 +63,11 @@ def _train(mode: str) -> dict:
         F.mse_loss(net(x), y).backward()
         opt.step()
         if mode != "ddp":
-            in_flight.append(sum(b.stage is Stage.GATHERING for b in opt._buckets))
+            in_flight.append(sum(b.stage is Stage.GATHERING for b in opt.dear_engine.buckets))
     if mode != "ddp":
         opt.flush_updates()
     return {"params": state_of(model), "in_flight": in_flight,
-            "buckets": 0 if mode == "ddp" else len(opt._buckets), "graphs": graphs[0],
+            "buckets": 0 if mode == "ddp" else len(opt.dear_engine.buckets), "graphs": graphs[0],
             "breaks": sum(counters["graph_break"].values())}
 
 

@@ -42,7 +42,7 @@ def _run() -> dict:
     planned_steps = []
     for step in range(STEPS):
         step_now[0] = step
-        if opt._schedule.plan is not None:
+        if opt.dear_engine.schedule.plan is not None:
             planned_steps.append(step)
         opt.zero_grad()
         x, y = batch(step, world, rank)

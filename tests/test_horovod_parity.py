@@ -35,18 +35,18 @@ def test_seventh_positional_argument_is_num_groups(local_dear) -> None:
     with pytest.warns(DeprecationWarning, match="num_groups"):
         opt = dear.DistributedOptimizer(sgd, model.named_parameters(), dear.Compression.none, 1,
                                         dear.Average, 1.0, 2)
-    assert opt._groups == 2                    # as Horovod: num_groups becomes groups
+    assert opt.dear_engine.groups == 2                    # as Horovod: num_groups becomes groups
     x, y = batch(0, 1, 0)
     F.mse_loss(model(x), y).backward()
     opt.step()
-    assert len(opt._buckets) == 2
+    assert len(opt.dear_engine.buckets) == 2
     # The 8th positional argument is groups, the 9th sparse_as_dense (Horovod's order).
     model = make_net()
     lists = [[model.fc1.weight, model.fc1.bias]]
     opt = dear.DistributedOptimizer(OPTIMIZERS["sgd"](model.parameters()),
                                     model.named_parameters(), dear.Compression.none, 1,
                                     dear.Average, 1.0, 0, lists, True)
-    assert opt._groups == [[2, 3]] and opt._sparse_as_dense is True
+    assert opt.dear_engine.groups == [[2, 3]] and opt.dear_engine.sparse_as_dense is True
 
 
 def test_process_set_global_is_accepted_unregistered_refused(local_dear) -> None:

@@ -317,8 +317,9 @@ def test_kfac_joining_dear_training_late_replans_and_matches_horovods_loop():
                         opt.step()
             opt.flush_updates()
             conv = model.conv1
-            together = opt._where[opt._index[conv.weight]][0] is opt._where[
-                opt._index[conv.bias]][0]
+            engine = opt.dear_engine
+            together = engine.where[engine.index[conv.weight]][0] is engine.where[
+                engine.index[conv.bias]][0]
             return W.params_of(model), precond.overlapped_steps, together
         finally:
             dear.shutdown()

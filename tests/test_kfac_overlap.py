@@ -44,13 +44,14 @@ def _train(cases: list, native: bool) -> list:
             W.loss_fn(model(x), y).backward()
             precond.step()
             opt.step()
-            pending.append(opt._num_pending)
+            pending.append(opt.dear_engine.pending.count)
             if every_step:
                 opt.flush_updates()
                 params.append(W.params_of(model))
         opt.flush_updates()
         params.append(W.params_of(model))
-        ties = all(opt._where[opt._index[m.weight]][0] is opt._where[opt._index[m.bias]][0]
+        where, index = opt.dear_engine.where, opt.dear_engine.index
+        ties = all(where[index[m.weight]][0] is where[index[m.bias]][0]
                    for m in model.modules() if getattr(m, "bias", None) is not None
                    and hasattr(m, "weight"))
         out.append((params, pending, precond.overlapped_steps, ties))

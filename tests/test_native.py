@@ -297,7 +297,7 @@ opt = dear.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), mod
 model(torch.ones(3, 4)).sum().backward()
 opt.step()
 opt.synchronize()
-assert opt._buckets[0]._ready is None
+assert opt.dear_engine.buckets[0]._ready is None
 dear.shutdown()
 print("fallback ok")
 """

@@ -46,10 +46,11 @@ def train(opt_name: str, label: str, kwargs: dict) -> tuple[dict, bool, int]:
         x, y = batch(step, world, rank)
         out = model(x, branch_used(step, rank)) if label == "branch" else model(x)
         F.mse_loss(out, y).backward()
-        cxx_steps += bool(opt._hook_switch is not None and opt._hook_switch.any)
+        switch = opt.dear_engine.hooks.switch
+        cxx_steps += bool(switch is not None and switch.any)
         opt.step()
     state = state_of(model)                  # state_dict applies the pending update
-    return state, opt._buckets[0]._ready is not None, cxx_steps
+    return state, opt.dear_engine.buckets[0]._ready is not None, cxx_steps
 
 
 def both_paths() -> dict:

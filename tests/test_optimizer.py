@@ -30,7 +30,7 @@ def train_dear(opt: str, threshold: int, steps: int = STEPS, **kwargs) -> tuple[
         x, y = batch(step, world, rank)
         F.mse_loss(model(x), y).backward()
         optimizer.step()
-    return state_of(model), len(optimizer._buckets)
+    return state_of(model), len(optimizer.dear_engine.buckets)
 
 
 def train_ddp(opt: str, steps: int = STEPS) -> dict:

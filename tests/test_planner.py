@@ -112,13 +112,14 @@ def test_default_threshold_keeps_about_eight_buckets_on_a_small_model(monkeypatc
     try:
         sgd = lambda: torch.optim.SGD(model.parameters(), lr=0.1)  # noqa: E731
         opt = dear.DistributedOptimizer(sgd(), model=model)
-        assert opt._fusion.rs_threshold == 2 * MB            # 16 MB of gradient / 8
+        assert opt.dear_engine.fusion.rs_threshold == 2 * MB            # 16 MB of gradient / 8
         assert dear.DistributedOptimizer(sgd(), model=model, fusion_threshold=5 * MB
-                                         )._fusion.rs_threshold == 5 * MB
+                                         ).dear_engine.fusion.rs_threshold == 5 * MB
         dear.shutdown()
         monkeypatch.setenv("DEAR_FUSION_THRESHOLD", "3MB")
         dear.init()
-        assert dear.DistributedOptimizer(sgd(), model=model)._fusion.rs_threshold == 3 * MB
+        opt = dear.DistributedOptimizer(sgd(), model=model)
+        assert opt.dear_engine.fusion.rs_threshold == 3 * MB
     finally:
         dear.shutdown()
 

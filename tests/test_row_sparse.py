@@ -94,9 +94,9 @@ def _train(skip: bool, clip: float, row_sparse: object) -> dict:
         touched.append({int(i) for r in range(world) if uses_table(step, r, skip)
                         for i in ids_of(step, r).unique()})
     opt.flush_updates()
-    table = [b for b in opt._buckets if getattr(b, "rows", None) is not None][0]
+    table = [b for b in opt.dear_engine.buckets if getattr(b, "rows", None) is not None][0]
     out = {"params": state_of(model), "sent": sent, "touched": [len(t) for t in touched],
-           "modelled": opt._schedule._reduce_bytes()[table.spec.index],
+           "modelled": opt.dear_engine.schedule._reduce_bytes()[table.spec.index],
            "rows": (table.rows, table.cols, table.buffer.element_size())}
     dear.shutdown()
     return out
@@ -235,7 +235,7 @@ def _train_big(steps: int, synchronized: bool = False) -> dict:
                 opt.step()
         else:
             opt.step()
-        sent.append([b.sent_rows for b in opt._buckets if getattr(b, "rows", None)])
+        sent.append([b.sent_rows for b in opt.dear_engine.buckets if getattr(b, "rows", None)])
     opt.flush_updates()
     out = {"params": state_of(model), "sent": sent, "grads": grads}
     dear.shutdown()
@@ -289,7 +289,7 @@ def _join_runs(batches: list[int]) -> dict:
                 _big_loss(net, step, rank).backward()
                 opt.step()
         if kind == "dear":
-            out["tables"] = sum(1 for b in opt._buckets if getattr(b, "rows", None))
+            out["tables"] = sum(1 for b in opt.dear_engine.buckets if getattr(b, "rows", None))
         out[kind] = state_of(model)
     dear.shutdown()
     return out

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 import dear
+from dear.engine.layout import relayout
 from dear.comm.base import Communicator, DoneWork, Work, WrappedCommunicator
 from dear.compression import Compression
 from dear.fusion.fusion_config import FusionConfig
@@ -240,24 +241,25 @@ def _planned_run(forced: bool, relayout_at: int, mode: str = "thread", device: s
     for step in range(STEPS):
         if step == relayout_at:                # what the autotuner does between steps
             opt.flush_updates()
-            opt._relayout(FusionConfig.single(512))
-        if forced and opt._buckets is not None and opt._schedule.plan is None:
-            opt._schedule.plan = Plan(after={
+            relayout(opt.dear_engine, FusionConfig.single(512))
+        if forced and opt.dear_engine.buckets is not None and opt.dear_engine.schedule.plan is None:
+            opt.dear_engine.schedule.plan = Plan(after={
                 b.spec.index: tuple((b.spec.index, s, n)
                                     for s, n in chunk_columns(b.spec.shard_numel, 3))
-                for b in opt._buckets if b.spec.index > 0})
+                for b in opt.dear_engine.buckets if b.spec.index > 0})
         opt.zero_grad()
         x, y = (t.to(device) for t in batch(step, world, rank))
         F.mse_loss(model(x, branch_used(step, rank)), y).backward()
         before = len(recorder.log)
         opt.step()
         chunks_in_backward += sum(1 for e in recorder.log[:before] if e[0] == "ag-chunk")
-        plans += opt._schedule.plan is not None
-        num_chunks.append(None if opt._schedule.plan is None else opt._schedule.plan.num_chunks)
+        plans += opt.dear_engine.schedule.plan is not None
+        plan = opt.dear_engine.schedule.plan
+        num_chunks.append(None if plan is None else plan.num_chunks)
     opt.flush_updates()
     params = {k: v.cpu() for k, v in state_of(model).items()}
     out = {"params": params, "log": list(recorder.log), "plans": plans, "num_chunks": num_chunks,
-           "chunks_in_backward": chunks_in_backward, "buckets": len(opt._buckets),
+           "chunks_in_backward": chunks_in_backward, "buckets": len(opt.dear_engine.buckets),
            "pieces": sum(1 for e in recorder.log if e[0] == "rs-piece")}
     dear.shutdown()
     return out
@@ -361,7 +363,8 @@ def _two_optimizers() -> dict:
             opt.step()
     for opt in opts:
         opt.flush_updates()
-    out = {"params": state_of(model), "plans": [o._schedule.plan is not None for o in opts]}
+    out = {"params": state_of(model),
+           "plans": [o.dear_engine.schedule.plan is not None for o in opts]}
     dear.shutdown()
     return out
 

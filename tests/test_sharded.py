@@ -48,11 +48,11 @@ def _groups(model: torch.nn.Module) -> list[dict[str, Any]]:
 def force_plan(opt: Any) -> None:
     """Until a measured plan exists: after every bucket's reduce-scatter, gather all of that
     bucket in 5-column chunks (with sharding: each bucket updated early, in backward)."""
-    if opt._buckets is not None and opt._schedule.plan is None:
-        opt._schedule.plan = Plan(after={
+    if opt.dear_engine.buckets is not None and opt.dear_engine.schedule.plan is None:
+        opt.dear_engine.schedule.plan = Plan(after={
             b.spec.index: tuple((b.spec.index, s, n)
                                 for s, n in chunk_columns(b.spec.shard_numel, 5))
-            for b in opt._buckets})
+            for b in opt.dear_engine.buckets})
 
 
 def _train(name: str, sharded: bool, schedule: str, steps: int = STEPS,
@@ -98,14 +98,15 @@ def bitwise_checks(names: list[str]) -> dict:
         plain, plain_state, _ = _train(name, False, "dear", branch=branch)
         planned, _, _ = _train(name, False, "planned", branch=branch)
         sharded, sharded_state, opt = _train(name, True, "planned", branch=branch)
+        held = opt.dear_engine.updates.state.state
         out[name] = {
             "params": _same(plain, sharded), "planned_params": _same(planned, sharded),
             "state": _same(plain_state, sharded_state),
-            "held": sum(v.numel() for s in opt._sharded.state.values() for v in s.values()
+            "held": sum(v.numel() for s in held.values() for v in s.values()
                         if isinstance(v, torch.Tensor) and v.dim() > 0),
             "whole": sum(v.numel() for s in plain_state["state"].values() for v in s.values()
                          if isinstance(v, torch.Tensor) and v.dim() > 0),
-            "scalars": sum(1 for s in opt._sharded.state.values() for v in s.values()
+            "scalars": sum(1 for s in held.values() for v in s.values()
                            if isinstance(v, torch.Tensor) and v.dim() == 0),
             "stats": opt.memory_stats(),
         }

@@ -1,8 +1,8 @@
 """shard_optimizer_state=True under the planned schedule: the chunks gathered in backward carry
 parameters, so each rank updates those buckets' shards early, on the collective thread (or, with
 CUDA tensors, on the chunks' side stream: the "stream" mode, run here on CPU tensors too), and
-step() keeps the early updates only if nothing they assumed changed (dear/deferred.py,
-_settle_early_updates). Every habit of a loop between backward and step() must give the bits of
+step() keeps the early updates only if nothing they assumed changed (dear/engine/updates.py,
+ShardedUpdates.settle). Every habit of a loop between backward and step() must give the bits of
 dear without sharding (itself checked against single-process training and DDP elsewhere),
 whether the early updates were kept or undone."""
 
@@ -56,7 +56,7 @@ def _run(opt_name: str, sharded: bool, habit: str, device: str = "cpu") -> dict:
               else None)
     counts = {"early": 0, "undone": 0}
     if sharded:
-        state = opt._sharded
+        state = opt.dear_engine.updates.state
         update_early, undo_early = state.update_early, state.undo_early
 
         def counted_update(*args: Any, **kwargs: Any) -> None:
@@ -106,8 +106,8 @@ def _run(opt_name: str, sharded: bool, habit: str, device: str = "cpu") -> dict:
             scaler.update()
         else:
             opt.step()
-    counts["buckets"] = len(opt._buckets)
-    counts["mode"] = opt._schedule.mode
+    counts["buckets"] = len(opt.dear_engine.buckets)
+    counts["mode"] = opt.dear_engine.schedule.mode
     return {"params": to_cpu(state_of(model)), "state": to_cpu(opt.state_dict()),
             "counts": counts, "saved": to_cpu(saved)}
 

@@ -85,7 +85,7 @@ def _train(kind: str, as_dense: bool, sync: bool) -> dict[str, torch.Tensor]:
         for o in opts:
             if sync:                           # Horovod's loop: averaged sparse .grad
                 o.synchronize()
-                if o._sparse is not None:
+                if o.dear_engine.sparse is not None:
                     assert model.emb.weight.grad.is_sparse
                 with o.skip_synchronize():
                     o.step()

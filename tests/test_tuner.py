@@ -185,7 +185,7 @@ def _train(autotune: bool, out_dir: str, world: int) -> dict:
     model, _, layouts = train_autotuned(
         autotune, out_dir, world, STEPS,
         dict(DEAR_AUTOTUNE_WINDOW="1", DEAR_AUTOTUNE_SETTLE="0", DEAR_AUTOTUNE_TRIALS="6"),
-        lambda model, opt: opt._layout.signature())
+        lambda model, opt: opt.dear_engine.layout.signature())
     params = {k: v.clone() for k, v in model.state_dict().items()}
     dear.shutdown()
     return {"params": params, "layouts": layouts}
@@ -220,7 +220,7 @@ def _reload(path: str) -> dict:
     x, y = batch(0, dear.size(), dear.rank())
     F.mse_loss(model(x), y).backward()
     opt.step()
-    out = {"fusion": opt._fusion, "tuning": opt._autotuner is not None}
+    out = {"fusion": opt.dear_engine.fusion, "tuning": opt.dear_engine.autotuner is not None}
     dear.shutdown()
     return out
 
@@ -269,13 +269,13 @@ def _train_planned(out_dir: str) -> dict:
         x, y = batch(step, world, rank)
         F.mse_loss(model(x), y).backward()
         opt.step()
-        plan = opt._schedule.plan
-        seen.append((opt._fusion, opt._schedule._chunk_bytes,
+        plan = opt.dear_engine.schedule.plan
+        seen.append((opt.dear_engine.fusion, opt.dear_engine.schedule._chunk_bytes,
                      None if plan is None else plan.num_chunks))
     opt.flush_updates()
     out = {"params": state_of(model), "seen": seen, "log": list(recorder.log),
-           "current": opt._autotuner.current, "finished": opt._autotuner.finished,
-           "default": opt._schedule.default_chunk_bytes}
+           "current": opt.autotuner.current, "finished": opt.autotuner.finished,
+           "default": opt.dear_engine.schedule.default_chunk_bytes}
     dear.shutdown()
     return out
 

@@ -38,11 +38,12 @@ def describe(model: Optional[torch.nn.Module], optimizer: Any,
              modules: list[tuple[str, torch.nn.Module]]) -> dict[str, Any]:
     """The trace's `dear` metadata besides the events: parameters, modules, buckets, schedule."""
     index = {id(p): i for i, (_, p) in enumerate(params)}
-    buckets = [[index.get(id(p), -1) for p in b.params]
-               for b in getattr(optimizer, "_buckets", None) or ()]
-    gather_groups = [[b.spec.index for b in g.buckets]
-                     for g in getattr(optimizer, "_gather_groups", None) or ()]
-    fusion = getattr(optimizer, "_fusion", None)
+    layout = getattr(optimizer, "dear_layout", None)
+    buckets = [[index.get(id(p), -1) for p in b.params] for b in layout.buckets] \
+        if layout is not None else []
+    gather_groups = [[b.spec.index for b in g.buckets] for g in layout.gather_groups] \
+        if layout is not None else []
+    fusion = getattr(optimizer, "dear_fusion", None)
     fusion = fusion if isinstance(fusion, FusionConfig) else None     # dear's layout
     table = [{"name": name or "<root>", "leaf": next(m.children(), None) is None,
               "params": [index[id(p)] for p in m.parameters(recurse=False) if id(p) in index]}

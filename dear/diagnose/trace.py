@@ -348,16 +348,17 @@ class Tracer:
         self._set_count(self._count + 1, end)
 
     def _bucket_of(self, tensor: torch.Tensor) -> Optional[int]:
-        buckets = getattr(self.optimizer, "_buckets", None)
-        if not buckets:
+        layout = getattr(self.optimizer, "dear_layout", None)
+        if layout is None or not layout.buckets:
             return None
+        buckets = layout.buckets
         key, table = self._bucket_map
         if key is not buckets:
             table = {}
             for b in buckets:
                 for t in (b.wire, b.wire_shard):
                     table[t.data_ptr()] = b.spec.index
-            for g in getattr(self.optimizer, "_gather_groups", ()):  # fused all-gathers:
+            for g in layout.gather_groups:                       # fused all-gathers:
                 send = getattr(g, "_send", None)                     # named by first bucket
                 if send is not None:
                     table[send.data_ptr()] = g.buckets[0].spec.index

@@ -119,7 +119,7 @@ def _initialize_state(optimizer: torch.optim.Optimizer, model: Optional[torch.nn
                 if isinstance(optimizer, torch.optim.SparseAdam) or \
                         (isinstance(optimizer, torch.optim.SGD) and id(p) in sparse):
                     p.grad = p.grad.to_sparse()
-    from ..deferred import _DistributedOptimizer
+    from ..engine.wrapper import _DistributedOptimizer
     if isinstance(optimizer, _DistributedOptimizer):
         super(_DistributedOptimizer, optimizer).step()   # the wrapped class's own step
     else:

@@ -1,0 +1,226 @@
+"""The engine's layout: built at the first step() from rank 0's forward order, rebuilt when the
+autotuner or dear.KFAC asks, and when the trained parameters change (add_param_group,
+requires_grad flipped), whose step then runs synchronously (`step_with_new_parameters`)."""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+
+from .. import amp, model_guard
+from ..fusion.fusion_config import FusionConfig
+from ..fusion.layout import build_layout
+from ..fusion.rows import resolve_row_sparse
+from ..fusion.views import GradientViews
+from ..stream import parameter_digest
+from .engine import _VIEW
+from .state import Iteration
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+log = logging.getLogger("dear")
+
+
+def build_buckets(engine: "Engine") -> None:
+    """The first step(): the layout from the order the first forward showed (rank 0's)."""
+    order = engine.forward_order if engine.overlap else list(reversed(engine.grad_order))
+    order = list(dict.fromkeys(order))
+    seen = set(order)
+    unseen = [i for i in range(len(engine.params)) if i not in seen]
+    # Parameters no module claimed in the forward (used directly by a parent, e.g. BERT's
+    # token_type.weight[0]) are applied before the root's forward: put them in bucket 0,
+    # which is reduced last anyway. At the end they would be in the first bucket to
+    # reduce, and since their gradient can come last, no reduce-scatter could start
+    # before backward ends.
+    order = unseen + order if engine.overlap else order + unseen
+    # A step before any forward (e.g. Horovod's broadcast_optimizer_state initialising the
+    # state) has no execution order yet: it runs synchronously on a throwaway plan.
+    provisional = engine.overlap and not engine.forward_order
+    # Ranks may have run different branches: everyone adopts rank 0's decision.
+    order, engine.provisional = engine.comm.broadcast_object((order, provisional), 0)
+    engine.order = order
+    relayout(engine, engine.fusion)
+    for i, p in enumerate(engine.params):
+        if engine.iteration.passes[i] > 0 or p.grad is not None:
+            bucket, j = engine.where[i]
+            bucket.pack(j, p.grad)
+
+
+def relayout(engine: "Engine", fusion: FusionConfig) -> None:
+    """(Re)build buckets and all-gather groups from rank 0's order; nothing may be in flight.
+    Deterministic given the order, so every rank builds the same layout."""
+    explicit = engine.groups
+    order = engine.order
+    if isinstance(explicit, int):          # Horovod: N groups of consecutive parameters
+        size = -(-len(order) // explicit)
+        explicit = [order[k:k + size] for k in range(0, len(order), size)]
+    engine.updates.unshard(engine)         # the state follows the new shards (absorb)
+    row_sparse = engine.row_sparse if engine.transform is None else ()  # K-FAC rotates rows
+    layout = build_layout(engine.params, order, fusion, engine.comm.size, explicit,
+                          engine.compression, engine.sparse_as_dense, engine.ties,
+                          row_sparse, engine.comm.rank, views=engine.views is not None)
+    engine.fusion = fusion
+    engine.layout = layout
+    engine.buckets, engine.where = layout.buckets, layout.where
+    engine.pending.writes.forget()         # keyed by bucket: nothing is pending now
+    engine.gather_groups = layout.gather_groups
+    engine.layout_steps = 0                # the checks compare contents again for a while
+    engine.iteration.check_contents = True
+    views = engine.views
+    if views is not None:                  # .grad moves into the new buffers
+        views.attach(layout.buckets)
+        for i in engine.iteration.taken:   # taken before the buckets existed
+            p = engine.params[i]
+            if views.owns(p) and p.grad is not None:
+                engine.iteration.taken[i] = (weakref.ref(p.grad), _VIEW)
+                engine.iteration.fingerprints.pop(i, None)   # dear writes the buffer
+                bucket = engine.where[i][0]
+                bucket.taken_version = bucket.user_version()
+    engine.triggers = {}
+    engine.schedule.reset(layout.buckets, fusion.chunk_bytes)   # re-planned with its chunks
+    engine.updates.layout(layout.buckets)
+    if engine.model is not None:
+        map_triggers(engine, engine.model)
+    engine.bind_hooks()
+    log.info("dear: %s (%s)", layout.describe(), fusion.describe())
+
+
+def discard_provisional_plan(engine: "Engine") -> None:
+    if engine.provisional:
+        engine.updates.unshard(engine)
+        engine.updates.clear()
+        engine.buckets, engine.where, engine.triggers = None, [], {}
+        engine.gather_groups = []
+        engine.grad_order = []
+        engine.bind_hooks()
+
+
+def map_triggers(engine: "Engine", model: torch.nn.Module) -> None:
+    """Each module applies the pending buckets holding its parameters; parameters whose
+    module never ran (used directly by a parent) are applied before the root's forward."""
+    assert engine.buckets is not None
+    for module in model.modules():
+        mine = [engine.where[engine.index[p]][0] for p in module.parameters(recurse=False)
+                if p in engine.index]
+        if mine:
+            engine.triggers[module] = list(dict.fromkeys(mine))
+    unseen = [engine.where[i][0] for i in range(len(engine.params))
+              if i not in engine.forward_seen]
+    if unseen:
+        engine.triggers[model] = list(dict.fromkeys(engine.triggers.get(model, []) + unseen))
+
+
+# ------------------------------------------------------------ a parameter set that may change
+def trainable(engine: "Engine") -> list[torch.nn.Parameter]:
+    """What the optimizer trains now: its parameters with requires_grad, sparse ones aside."""
+    return [p for g in engine.opt.param_groups for p in g["params"]
+            if p.requires_grad and id(p) not in engine.sparse_ids]
+
+
+def trainable_named(engine: "Engine") -> list[tuple[str, torch.nn.Parameter]]:
+    if engine.model is not None and any(p not in engine.name_of for p in trainable(engine)):
+        with model_guard.quiet():
+            for n, p in engine.model.named_parameters():
+                engine.name_of.setdefault(p, n)
+    return [(engine.name_of.get(p) or f"group{k}.param{j}", p)
+            for k, g in enumerate(engine.opt.param_groups) for j, p in enumerate(g["params"])
+            if p.requires_grad and id(p) not in engine.sparse_ids]
+
+
+def trainable_digest(engine: "Engine") -> int:
+    """The stream check's digest of the trained parameters (recomputed when they change)."""
+    key = tuple(id(p) for p in trainable(engine))
+    if key != engine.param_key:
+        engine.param_key = key
+        engine.param_digest = parameter_digest(trainable_named(engine))
+    return engine.param_digest
+
+
+def parameter_set_changed(engine: "Engine") -> bool:
+    params = engine.params
+    now = trainable(engine)
+    return len(now) != len(params) or any(a is not b for a, b in zip(now, params))
+
+
+def step_with_new_parameters(engine: "Engine", grad_scaler: Optional[Any]) -> None:
+    """add_param_group, or requires_grad flipped (gradual unfreezing, freezing): this step
+    runs synchronously, the layout's buckets averaging what they hold, one all-reduce the
+    gradients of parameters outside the layout, the wrapped optimizer updating everything
+    now (as single-process training); the layout is rebuilt for the next iteration, its
+    order learnt again in the next forward. The stream check inside makes sure every rank
+    changed the same way."""
+    if engine.groups is not None or engine.transform is not None \
+            or engine.autotuner is not None:
+        what = ("groups=" if engine.groups is not None else
+                "dear.KFAC" if engine.transform is not None else "autotune")
+        raise RuntimeError(
+            "dear: the optimizer's trained parameters changed (add_param_group or "
+            f"requires_grad), which {what} does not support: freeze nothing after the "
+            "wrap, or wrap again with the final parameter set")
+    from .steps import synchronize_now
+    synchronize_now(engine)               # checks every rank's new parameter set
+    engine.iteration.synchronized = False
+    engine.updates.unshard(engine)
+    average_outside_layout(engine, [p for p in trainable(engine) if p not in engine.index])
+    if grad_scaler is None or not amp.unscale_averaged_grads(grad_scaler, engine.opt):
+        engine.inner_step(engine.opt)
+    adopt_parameter_set(engine)
+
+
+def average_outside_layout(engine: "Engine", params: list[torch.nn.Parameter]) -> None:
+    """Average the gradients of parameters the layout does not hold (one all-reduce per
+    dtype); a parameter no rank produced a gradient for keeps None."""
+    comm = engine.comm
+    by_kind: dict[tuple[torch.dtype, torch.device], list[torch.nn.Parameter]] = {}
+    for p in params:
+        if p.grad is not None and p.grad.is_sparse:
+            raise RuntimeError("dear: a sparse gradient on a parameter added after the "
+                               "wrap; wrap with every sparse parameter from the start")
+        by_kind.setdefault((p.dtype, p.device), []).append(p)
+    for (dtype, device), group in by_kind.items():
+        comm.check_dtype(dtype)
+        numel = sum(p.numel() for p in group)
+        flat = torch.zeros(numel + len(group), dtype=dtype, device=device)
+        offset = 0
+        for k, p in enumerate(group):
+            if p.grad is not None:
+                flat[offset:offset + p.numel()].copy_(p.grad.reshape(-1))
+                flat[numel + k] = 1
+            offset += p.numel()
+        flat[:numel].mul_(engine.prescale)
+        if comm.size > 1:
+            comm.all_reduce(flat).wait()
+        flat[:numel].mul_(engine.postscale)
+        offset = 0
+        for k, p in enumerate(group):
+            if flat[numel + k].item() > 0:
+                p.grad = flat[offset:offset + p.numel()].view_as(p).clone()
+            offset += p.numel()
+
+
+def adopt_parameter_set(engine: "Engine") -> None:
+    """Hooks, names and indices for the parameters trained now; buckets built at the next
+    step() from the order the next forward shows."""
+    named = trainable_named(engine)
+    engine.hooks.remove()
+    engine.names = [n for n, _ in named]
+    engine.params = [p for _, p in named]
+    engine.index = {p: i for i, p in enumerate(engine.params)}
+    engine.iteration = Iteration.start(len(engine.params))
+    engine.buckets, engine.where, engine.gather_groups, engine.triggers = None, [], [], {}
+    engine.order, engine.forward_order, engine.grad_order = [], [], []
+    engine.forward_seen = set()
+    if engine.views is not None:
+        engine.views = GradientViews()
+    engine.row_sparse = resolve_row_sparse(engine.row_sparse_setting, named, engine.model,
+                                           explicit=engine.row_sparse_explicit)
+    engine.param_key = tuple(id(p) for p in engine.params)
+    engine.param_digest = parameter_digest(named)
+    engine.hooks.register(engine)
+    engine.bind_hooks()
+    log.info("dear: the trained parameters changed (%d now); the layout is rebuilt at the "
+             "next step", len(engine.params))

@@ -1,0 +1,265 @@
+"""step() and synchronize(): which path an iteration's end takes, and the checks before it.
+
+The ordinary step() is `refuse_edited_grads` -> `engine.reduce` -> `engine.gather`. The other
+paths: a step() with no backward before it (Horovod's broadcast_optimizer_state), a step that
+finds the trained parameters changed (dear/engine/layout.py), Horovod's
+synchronize()/skip_synchronize() loop, and a step a GradScaler skips (dear/reduced.py).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+
+from .. import amp, reduced
+from ..comm import flight
+from ..fusion.bucket import Stage
+from ..written import Fingerprint, Verdict, fingerprints
+from . import checks, layout
+from .engine import _VIEW, scope
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+
+def step(engine: "Engine", closure: Optional[Callable[[], float]] = None,
+         grad_scaler: Optional[Any] = None) -> None:
+    """Finish averaging and start the all-gathers; the update lands in the next forward."""
+    if closure is not None:
+        raise ValueError("dear.DistributedOptimizer.step() does not take a closure: the "
+                         "update is applied later, in the next forward pass")
+    flight.mark("step", engine.step_number)
+    for listener in engine.step_listeners:     # dear.KFAC learns the loss scale (amp.py)
+        listener(grad_scaler)
+    amp.check_contract(engine.opt, grad_scaler)
+    it = engine.iteration
+    if not it.synchronized and engine.had_gradients:
+        if grad_scaler is not None and amp.unscaled_by_user(grad_scaler, engine.opt):
+            engine.abandon_iteration()
+            raise RuntimeError(
+                "scaler.unscale_(optimizer) does not work with dear.DistributedOptimizer: "
+                "dear took the local gradients during backward, so unscale_ changes nothing "
+                "that is reduced and the step would be unscaled twice. Drop "
+                "scaler.unscale_(optimizer); to clip, call optimizer.clip_grad_norm_("
+                "max_norm, grad_scaler=scaler) instead, or use Horovod's pattern: "
+                "optimizer.synchronize(); scaler.unscale_(optimizer); <clip>; with "
+                "optimizer.skip_synchronize(): scaler.step(optimizer)")
+        refuse_edited_grads(engine)
+    elif not it.synchronized and _zero_grads_only(engine):
+        # Horovod's broadcast_optimizer_state: on ranks whose state is empty it sets every
+        # .grad to zeros and calls step() (rank 0 does not). Averaging zeros gives zeros, so
+        # the wrapped optimizer's own step is the same update, with no collective to hang.
+        engine.flush()
+        engine.updates.check_step_without_backward()
+        engine.inner_step(engine.opt)
+        return
+    if not it.synchronized and layout.parameter_set_changed(engine):
+        layout.step_with_new_parameters(engine, grad_scaler)
+        return
+    if it.synchronized:                        # Horovod loop: .grad already holds the average
+        if not engine.skip_sync and not it.preconditioner_synced:
+            # Horovod's wording first: scripts filter this warning by its message.
+            warnings.warn("optimizer.step() called without optimizer.skip_synchronize() "
+                          "context after optimizer.synchronize(): the gradients are "
+                          "already averaged and are applied as they are")
+        engine.end_iteration()                 # its synchronize() flags with it
+        engine.updates.unshard(engine)         # the step reads whole tensors (every rank)
+        if grad_scaler is None or not amp.unscale_averaged_grads(grad_scaler, engine.opt):
+            engine.inner_step(engine.opt)
+        if engine.relayout_wanted:             # nothing is in flight after a synchronized step
+            engine.relayout_wanted = False
+            layout.relayout(engine, engine.fusion)
+        return
+    if engine.skip_sync:
+        raise RuntimeError("step() inside skip_synchronize() needs optimizer.synchronize() "
+                           "after backward, as in Horovod")
+    communicate(engine, grad_scaler)
+    if engine.sparse is not None:              # their update is applied now (dear/sparse.py)
+        engine.stream.settle()
+        engine.sparse.apply(engine.opt, grad_scaler)
+    if not engine.overlap or engine.provisional:
+        engine.flush()
+    layout.discard_provisional_plan(engine)
+    if engine.autotuner is not None and engine.buckets is not None:
+        switch = engine.autotuner.on_step()
+        if switch is not None:                 # same step() on every rank
+            engine.flush()                     # no bucket may be in flight while re-planned
+            layout.relayout(engine, switch)
+
+
+def communicate(engine: "Engine", grad_scaler: Optional[Any] = None,
+                gradients: bool = False) -> None:
+    """Finish averaging, run GradScaler's check on the reduced shards, and start the
+    all-gathers in forward order; a step the scaler skips gathers nothing, on every rank.
+    With shard_optimizer_state each rank first updates its shards, and the all-gathers
+    carry parameters (`gradients`: the averaged gradients all the same, synchronize())."""
+    engine.reduce(at_step=not gradients)
+    engine.updates.settle(engine, grad_scaler, gradients)
+    if engine.buffer_sync is not None:         # dear/buffers.py: DDP's broadcast_buffers
+        engine.buffer_sync()
+    if engine.sparse is not None:              # dear/sparse.py: Embedding(sparse=True) weights
+        engine.sparse.reduce(engine.prescale, engine.postscale)
+    skip = grad_scaler is not None and reduced.amp_skips(engine, grad_scaler)
+    engine.gather(skip=skip, gradients=gradients)
+
+
+def _zero_grads_only(engine: "Engine") -> bool:
+    """Every .grad is None or all zeros (no backward ran since the last step())."""
+    return all(p.grad is None or (not p.grad.is_sparse and not p.grad.any())
+               for p in engine.params)
+
+
+# ------------------------------------------------------------------ the .grad edit check
+def refuse_edited_grads(engine: "Engine") -> None:
+    """Refuse, the same way in every iteration, an edit of .grad made after backward handed
+    it to dear: the reduce-scatter already took the old values. A parameter written through
+    .data before the last update ran shows here too (its contents are compared now)."""
+    with scope("dear::check"):
+        written = engine.pending.writes.written_since_step()
+        if written is not None:
+            engine.abandon_iteration()
+            raise checks.written_error(
+                engine.names[engine.index[written]], "through .data (seen now: the update of "
+                "the last step landed on the written values; this step was dropped on this "
+                "rank)")
+        late = _late_edit(engine)
+        if late is not None:
+            engine.abandon_iteration()
+            raise checks.late_grad_error(engine.names[late])
+        i = edited_parameter(engine)
+    if i is None:
+        return
+    engine.abandon_iteration()
+    p = engine.params[i]
+    raise checks.edited_grad_error(engine.names[i], p,
+                                   engine.views is not None and engine.views.owns(p))
+
+
+def edited_parameter(engine: "Engine") -> Optional[int]:
+    """A parameter whose .grad changed since dear took it this iteration, or None."""
+    for i, (ref, version) in engine.iteration.taken.items():
+        grad = engine.params[i].grad
+        if ref is None:
+            if grad is not None:
+                return i
+        elif grad is None or (version != _VIEW and grad._version != version) \
+                or grad is not ref():
+            return i
+    by_contents = _edited_contents(engine)
+    if by_contents is not None:
+        return by_contents
+    if engine.views is not None and engine.buckets is not None:
+        edited = engine.views.edited(engine.buckets)
+        if edited is not None:
+            return edited
+    on_device: dict[int, Fingerprint] = {}     # C++ records of device gradients: see below
+    for bucket in engine.buckets or ():
+        ready = bucket._ready
+        if ready is not None and bucket.stage is not Stage.GATHERING:
+            j = ready.first_edited(bucket.params)
+            if j >= 0:
+                return bucket.spec.params[j]
+            for j, before in ready.device_fingerprints():
+                on_device[bucket.spec.params[j]] = (before,)
+    if on_device:
+        return _compare_contents(engine, on_device)
+    return None
+
+
+def _edited_contents(engine: "Engine") -> Optional[int]:
+    """A parameter whose .grad is the tensor dear took, at its version, but holds other
+    values (written through .data), or None. One comparison for all."""
+    taken = engine.iteration.fingerprints
+    if not taken:
+        return None
+    return _compare_contents(engine, taken)
+
+
+def _compare_contents(engine: "Engine", taken: dict[int, Fingerprint]) -> Optional[int]:
+    """The parameter (index) whose gradient's contents changed since `taken` recorded them,
+    or None. Fingerprints on a GPU are compared there (dear/written.py's Verdict) and the
+    answer read at a later step() (`_late_edit`), so the host never waits for the device."""
+    grads = [engine.params[i].grad for i in taken]
+    assert all(g is not None for g in grads), "the caller checked it is the gradient dear took"
+    verdict = Verdict(list(taken.values()), fingerprints(grads))   # type: ignore[arg-type]
+    if not verdict.on_device:
+        k = verdict.first()
+        return None if k is None else list(taken)[k]
+    engine.late_edits.append((verdict, list(taken)))
+    return None
+
+
+def _late_edit(engine: "Engine") -> Optional[int]:
+    """A gradient edit of an earlier iteration whose verdict came back from the device since
+    (or, at a flush, all of them), or None."""
+    found, kept = None, []
+    for verdict, indices in engine.late_edits:
+        if not verdict.ready:
+            kept.append((verdict, indices))
+            continue
+        k = verdict.first()
+        if k is not None and found is None:
+            found = indices[k]
+    engine.late_edits = kept
+    return found
+
+
+# ------------------------------------------------------------------ Horovod's synchronize()
+def synchronize(engine: "Engine") -> None:
+    """Horovod's meaning. After backward: finish averaging now and put the averaged gradients
+    in .grad. After step(): apply the pending updates."""
+    if engine.pending.count or not engine.had_gradients:
+        engine.flush()
+        return
+    synchronize_now(engine)
+
+
+def synchronize_now(engine: "Engine") -> None:
+    """Averaged gradients in .grad now (synchronize() after a backward)."""
+    refuse_edited_grads(engine)
+    communicate(engine, gradients=True)
+    if engine.sparse is not None:              # averaged sparse gradients in .grad, as Horovod
+        engine.sparse.to_grad()
+    assert engine.buckets is not None
+    for bucket in engine.buckets:
+        used = engine.finish_all_gather(bucket)
+        engine.apply_deferred(bucket)
+        for p, view, u in zip(bucket.params, bucket.grad_views, used):
+            if not u:
+                if engine.views is not None and engine.views.owns(p):
+                    p.grad = None              # as single-process training: no gradient
+                continue
+            if p.grad is None:
+                p.grad = view.clone()
+            elif p.grad.data_ptr() != view.data_ptr():   # a view of the buffer: in place
+                p.grad.copy_(view)
+        bucket.reset()
+    engine.pending.count = 0
+    engine.iteration.synchronized = True
+    layout.discard_provisional_plan(engine)
+
+
+def discard_pending_updates(engine: "Engine") -> int:
+    """After a collective failed: forget the pending update (see the optimizer's method)."""
+    buckets = engine.buckets or []
+    if not engine.pending.count:
+        return 0
+    engine.updates.check_discard()
+    if engine.pending.count != len(buckets):
+        applied = len(buckets) - engine.pending.count
+        raise RuntimeError(
+            f"dear: {applied} of the {len(buckets)} buckets of the last step were already "
+            "applied when its collectives failed, so the model mixes two steps and no whole "
+            "step can be saved; resume from the last checkpoint instead")
+    for bucket in buckets:
+        bucket.reset()                         # the failed collectives are not waited for
+    engine.pending.writes.forget()
+    engine.pending.count = 0
+    engine.end_iteration()                     # nothing is REDUCING now: it waits for nothing
+    return len(buckets)
+
+
+__all__ = ["communicate", "discard_pending_updates", "refuse_edited_grads", "step",
+           "synchronize", "synchronize_now"]
+

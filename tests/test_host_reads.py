@@ -1,0 +1,75 @@
+"""dear's steady iterations read no tensor's value on the host (issue 51).
+
+On a GPU such a read (`Tensor.item()`, `bool(t)`, `torch.equal`, `.tolist()` of a device
+tensor) stops the host until the device has caught up, so the CPU no longer runs ahead of it.
+On CPU ranks the same reads are dispatcher ops (`aten::_local_scalar_dense`, `aten::item`,
+`aten::equal`, `aten::is_nonzero`) that torch's profiler counts on every thread. Here: zero in
+steady iterations (the planned schedule in force) of a loop that reads nothing itself, on both
+hook paths (C++ and Python), in iterations that compare contents (DEAR_CHECK_EVERY=1) and with
+the default sampling; a control loop that calls `loss.item()` shows that the count sees a read.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import dear
+from tests.distributed import run_distributed
+from tests.workloads import batch, make_net
+
+READS = ("aten::_local_scalar_dense", "aten::item", "aten::equal", "aten::is_nonzero")
+WARMUP, COUNTED = 12, 6        # the plan is made after 4 iterations and checked after 4 more
+
+
+def _reads(step, settle) -> collections.Counter:
+    """The host reads of COUNTED calls of `step`, then `settle` (inside the window: a Gloo
+    operation outliving the profiler crashed torch 2.13's profiler when it read its events)."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for k in range(COUNTED):
+            step(WARMUP + k)
+        settle()
+    return collections.Counter(e.name for e in prof.events() if e.name in READS)
+
+
+def _count() -> dict:
+    dear.init()
+    rank, world = dear.rank(), dear.size()
+    model = make_net()
+    opt = dear.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                                    model=model, fusion_threshold=2048)
+    losses = []
+
+    def step(k: int, read: bool = False) -> None:
+        opt.zero_grad()
+        x, y = batch(k, world, rank)
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        if read:
+            losses.append(loss.item())
+
+    for k in range(WARMUP):
+        step(k)
+    planned = opt.dear_schedule.plan is not None
+    opt.flush_updates()
+    dear_reads = _reads(step, opt.flush_updates)
+    control = _reads(lambda k: step(k, read=True), opt.flush_updates)
+    dear.shutdown()
+    return {"planned": planned, "dear": dict(dear_reads), "control": dict(control)}
+
+
+@pytest.mark.parametrize("native", ["1", "0"])
+@pytest.mark.parametrize("check_every", ["1", "16"])
+def test_steady_iterations_read_nothing_on_the_host(native: str, check_every: str) -> None:
+    results = run_distributed(_count, 2, timeout=240,
+                              env={"DEAR_NATIVE": native, "DEAR_CHECK_EVERY": check_every})
+    for r, res in enumerate(results):
+        assert res["planned"], f"rank {r}: the planned schedule was not in force"
+        assert res["dear"] == {}, f"rank {r}: dear read tensors on the host: {res['dear']}"
+        assert sum(res["control"].values()) >= 6, \
+            f"rank {r}: the count missed the control's loss.item() reads: {res['control']}"
