@@ -4,8 +4,9 @@ host work, not compute or the link, sets the pace.
 ResNet-50's module structure (161 parameter tensors, 107 modules holding them) at width 8 on
 32x32 images, and BERT-Base's layout (201 parameter tensors: embeddings, 12 encoder layers,
 pooler, classifier) at hidden size 64: the same hooks, buckets and optimizer calls as the real
-models, a few MB of gradient. 2 Gloo ranks on loopback, one thread each; methods interleaved in
-rounds (order rotated each round) so drift hits every method alike.
+models, a few MB of gradient. 2 Gloo ranks on loopback, one thread each, each rank pinned to a
+core; every method built once, then timed in blocks of iterations, the methods' blocks
+interleaved (order rotated) so that the machine's drift hits every method alike.
 
 Per method and iteration (steady state: after the warm-up, so dear's planned schedule is in
 force):
@@ -82,49 +83,91 @@ def op_counts(step: Callable[[], None], iters: int,
     return counts
 
 
-def run_method(method: Method, workload: models.Workload, args: argparse.Namespace,
-               rank: int) -> dict[str, Any]:
-    torch.manual_seed(0)
-    model = workload.make_model()
-    built = Built(method, model, lambda params: torch.optim.SGD(params, lr=1e-3, momentum=0.9))
-    gen = torch.Generator().manual_seed(1000 + rank)
-    batches = [workload.make_batch(gen) for _ in range(4)]
-    state = {"k": 0}
+class Runner:
+    """One method on a fresh model: its step, timed one iteration at a time."""
 
-    def step() -> None:
-        x, y = batches[state["k"] % len(batches)]
-        state["k"] += 1
+    def __init__(self, method: Method, workload: models.Workload, rank: int) -> None:
+        torch.manual_seed(0)
+        self.method = method
+        self.workload = workload
+        self.built = Built(method, workload.make_model(),
+                           lambda params: torch.optim.SGD(params, lr=1e-3, momentum=0.9))
+        gen = torch.Generator().manual_seed(1000 + rank)
+        self.batches = [workload.make_batch(gen) for _ in range(4)]
+        self.k = 0
+        self.walls: list[float] = []
+        self.threads: list[float] = []
+        self.processes: list[float] = []
+        self.blocks: list[tuple[float, float, float]] = []   # per block: its medians
+
+    def step(self) -> None:
+        built = self.built
+        x, y = self.batches[self.k % len(self.batches)]
+        self.k += 1
         built.opt.zero_grad()
-        workload.loss(built.net(x), y).backward()
+        self.workload.loss(built.net(x), y).backward()
         built.clip()
         built.opt.step()
 
-    for i in range(args.warmup):
-        step()
-        if i == args.warmup - 1 and method.base != "none":
-            dist.barrier()
-    walls, threads = [], []
-    cpu0 = time.process_time()
-    for _ in range(args.iters):
-        t0, c0 = time.perf_counter(), time.thread_time()
-        step()
-        walls.append(time.perf_counter() - t0)
-        threads.append(time.thread_time() - c0)
-    cpu = (time.process_time() - cpu0) / args.iters
-    with CallCounter() as counter:
-        for _ in range(args.count_iters):
-            step()
-    flush = getattr(built.opt, "flush_updates", None)
-    if flush is not None:
-        flush()                                # the window starts with nothing in flight
-    ops = op_counts(step, args.count_iters, flush)
-    built.finish()
-    n = args.count_iters
-    return {"wall": statistics.median(walls), "thread_cpu": statistics.median(threads),
-            "process_cpu": cpu, "calls": counter.calls / n,
-            "ops": sum(ops.values()) / n,
-            "host_reads": sum(ops[name] for name in HOST_READS) / n,
-            "host_reads_by_op": {name: ops[name] / n for name in HOST_READS if ops[name]}}
+    def timed(self) -> None:
+        t0, c0, p0 = time.perf_counter(), time.thread_time(), time.process_time()
+        self.step()
+        self.walls.append(time.perf_counter() - t0)
+        self.threads.append(time.thread_time() - c0)
+        self.processes.append(time.process_time() - p0)
+
+    def counts(self, iters: int) -> dict[str, Any]:
+        with CallCounter() as counter:
+            for _ in range(iters):
+                self.step()
+        flush = getattr(self.built.opt, "flush_updates", None)
+        if flush is not None:
+            flush()                            # the window starts with nothing in flight
+        ops = op_counts(self.step, iters, flush)
+        return {"calls": counter.calls / iters, "ops": sum(ops.values()) / iters,
+                "host_reads": sum(ops[name] for name in HOST_READS) / iters,
+                "host_reads_by_op": {name: ops[name] / iters for name in HOST_READS
+                                     if ops[name]}}
+
+    def block(self, n: int) -> None:
+        """`n` timed iterations; their medians kept as one block's."""
+        walls, threads, processes = len(self.walls), len(self.threads), len(self.processes)
+        for _ in range(n):
+            self.timed()
+        self.blocks.append((statistics.median(self.walls[walls:]),
+                            statistics.median(self.threads[threads:]),
+                            statistics.median(self.processes[processes:])))
+
+    def result(self) -> dict[str, Any]:
+        return {"wall": statistics.median(self.walls),
+                "thread_cpu": statistics.median(self.threads),
+                "process_cpu": statistics.median(self.processes),
+                "blocks": self.blocks}
+
+
+def measure(workload: models.Workload, methods: list[Method], args: argparse.Namespace,
+            rank: int) -> dict[str, dict[str, Any]]:
+    """Every method built once, warmed up, then timed in blocks of `args.block` iterations,
+    the methods' blocks interleaved (order rotated each time) so that the machine's drift
+    (these shared machines run at different speeds from one minute to the next) hits them
+    alike; medians over all their timed iterations."""
+    runners = [Runner(m, workload, rank) for m in methods]
+    for runner in runners:
+        for _ in range(args.warmup):
+            runner.step()
+    for b in range(args.blocks):
+        dist.barrier()
+        for runner in runners[b % len(runners):] + runners[:b % len(runners)]:
+            runner.block(args.block)
+    out = {}
+    for runner in runners:
+        got = out[runner.method.label] = {**runner.result(), **runner.counts(args.count_iters)}
+        got["wall"] = slowest(got["wall"])
+        walls = torch.tensor([w for w, _, _ in got["blocks"]], dtype=torch.float64)
+        dist.all_reduce(walls, op=dist.ReduceOp.MAX)          # per block, the slower rank
+        got["blocks"] = [(w, t, p) for w, (_, t, p) in zip(walls.tolist(), got["blocks"])]
+        runner.built.finish()
+    return out
 
 
 def slowest(value: float) -> float:
@@ -137,47 +180,46 @@ def rank_main(rank: int, args: argparse.Namespace, port: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(args.nproc), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
+    if args.pin and hasattr(os, "sched_setaffinity"):
+        cpus = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cpus[rank % len(cpus)]})   # one core each: less migration
     dear.init()
     methods = parse_methods(args.methods)
     names = [m.strip() for m in args.models.split(",") if m.strip()]
-    rows: dict[str, dict[str, list[dict[str, Any]]]] = {n: {m.label: [] for m in methods}
-                                                        for n in names}
-    for r in range(args.rounds):
-        for name in names:
-            workload = models.build(name)
-            order = methods[r % len(methods):] + methods[:r % len(methods)]
-            for method in order:
-                got = run_method(method, workload, args, rank)
-                got["wall"] = slowest(got["wall"])
-                rows[name][method.label].append(got)
+    rows = {name: measure(models.build(name), methods, args, rank) for name in names}
     if rank == 0:
         report(args, rows)
     dear.shutdown()
 
 
-def _median(runs: list[dict[str, Any]], key: str) -> float:
-    return statistics.median(r[key] for r in runs)
+def _added(per_method: dict[str, dict[str, Any]], label: str, k: int) -> float:
+    """What `label` adds to plain training: the median over blocks of its block's median
+    minus the plain block's of the same cycle (paired: the machine's drift cancels)."""
+    if "none" not in per_method:
+        return float("nan")
+    pairs = zip(per_method[label]["blocks"], per_method["none"]["blocks"])
+    return statistics.median(mine[k] - plain[k] for mine, plain in pairs)
 
 
-def report(args: argparse.Namespace, rows: dict[str, dict[str, list[dict[str, Any]]]]) -> None:
+def report(args: argparse.Namespace, rows: dict[str, dict[str, dict[str, Any]]]) -> None:
     headers = ["model", "method", "wall (ms)", "added wall (ms)", "process CPU (ms)",
                "added CPU (ms)", "thread CPU (ms)", "added wall / DDP's", "added CPU / DDP's",
                "dear calls", "ATen ops", "host reads"]
     table_rows, summary = [], {}
     for name, per_method in rows.items():
-        med = {m: {k: _median(runs, k) for k in ("wall", "process_cpu", "thread_cpu", "calls",
-                                                   "ops", "host_reads")}
-               for m, runs in per_method.items()}
+        med = {m: {k: got[k] for k in ("wall", "process_cpu", "thread_cpu", "calls", "ops",
+                                        "host_reads")}
+               for m, got in per_method.items()}
         base = med.get("none")
         ddp = med.get("ddp")
         summary[name] = med
         for label, m in med.items():
-            added_wall = m["wall"] - base["wall"] if base else float("nan")
-            added_cpu = m["process_cpu"] - base["process_cpu"] if base else float("nan")
+            added_wall = _added(per_method, label, 0)
+            added_cpu = _added(per_method, label, 2)
             ratio_wall = ratio_cpu = float("nan")
             if base and ddp and label != "none":
-                ratio_wall = added_wall / (ddp["wall"] - base["wall"])
-                ratio_cpu = added_cpu / (ddp["process_cpu"] - base["process_cpu"])
+                ratio_wall = added_wall / _added(per_method, "ddp", 0)
+                ratio_cpu = added_cpu / _added(per_method, "ddp", 2)
             m.update(added_wall=added_wall, added_cpu=added_cpu, added_wall_vs_ddp=ratio_wall,
                      added_cpu_vs_ddp=ratio_cpu)
             table_rows.append([name, label, round(1e3 * m["wall"], 2), round(1e3 * added_wall, 2),
@@ -192,9 +234,12 @@ def report(args: argparse.Namespace, rows: dict[str, dict[str, list[dict[str, An
                       {"args": vars(args), "summary": summary, "runs": rows}, table, NOTES)
 
 
-NOTES = """Medians over rounds of each round's median iteration (the slower rank's wall time);
-CPU times are rank 0's. `added` = the method minus plain training (`none`, every rank alone, no
-communication); `added / DDP's` = dear's added time over DDP's (the issue's target: at most 1.2).
+NOTES = """Every method built once and warmed up, then timed in interleaved blocks (order
+rotated each block); medians over all timed iterations (wall: the slower rank's); CPU times are
+rank 0's, each rank pinned to its own core (--no-pin: not). `added` = what the method adds to
+plain training (`none`, every rank alone, no communication): the median over cycles of its
+block's median minus the plain block's of the same cycle (paired, so the machine's drift
+cancels); `added / DDP's` = dear's added time over DDP's (the issue's target: at most 1.2).
 process CPU counts every thread of the rank's process (dear's collective thread and Gloo's
 included), thread CPU the training thread only. `dear calls`: Python calls into dear's package on
 the training thread per iteration (sys.setprofile); `ATen ops`: operators per iteration on every
@@ -206,10 +251,15 @@ framework."""
 
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    cli.add_options(parser, methods=DEFAULT_METHODS, rounds=5, warmup=12, iters=40,
-                    name="host_cost", timeout=1800.0, nproc=2)
+    cli.add_options(parser, methods=DEFAULT_METHODS, warmup=12, name="host_cost",
+                    timeout=1800.0, nproc=2)
+    parser.add_argument("--blocks", type=int, default=12,
+                        help="timed blocks per method, the methods' blocks interleaved")
+    parser.add_argument("--block", type=int, default=8, help="iterations per block")
     parser.add_argument("--models", default=DEFAULT_MODELS,
                         help="workloads of benchmarks.models (default: %(default)s)")
+    parser.add_argument("--no-pin", dest="pin", action="store_false",
+                        help="leave the ranks unpinned (default: rank r on the r-th core)")
     parser.add_argument("--count-iters", type=int, default=5,
                         help="iterations of each counting pass (calls, ATen ops)")
     args = parser.parse_args(argv)

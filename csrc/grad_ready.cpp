@@ -87,6 +87,7 @@ bool GradReady::record(int64_t j, const std::optional<at::Tensor>& grad) {
                 layout_.numels[j]);
     grads_[j] = std::move(g);
     used_[j] = 1.0;
+    ++num_used_;
   }
   recorded_[j] = 1;
   ++num_recorded_;
@@ -152,6 +153,7 @@ void GradReady::reset() {
   std::fill(has_digest_.begin(), has_digest_.end(), 0);
   for (auto& f : fingerprints_) f = at::Tensor();
   num_recorded_ = 0;
+  num_used_ = 0;
   packed_ = false;
   pending_ = false;
 }

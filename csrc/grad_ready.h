@@ -71,6 +71,8 @@ class GradReady {
   std::vector<int64_t> missing() const;
   // 1.0 for each parameter recorded with a gradient, 0.0 otherwise.
   const std::vector<double>& used() const { return used_; }
+  // Every parameter was recorded with a gradient (one call, not a list per bucket).
+  bool all_used() const { return num_used_ == size(); }
 
   // The first parameter whose .grad is no longer what record() saw (replaced, set to None,
   // edited in place: its version counter moved, or, for a CPU gradient, written through
@@ -117,6 +119,7 @@ class GradReady {
   std::vector<uint64_t> digests_;
   std::vector<at::Tensor> fingerprints_;
   int64_t num_recorded_ = 0;
+  int64_t num_used_ = 0;
   bool packed_ = false;
   bool pending_ = false;
   bool digest_ = true;

@@ -72,6 +72,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::call_guard<py::gil_scoped_release>(),  // it reads gradients: let comm run
            "First recorded parameter whose .grad was replaced or edited since, or -1.")
       .def("used", &dear::GradReady::used)
+      .def("all_used", &dear::GradReady::all_used)
       .def("reset", &dear::GradReady::reset)
       .def("set_pending", &dear::GradReady::set_pending, py::arg("pending"))
       .def("set_digest", &dear::GradReady::set_digest, py::arg("digest"))

@@ -20,10 +20,9 @@ Under dear.join() the root is the highest rank that has not joined, as DDP's Joi
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from . import model_guard, runtime
 from .comm.base import Communicator
@@ -39,14 +38,25 @@ def issue_pending() -> None:
 
 
 class BufferBroadcast:
-    """Callable: broadcast `model`'s buffers from `root` to every rank, in place."""
+    """Callable: broadcast `model`'s buffers from `root` to every rank, in place.
+
+    The buffers of one device travel as the bytes of one flat tensor (whatever their dtypes:
+    one broadcast, not one per dtype); the root packs them, the others receive into an empty
+    one. The list of buffers is walked once and re-walked when a module reassigned one (each
+    call compares the cached tensors with the modules' own, a dict lookup each) or when the
+    caller asks (`rescan`: the engine's iterations that compare contents)."""
+
+    _ALIGN = 16                                # every slice starts where any dtype may view it
 
     def __init__(self, model: torch.nn.Module, comm: Communicator) -> None:
         self._model = model
         self._comm = comm
         self.root = 0                          # dear.join() moves it to an active rank
-        self._staged: list[tuple[list[torch.Tensor], list[int], torch.Tensor]] = []
+        self._staged: list[tuple[_Group, list[int]]] = []
+        self._slots: Optional[list[tuple[dict[str, Any], str, torch.Tensor, int]]] = None
+        self._groups: list[_Group] = []
         mine = [(n, tuple(b.shape), str(b.dtype)) for n, b in model.named_buffers()]
+        comm.check_dtype(torch.uint8)
         for dtype in {b.dtype for b in model.buffers()}:
             comm.check_dtype(dtype)
         if comm.size > 1:                      # same buffers everywhere, or the copy corrupts
@@ -62,27 +72,66 @@ class BufferBroadcast:
         return bool(broadcast_buffers and model is not None
                     and next(model.buffers(), None) is not None)
 
-    def __call__(self) -> None:
-        """In step(): receive the root's buffers into a staging copy (`apply_staged` puts them
-        in place at the next forward, DDP's point)."""
+    def _scan(self) -> None:
+        """The buffers (each module's `_buffers` dict and name, in model.buffers()' order) and,
+        per device, one flat byte tensor with each buffer's slice in it, viewed both as bytes
+        (what the root packs into) and as the buffer's dtype and shape (what the others put in
+        place): built once, reused by every call until a buffer is reassigned."""
+        slots: list[tuple[dict[str, Any], str, torch.Tensor, int]] = []
+        seen: set[int] = set()
+        with model_guard.quiet():
+            for module in self._model.modules():
+                for name, buf in module._buffers.items():
+                    if buf is not None and id(buf) not in seen:
+                        seen.add(id(buf))
+                        slots.append((module._buffers, name, buf, buf.data_ptr()))
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for _, _, buf, _ in slots:
+            by_device.setdefault(buf.device, []).append(buf)
+        groups = []
+        for device, bufs in by_device.items():
+            ranges, end = [], 0
+            for buf in bufs:
+                start = -(-end // self._ALIGN) * self._ALIGN
+                end = start + buf.numel() * buf.element_size()
+                ranges.append((start, end))
+            flat = torch.zeros(end, dtype=torch.uint8, device=device)
+            groups.append(_Group(flat, bufs, [flat[a:b] for a, b in ranges],
+                                 [flat[a:b].view(buf.dtype).view(buf.shape)
+                                  for buf, (a, b) in zip(bufs, ranges)],
+                                 [_bytes_of(b) if b.is_contiguous() else None for b in bufs]))
+        self._slots = slots
+        self._groups = groups
+
+    def _current(self, rescan: bool) -> None:
+        """The cached buffers are the modules' own, in the same memory (else re-walked: a
+        module reassigned one, or set its `.data`)."""
+        slots = self._slots
+        if rescan or slots is None or any(d.get(n) is not b or b.data_ptr() != ptr
+                                          for d, n, b, ptr in slots):
+            self._scan()
+
+    def __call__(self, rescan: bool = True) -> None:
+        """In step(): receive the root's buffers into the staging bytes (`apply_staged` puts
+        them in place at the next forward, DDP's point)."""
         if self._comm.size == 1:
             return
         issue_pending()
-        # Read the buffers again each time: a module may have reassigned one.
-        by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-        with model_guard.quiet():
-            for buf in self._model.buffers():
-                by_kind.setdefault((buf.dtype, buf.device), []).append(buf)
+        self._current(rescan)
+        root = self._comm.rank == self.root
         pending = []
         with torch.no_grad():
-            for bufs in by_kind.values():
-                flat = _flatten_dense_tensors(bufs)
-                pending.append((bufs, flat, self._comm.broadcast(flat, self.root)))
+            for group in self._groups:
+                if root:
+                    torch._foreach_copy_(group.bytes, [_bytes_of(b) if s is None else s
+                                                       for b, s in zip(group.bufs,
+                                                                       group.sources)])
+                pending.append((group, self._comm.broadcast(group.flat, self.root)))
             staged = []
-            for bufs, flat, work in pending:
+            for group, work in pending:
                 work.wait()
-                if self._comm.rank != self.root:
-                    staged.append((bufs, [b._version for b in bufs], flat))
+                if not root:
+                    staged.append((group, [b._version for b in group.bufs]))
         self._staged = staged
 
     def apply_staged(self) -> None:
@@ -94,10 +143,29 @@ class BufferBroadcast:
         if not self._staged:
             return
         staged, self._staged = self._staged, []
-        with torch.no_grad():                  # on the forward's critical path: one kernel
-            for bufs, versions, flat in staged:
-                pairs = [(buf, value) for buf, version, value
-                         in zip(bufs, versions, _unflatten_dense_tensors(flat, bufs))
-                         if buf._version == version]
-                if pairs:
-                    torch._foreach_copy_([b for b, _ in pairs], [v for _, v in pairs])
+        with torch.no_grad():                  # on the forward's critical path: few kernels
+            for group, versions in staged:
+                by_dtype: dict[torch.dtype, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+                for buf, version, value in zip(group.bufs, versions, group.values):
+                    if buf._version == version:
+                        dst, src = by_dtype.setdefault(buf.dtype, ([], []))
+                        dst.append(buf)
+                        src.append(value)
+                for dst, src in by_dtype.values():
+                    torch._foreach_copy_(dst, src)
+
+
+class _Group:
+    """One device's buffers and their slices of one flat byte tensor."""
+
+    def __init__(self, flat: torch.Tensor, bufs: list[torch.Tensor],
+                 byte_views: list[torch.Tensor], values: list[torch.Tensor],
+                 sources: list[Optional[torch.Tensor]]) -> None:
+        self.flat, self.bufs, self.bytes, self.values = flat, bufs, byte_views, values
+        # each buffer's own memory as bytes (None: not contiguous, copied at each call)
+        self.sources = sources
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    """A buffer's elements as bytes (a view of its memory where it is contiguous)."""
+    return t.detach().contiguous().view(-1).view(torch.uint8)

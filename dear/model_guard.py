@@ -44,6 +44,11 @@ def track(handle: Any) -> Any:
     return handle
 
 
+def untrack(handle: Any) -> None:
+    """A hook of dear's that is removed (dear/engine/hooks.py narrows them between iterations)."""
+    _dear_hook_ids.discard(handle.id)
+
+
 @contextlib.contextmanager
 def quiet() -> Iterator[None]:
     """dear's own reads of the model (buffers, zero_grad): no flush."""
@@ -206,4 +211,4 @@ def _rebuild(cls: Any, state: dict[str, Any]) -> torch.nn.Module:
     return module
 
 
-__all__ = ["flush_for_read", "guard", "plain_class", "quiet", "track"]
+__all__ = ["flush_for_read", "guard", "plain_class", "quiet", "track", "untrack"]

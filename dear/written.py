@@ -10,6 +10,7 @@ the contents are compared too, by `fingerprint`.
 
 from __future__ import annotations
 
+import operator
 from typing import Any, Optional, Sequence, Union
 
 import torch
@@ -181,6 +182,9 @@ def _on(b: Fingerprint, a: Fingerprint, device: torch.device) -> bool:
                     for x, y in zip(b, a)))
 
 
+_VERSION = operator.attrgetter("_version")
+
+
 class PendingWrites:
     """The parameters of each bucket as step() left them, checked when its update runs.
 
@@ -201,7 +205,7 @@ class PendingWrites:
         version counters are noted (an iteration that compares no contents: checks.py)."""
         if contents and prints is None:
             prints = fingerprints(params)
-        self._at_step[key] = ([p._version for p in params], prints)
+        self._at_step[key] = (list(map(_VERSION, params)), prints)
 
     def before_update(self, key: int, params: Sequence[torch.nn.Parameter]) -> Optional[int]:
         """The update of bucket `key` is about to run: the index of a parameter written in
@@ -210,9 +214,8 @@ class PendingWrites:
         if noted is None:
             return None
         versions, before = noted
-        for j, (p, version) in enumerate(zip(params, versions)):
-            if p._version != version:
-                return j
+        if list(map(_VERSION, params)) != versions:
+            return next(j for j, (p, v) in enumerate(zip(params, versions)) if p._version != v)
         if before is not None:
             self._applied.append((params, Verdict(before, fingerprints(params))))
         return None

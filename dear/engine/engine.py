@@ -109,6 +109,11 @@ class Engine:
         self.provisional = False            # plan built before any forward: thrown away
         self.forward_order: list[int] = []  # parameters in first-execution order
         self.forward_seen: set[int] = set()
+        self.forward_modules: dict[torch.nn.Module, None] = {}   # modules, first-run order
+        # Each bucket's first module in that order (and the root): in eager mode only these
+        # stay hooked once the modules were seen to run in that order (dear/engine/hooks.py).
+        self.first_module: dict[int, torch.nn.Module] = {}
+        self.order_varies = False           # a module ran before its bucket's first module
         self.grad_order: list[int] = []     # parameters in first-gradient order
         self.skip_sync = False
         # dear.KFAC's eigenbasis path (dear/kfac/overlap.py): it edits buckets before the
@@ -119,6 +124,9 @@ class Engine:
         self.relayout_wanted = False        # new ties: re-plan when nothing is in flight
         self.param_key: tuple[int, ...] = ()   # the trained parameters' stream-check digest
         self.param_digest = 0
+        # The parameter set as the layout was built (dear/engine/layout.py's cheap test).
+        self.groups_key: list[tuple[int, int]] = []
+        self.untrained: list[torch.nn.Parameter] = []
         self.update_observers: list[Callable[[Bucket], Any]] = []   # dear_observe_updates
         self.step_listeners: list[Callable[[Any], Any]] = []        # dear/amp.py's
         self.read_warned = False            # dear/model_guard.py said it once
@@ -151,7 +159,8 @@ class Engine:
 
     # ------------------------------------------------------------- 1. backward: take
     def post_backward(self, i: int, param: torch.nn.Parameter) -> None:
-        """In backward: take parameter i's gradient into its bucket; launch full ones."""
+        """In backward: take parameter i's gradient into its bucket; launch full ones (the
+        native path's C++ hook does this without calling here in a plain iteration)."""
         with scope("dear::post_backward"):
             it = self.iteration
             if it.reduced:
@@ -326,6 +335,16 @@ class Engine:
             self.phase = Phase.IDLE
         self.hooks.any = False
         self.arm_hooks()
+        self.hook_modules()
+
+    def hook_modules(self) -> None:
+        """Every module holding parameters hooked while the layout is new, in iterations that
+        compare contents (checks.py) and when the modules did not keep the first forward's
+        order; else only each bucket's first module and the root (hooks.py says why)."""
+        narrow = (self.buckets is not None and not self.provisional and self.first_module
+                  and not self.iteration.check_contents and not self.order_varies)
+        keep = {*self.first_module.values(), self.model} if narrow else None
+        self.hooks.hook_modules(keep)  # type: ignore[arg-type]
 
     def abandon_iteration(self) -> None:
         """Drop this iteration's gradients: finish the reduce-scatters already issued (every
@@ -342,22 +361,34 @@ class Engine:
     # ------------------------------------------------------------- 5. next forward
     def pre_forward(self, module: torch.nn.Module, args: Any) -> None:
         """Before `module` runs: apply the pending buckets holding its parameters."""
-        with scope("dear::pre_forward"):
-            model = self.model
-            if module is model:
-                self._before_model(module, args)
-            if module is model and not module.training:
-                self.flush()                       # evaluation reads every parameter
-            elif self.pending.count:
-                for bucket in self.triggers.get(module, ()):
-                    if bucket.stage is Stage.GATHERING:
-                        self.apply(bucket)
-            elif self.buckets is None:             # first iteration: learn the execution order
-                for p in module.parameters(recurse=False):
-                    i = self.index.get(p)
-                    if i is not None and i not in self.forward_seen:
-                        self.forward_seen.add(i)
-                        self.forward_order.append(i)
+        if torch.autograd.profiler._is_profiler_enabled:
+            with torch.autograd.profiler.record_function("dear::pre_forward"):
+                self._pre_forward(module, args)
+        else:
+            self._pre_forward(module, args)
+
+    def _pre_forward(self, module: torch.nn.Module, args: Any) -> None:
+        model = self.model
+        if module is model:
+            self._before_model(module, args)
+        if module is model and not module.training:
+            self.flush()                           # evaluation reads every parameter
+        elif self.pending.count:
+            for bucket in self.triggers.get(module, ()):
+                if bucket.stage is Stage.GATHERING:
+                    if module is not self.first_module.get(bucket.spec.index, module) \
+                            and not self.order_varies:
+                        self.order_varies = True   # every module stays hooked (hooks.py)
+                        log.info("dear: a module ran before the first module of its bucket "
+                                 "in the first forward; every module keeps its hook")
+                    self.apply(bucket)
+        elif self.buckets is None:                 # first iteration: learn the execution order
+            self.forward_modules.setdefault(module)
+            for p in module.parameters(recurse=False):
+                i = self.index.get(p)
+                if i is not None and i not in self.forward_seen:
+                    self.forward_seen.add(i)
+                    self.forward_order.append(i)
 
     def _before_model(self, model: torch.nn.Module, args: Any) -> None:
         """The root's own work before its forward: the autotuner learns the batch size, and

@@ -5,6 +5,7 @@ requires_grad flipped), whose step then runs synchronously (`step_with_new_param
 from __future__ import annotations
 
 import logging
+import operator
 import weakref
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -86,6 +87,7 @@ def relayout(engine: "Engine", fusion: FusionConfig) -> None:
     if engine.model is not None:
         map_triggers(engine, engine.model)
     engine.bind_hooks()
+    engine.hook_modules()
     log.info("dear: %s (%s)", layout.describe(), fusion.describe())
 
 
@@ -96,12 +98,16 @@ def discard_provisional_plan(engine: "Engine") -> None:
         engine.buckets, engine.where, engine.triggers = None, [], {}
         engine.gather_groups = []
         engine.grad_order = []
+        engine.first_module = {}
         engine.bind_hooks()
+        engine.hook_modules()
 
 
 def map_triggers(engine: "Engine", model: torch.nn.Module) -> None:
     """Each module applies the pending buckets holding its parameters; parameters whose
-    module never ran (used directly by a parent) are applied before the root's forward."""
+    module never ran (used directly by a parent) are applied before the root's forward. Each
+    bucket's first module in the first forward's order is where its update lands when only
+    those are hooked (Engine.hook_modules)."""
     assert engine.buckets is not None
     for module in model.modules():
         mine = [engine.where[engine.index[p]][0] for p in module.parameters(recurse=False)
@@ -112,6 +118,13 @@ def map_triggers(engine: "Engine", model: torch.nn.Module) -> None:
               if i not in engine.forward_seen]
     if unseen:
         engine.triggers[model] = list(dict.fromkeys(engine.triggers.get(model, []) + unseen))
+    engine.first_module = {}
+    for module in [model, *engine.forward_modules]:
+        for bucket in engine.triggers.get(module, ()):
+            engine.first_module.setdefault(bucket.spec.index, module)
+    for bucket in engine.buckets:              # held by modules that never ran: the root's
+        engine.first_module.setdefault(bucket.spec.index, model)
+    engine.order_varies = False
 
 
 # ------------------------------------------------------------ a parameter set that may change
@@ -133,6 +146,8 @@ def trainable_named(engine: "Engine") -> list[tuple[str, torch.nn.Parameter]]:
 
 def trainable_digest(engine: "Engine") -> int:
     """The stream check's digest of the trained parameters (recomputed when they change)."""
+    if not _maybe_changed(engine):
+        return engine.param_digest
     key = tuple(id(p) for p in trainable(engine))
     if key != engine.param_key:
         engine.param_key = key
@@ -141,9 +156,41 @@ def trainable_digest(engine: "Engine") -> int:
 
 
 def parameter_set_changed(engine: "Engine") -> bool:
+    """The trained parameters are not those of the layout (add_param_group, requires_grad
+    flipped): compared tensor by tensor where the cheap test cannot rule it out."""
+    if not _maybe_changed(engine):
+        return False
     params = engine.params
     now = trainable(engine)
     return len(now) != len(params) or any(a is not b for a, b in zip(now, params))
+
+
+def note_parameter_set(engine: "Engine") -> None:
+    """What `_maybe_changed` compares against: each param group's list (identity, length)
+    and the parameters that are not trained (frozen, and not sparse)."""
+    groups = engine.opt.param_groups
+    engine.groups_key = [(id(g["params"]), len(g["params"])) for g in groups]
+    trained = set(engine.params)
+    engine.untrained = [p for g in groups for p in g["params"]
+                        if p not in trained and id(p) not in engine.sparse_ids]
+
+
+def _maybe_changed(engine: "Engine") -> bool:
+    """Whether the trained set may have changed since `note_parameter_set`: a param group
+    added or its list replaced or resized, a trained parameter frozen, an untrained one
+    unfrozen; and in the iterations that compare contents (checks.py) always (a list edited in
+    place at the same length). A few attribute reads instead of a walk over every group."""
+    if engine.iteration.check_contents:
+        return True
+    groups = engine.opt.param_groups
+    return (len(groups) != len(engine.groups_key)
+            or any((id(g["params"]), len(g["params"])) != key
+                   for g, key in zip(groups, engine.groups_key))
+            or not all(map(_REQUIRES_GRAD, engine.params))      # C-level loops: ~201 reads
+            or any(map(_REQUIRES_GRAD, engine.untrained)))
+
+
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 
 def step_with_new_parameters(engine: "Engine", grad_scaler: Optional[Any]) -> None:
@@ -213,13 +260,14 @@ def adopt_parameter_set(engine: "Engine") -> None:
     engine.iteration = Iteration.start(len(engine.params))
     engine.buckets, engine.where, engine.gather_groups, engine.triggers = None, [], [], {}
     engine.order, engine.forward_order, engine.grad_order = [], [], []
-    engine.forward_seen = set()
+    engine.forward_seen, engine.forward_modules, engine.first_module = set(), {}, {}
     if engine.views is not None:
         engine.views = GradientViews()
     engine.row_sparse = resolve_row_sparse(engine.row_sparse_setting, named, engine.model,
                                            explicit=engine.row_sparse_explicit)
     engine.param_key = tuple(id(p) for p in engine.params)
     engine.param_digest = parameter_digest(named)
+    note_parameter_set(engine)
     engine.hooks.register(engine)
     engine.bind_hooks()
     log.info("dear: the trained parameters changed (%d now); the layout is rebuilt at the "

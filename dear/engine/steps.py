@@ -97,7 +97,7 @@ def communicate(engine: "Engine", grad_scaler: Optional[Any] = None,
     engine.reduce(at_step=not gradients)
     engine.updates.settle(engine, grad_scaler, gradients)
     if engine.buffer_sync is not None:         # dear/buffers.py: DDP's broadcast_buffers
-        engine.buffer_sync()
+        engine.buffer_sync(rescan=engine.iteration.check_contents)
     if engine.sparse is not None:              # dear/sparse.py: Embedding(sparse=True) weights
         engine.sparse.reduce(engine.prescale, engine.postscale)
     skip = grad_scaler is not None and reduced.amp_skips(engine, grad_scaler)

@@ -55,8 +55,8 @@ class Updates:
         `engine.applied(bucket)` once the update ran (not when the all-gather failed)."""
         used = engine.finish_all_gather(bucket)
         engine.apply_deferred(bucket)
-        saved = bucket.swap_grads([view if u else None
-                                   for view, u in zip(bucket.grad_views, used)])
+        saved = bucket.swap_grads(bucket.grad_views if bucket.all_used_here else
+                                  [view if u else None for view, u in zip(bucket.grad_views, used)])
         groups = engine.opt.param_groups
         originals = [dict(g) for g in groups]
         hyper = engine.pending.hyper

@@ -328,6 +328,7 @@ def attach(opt: Any, named: list[tuple[str, torch.nn.Parameter]],
     engine.sparse_ids = {id(p) for p in (sparse.params if sparse else ())}
     engine.param_key = tuple(id(p) for p in params)
     engine.param_digest = parameter_digest(named)
+    layout.note_parameter_set(engine)
     opt.dear_engine = engine
     engine.hooks.register(engine)
     weakref.finalize(engine, remove_hooks, engine.hooks.handles)

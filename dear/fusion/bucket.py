@@ -233,7 +233,8 @@ class Bucket:
         """`submit` (the schedule's executor) fills the buffer and issues the collective in its
         thread, in order; without it, this thread does both now."""
         assert self.stage is Stage.IDLE and self.full, "bucket reduced twice or before it is full"
-        self._all_used_here = all(u != 0 for u in self.local_used())
+        self._all_used_here = (self._ready.all_used() if self._ready is not None
+                               else all(u != 0 for u in self.used))
 
         def issue() -> Work:
             self.fill()
