@@ -116,3 +116,40 @@ def test_running_stats_equal_across_ranks_and_to_ddp(world: int) -> None:
                                ranks[0]["dear"]["bn1.running_mean"])
     # Without the broadcast, each rank keeps its own statistics (what dear did before).
     assert not torch.equal(ranks[1]["off"]["bn1.running_mean"], ranks[0]["off"]["bn1.running_mean"])
+
+
+def _reassigned(how: str) -> dict:
+    """A buffer replaced after the wrap (a new tensor, or new memory under `.data`), with
+    rank-dependent values: the broadcast must carry the new one. The values at the next
+    forward are read by a forward pre-hook that runs after dear's."""
+    dear.init()
+    rank = dear.rank()
+    torch.manual_seed(0)
+    model = BNNet()
+    opt = dear.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model=model,
+                                    fusion_threshold=1024)
+    seen = []
+    model.bn1.register_forward_pre_hook(lambda m, a: seen.append(m.running_mean.clone()))
+    for step in range(4):
+        if step == 2:
+            if how == "tensor":
+                model.bn1.running_mean = torch.full((16,), float(rank))
+            else:
+                model.bn1.running_mean.data = torch.full((16,), float(rank))
+        opt.zero_grad()
+        x, y = _data(step, rank)
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+    opt.zero_grad()
+    model(_data(4, rank)[0])                   # the forward that puts step 3's values in place
+    dear.shutdown()
+    return {"seen": seen}
+
+
+@pytest.mark.parametrize("how", ["tensor", "data"])
+def test_a_reassigned_buffer_is_the_one_broadcast(how: str) -> None:
+    ranks = run_distributed(_reassigned, 2, how, timeout=120)
+    # In the forwards after the replacement's step every rank holds rank 0's values of the
+    # new buffer (the old tensor's would be the statistics rank 0 had before).
+    for k in (3, 4):
+        assert torch.equal(ranks[1]["seen"][k], ranks[0]["seen"][k]), k

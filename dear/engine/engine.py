@@ -174,8 +174,6 @@ class Engine:
             if it.passes[i] > self.passes_needed:
                 raise RuntimeError(_passes_error(self.names[i], it.passes[i], self.passes_needed))
             it.grads_since_step = True
-            if self.phase is not Phase.LEARNING:
-                self.phase = Phase.BACKWARD
             if self.buckets is None:          # first iteration: the plan is built in step()
                 self.take(i, param.grad)
                 self.grad_order.append(i)
@@ -217,6 +215,7 @@ class Engine:
             flight.mark("backward", self.step_number)
             buckets = self.buckets
             assert buckets is not None
+            self.phase = Phase.BACKWARD
             it = self.iteration
             while it.next_launch < len(buckets):
                 bucket = buckets[len(buckets) - 1 - it.next_launch]
@@ -262,10 +261,12 @@ class Engine:
             if at_step and self.iteration.check_contents and self.updates.prints_at_step:
                 self.iteration.param_prints = {b.spec.index: fingerprints(b.params)
                                                for b in buckets}
-            self.schedule.drain()              # what backward submitted is issued: our turn
+            with scope("dear::wait_collective_thread"):
+                self.schedule.drain()          # what backward submitted is issued: our turn
             flight.mark_phase("reduced")       # the stream check, clipping's all-reduce
-            for bucket in reversed(buckets):
-                bucket.finish_reduce_scatter(self.postscale)
+            with scope("dear::wait_reduce_scatter"):
+                for bucket in reversed(buckets):
+                    bucket.finish_reduce_scatter(self.postscale)
             self.schedule.reduced()
             self.iteration.reduced = True
             self.phase = Phase.REDUCED
@@ -331,8 +332,8 @@ class Engine:
         check = checks.contents_checked(self.layout_steps, self.stream.steps + 1,
                                         self.check_every)
         self.iteration = Iteration.start(len(self.params), check)
-        if self.phase is not Phase.LEARNING and not self.pending.count:
-            self.phase = Phase.IDLE
+        self.phase = (Phase.LEARNING if self.buckets is None else
+                      Phase.PENDING if self.pending.count else Phase.IDLE)
         self.hooks.any = False
         self.arm_hooks()
         self.hook_modules()

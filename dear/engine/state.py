@@ -16,10 +16,11 @@ from ..written import Fingerprint, PendingWrites
 
 
 class Phase(enum.Enum):
-    """Where the engine's iteration is; each phase method sets it."""
+    """Where the engine's iteration is (for errors, tests and debuggers: no branch of the data
+    path reads it); the phase methods set it."""
     LEARNING = "learning"      # no layout yet: the first forward records the execution order
-    IDLE = "idle"              # nothing taken since the last step(), nothing pending
-    BACKWARD = "backward"      # gradients taken, reduce-scatters launched as buckets fill
+    IDLE = "idle"              # nothing launched since the last step(), nothing pending
+    BACKWARD = "backward"      # reduce-scatters launched as buckets fill
     REDUCED = "reduced"        # every reduce-scatter finished and averaged (clip, GradScaler)
     PENDING = "pending"        # step() returned; all-gathers in flight, updates not applied
 

@@ -58,6 +58,12 @@ __all__ = ["BackwardClock", "CommExecutor", "FutureWork", "LinkCost", "Plan", "c
            "close_shared", "issue_mode", "plan_gaps", "probe_link"]
 
 
+def _scope(name: str) -> ContextManager[Any]:
+    """A profiler scope, only while a profiler records (its cost otherwise)."""
+    return (torch.autograd.profiler.record_function(name)
+            if torch.autograd.profiler._is_profiler_enabled else contextlib.nullcontext())
+
+
 # ------------------------------------------------------------------ the issuing thread
 class FutureWork(Work):
     """A collective submitted to the executor: issued by its thread, waited for by anyone."""
@@ -140,9 +146,10 @@ class CommExecutor:
             try:
                 if self._error is not None:
                     raise self._error
-                if before is not None:
-                    before()
-                work: Optional[Work] = issue()
+                with _scope("dear::collective_thread"):
+                    if before is not None:
+                        before()
+                    work: Optional[Work] = issue()
                 future._set(work, None)
             except BaseException as exc:    # a dead rank: every later task fails the same way
                 self._error = self._error or exc
