@@ -21,13 +21,27 @@ force):
   device catches up. Counted in separate passes (profiler on), so they do not affect the times.
 
     python -m benchmarks.host_cost [--models resnet50_host,bert_base_host] [--methods ...]
+
+On a GPU (`--device cuda --nproc 1`): the same methods at one rank on real shapes, e.g.
+`--models resnet50@32,resnet50@128,bert_base@32 --autocast bf16` (NAME@BATCH), torchrun's
+variables for a world of one, so DDP and dear run on NCCL. A block is then timed as a whole
+(synchronized before and after, its mean iteration kept): the host may run ahead of the device
+inside it, as in training. `syncs`: the host-device synchronizations per iteration that
+`torch.cuda.set_sync_debug_mode("warn")` reports. At one rank dear's communicator replaces its
+collectives with a copy (the reduce-scatter) and nothing (the all-gather) while DDP issues its
+NCCL all-reduce; the method option `collectives_at_one=true` (this benchmark's, not dear's)
+makes dear issue its NCCL reduce-scatters and all-gathers as at any other size: dear's general
+path.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
+import dataclasses
 import os
+import warnings
 import statistics
 import sys
 import time
@@ -83,17 +97,57 @@ def op_counts(step: Callable[[], None], iters: int,
     return counts
 
 
-class Runner:
-    """One method on a fresh model: its step, timed one iteration at a time."""
+_COLLECTIVES_AT_ONE = [False]     # the running method's collectives_at_one (one thread steps)
 
-    def __init__(self, method: Method, workload: models.Workload, rank: int) -> None:
+
+def issue_collectives_at_one() -> None:
+    """An experiment, not an option of dear: while _COLLECTIVES_AT_ONE[0], dear's
+    torch.distributed communicator issues its reduce-scatters and all-gathers in a world of one
+    (NCCL's, as at any other size) instead of its copy and no-op."""
+    from dear.comm.base import CallbackWork
+    from dear.comm.torch_dist import TorchCommunicator
+    reduce_scatter, all_gather = TorchCommunicator.reduce_scatter, TorchCommunicator.all_gather
+
+    def general(comm: Any, tensor: torch.Tensor) -> bool:
+        return (_COLLECTIVES_AT_ONE[0] and comm.size == 1
+                and not comm.pieces_in_place(tensor))
+
+    def rs(self: Any, input: torch.Tensor, output: torch.Tensor) -> Any:
+        if not general(self, input):
+            return reduce_scatter(self, input, output)
+        return CallbackWork([dist.reduce_scatter_tensor(output, input, op=dist.ReduceOp.SUM,
+                                                        async_op=True)])
+
+    def ag(self: Any, input: torch.Tensor, output: torch.Tensor) -> Any:
+        if not general(self, input):
+            return all_gather(self, input, output)
+        if output.data_ptr() != input.data_ptr():
+            output[:input.numel()].copy_(input)
+        return CallbackWork([dist.all_gather_into_tensor(output, output[:input.numel()],
+                                                         async_op=True)])
+
+    TorchCommunicator.reduce_scatter, TorchCommunicator.all_gather = rs, ag  # type: ignore
+
+
+class Runner:
+    """One method on a fresh model: its step, timed one iteration at a time (on a GPU: a block
+    at a time)."""
+
+    def __init__(self, method: Method, workload: models.Workload, rank: int,
+                 args: argparse.Namespace) -> None:
         torch.manual_seed(0)
+        options = dict(method.options)
+        self.collectives_at_one = bool(options.pop("collectives_at_one", False))
         self.method = method
         self.workload = workload
-        self.built = Built(method, workload.make_model(),
+        self.device = torch.device(args.device)
+        self.autocast = args.autocast
+        model = workload.make_model().to(self.device)
+        self.built = Built(dataclasses.replace(method, options=options), model,
                            lambda params: torch.optim.SGD(params, lr=1e-3, momentum=0.9))
         gen = torch.Generator().manual_seed(1000 + rank)
-        self.batches = [workload.make_batch(gen) for _ in range(4)]
+        self.batches = [tuple(t.to(self.device) for t in workload.make_batch(gen))
+                        for _ in range(4)]
         self.k = 0
         self.walls: list[float] = []
         self.threads: list[float] = []
@@ -104,10 +158,22 @@ class Runner:
         built = self.built
         x, y = self.batches[self.k % len(self.batches)]
         self.k += 1
+        _COLLECTIVES_AT_ONE[0] = self.collectives_at_one
         built.opt.zero_grad()
-        self.workload.loss(built.net(x), y).backward()
+        with self.autocasting():
+            loss = self.workload.loss(built.net(x), y)
+        loss.backward()
         built.clip()
         built.opt.step()
+
+    def autocasting(self) -> Any:
+        if self.autocast == "none":
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=torch.bfloat16)
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
 
     def timed(self) -> None:
         t0, c0, p0 = time.perf_counter(), time.thread_time(), time.process_time()
@@ -127,12 +193,39 @@ class Runner:
         return {"calls": counter.calls / iters, "ops": sum(ops.values()) / iters,
                 "host_reads": sum(ops[name] for name in HOST_READS) / iters,
                 "host_reads_by_op": {name: ops[name] / iters for name in HOST_READS
-                                     if ops[name]}}
+                                     if ops[name]},
+                "syncs": self.syncs(iters)}
+
+    def syncs(self, iters: int) -> float:
+        """Host-device synchronizations per iteration (CUDA's sync debug mode; NaN on CPU)."""
+        if self.device.type != "cuda":
+            return float("nan")
+        self.sync()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                for _ in range(iters):
+                    self.step()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        self.sync()
+        return sum("synchroniz" in str(w.message) for w in caught) / iters
 
     def block(self, n: int) -> None:
-        """`n` timed iterations; their medians kept as one block's."""
+        """`n` timed iterations; their medians kept as one block's (on a GPU: the block timed
+        as a whole, its mean iteration kept)."""
         walls, threads, processes = len(self.walls), len(self.threads), len(self.processes)
-        for _ in range(n):
+        if self.device.type == "cuda":
+            self.sync()
+            t0, c0, p0 = time.perf_counter(), time.thread_time(), time.process_time()
+            for _ in range(n):
+                self.step()
+            self.sync()
+            self.walls += [(time.perf_counter() - t0) / n] * n
+            self.threads += [(time.thread_time() - c0) / n] * n
+            self.processes += [(time.process_time() - p0) / n] * n
+        for _ in range(n if self.device.type != "cuda" else 0):
             self.timed()
         self.blocks.append((statistics.median(self.walls[walls:]),
                             statistics.median(self.threads[threads:]),
@@ -151,7 +244,7 @@ def measure(workload: models.Workload, methods: list[Method], args: argparse.Nam
     the methods' blocks interleaved (order rotated each time) so that the machine's drift
     (these shared machines run at different speeds from one minute to the next) hits them
     alike; medians over all their timed iterations."""
-    runners = [Runner(m, workload, rank) for m in methods]
+    runners = [Runner(m, workload, rank, args) for m in methods]
     for runner in runners:
         for _ in range(args.warmup):
             runner.step()
@@ -170,6 +263,12 @@ def measure(workload: models.Workload, methods: list[Method], args: argparse.Nam
     return out
 
 
+def workload(spec: str) -> models.Workload:
+    """NAME or NAME@BATCH: a workload of benchmarks.models, at its own batch or BATCH."""
+    name, _, batch = spec.partition("@")
+    return models.build(name, batch_size=int(batch) if batch else None)
+
+
 def slowest(value: float) -> float:
     t = torch.tensor([value], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -180,13 +279,18 @@ def rank_main(rank: int, args: argparse.Namespace, port: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(args.nproc), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
-    if args.pin and hasattr(os, "sched_setaffinity"):
+    if args.device == "cuda":
+        torch.cuda.set_device(rank)
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    elif args.pin and hasattr(os, "sched_setaffinity"):
         cpus = sorted(os.sched_getaffinity(0))
         os.sched_setaffinity(0, {cpus[rank % len(cpus)]})   # one core each: less migration
     dear.init()
     methods = parse_methods(args.methods)
+    if any(m.options.get("collectives_at_one") for m in methods):
+        issue_collectives_at_one()
     names = [m.strip() for m in args.models.split(",") if m.strip()]
-    rows = {name: measure(models.build(name), methods, args, rank) for name in names}
+    rows = {name: measure(workload(name), methods, args, rank) for name in names}
     if rank == 0:
         report(args, rows)
     dear.shutdown()
@@ -204,11 +308,11 @@ def _added(per_method: dict[str, dict[str, Any]], label: str, k: int) -> float:
 def report(args: argparse.Namespace, rows: dict[str, dict[str, dict[str, Any]]]) -> None:
     headers = ["model", "method", "wall (ms)", "added wall (ms)", "process CPU (ms)",
                "added CPU (ms)", "thread CPU (ms)", "added wall / DDP's", "added CPU / DDP's",
-               "dear calls", "ATen ops", "host reads"]
+               "dear calls", "ATen ops", "host reads", "syncs", "wall / DDP's"]
     table_rows, summary = [], {}
     for name, per_method in rows.items():
         med = {m: {k: got[k] for k in ("wall", "process_cpu", "thread_cpu", "calls", "ops",
-                                        "host_reads")}
+                                        "host_reads", "syncs")}
                for m, got in per_method.items()}
         base = med.get("none")
         ddp = med.get("ddp")
@@ -226,7 +330,8 @@ def report(args: argparse.Namespace, rows: dict[str, dict[str, dict[str, Any]]])
                                round(1e3 * m["process_cpu"], 2), round(1e3 * added_cpu, 2),
                                round(1e3 * m["thread_cpu"], 2), round(ratio_wall, 3),
                                round(ratio_cpu, 3), round(m["calls"], 1), round(m["ops"], 1),
-                               round(m["host_reads"], 2)])
+                               round(m["host_reads"], 2), round(m["syncs"], 2),
+                               round(m["wall"] / ddp["wall"], 3) if ddp else float("nan")])
     table = results.markdown_table(headers, table_rows)
     print(table, flush=True)
     if args.name:
@@ -261,7 +366,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--no-pin", dest="pin", action="store_false",
                         help="leave the ranks unpinned (default: rank r on the r-th core)")
     parser.add_argument("--count-iters", type=int, default=5,
-                        help="iterations of each counting pass (calls, ATen ops)")
+                        help="iterations of each counting pass (calls, ATen ops, syncs)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="where models and batches live (cuda: rank r on GPU r, NCCL)")
+    parser.add_argument("--autocast", choices=("none", "bf16"), default="none",
+                        help="forward and loss under torch.autocast to bfloat16")
     args = parser.parse_args(argv)
     return run_ranks(rank_main, args.nproc, (args, free_port()), timeout=args.timeout)
 

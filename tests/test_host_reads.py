@@ -7,6 +7,9 @@ On CPU ranks the same reads are dispatcher ops (`aten::_local_scalar_dense`, `at
 steady iterations (the planned schedule in force) of a loop that reads nothing itself, on both
 hook paths (C++ and Python), in iterations that compare contents (DEAR_CHECK_EVERY=1) and with
 the default sampling; a control loop that calls `loss.item()` shows that the count sees a read.
+On a GPU (marked cuda): the same steady iterations on a CUDA model raise no warning of
+`torch.cuda.set_sync_debug_mode`, at one rank on NCCL and with the planned schedule on a side
+stream (two ranks sharing the GPU through Gloo).
 """
 
 from __future__ import annotations
@@ -73,3 +76,75 @@ def test_steady_iterations_read_nothing_on_the_host(native: str, check_every: st
         assert res["dear"] == {}, f"rank {r}: dear read tensors on the host: {res['dear']}"
         assert sum(res["control"].values()) >= 6, \
             f"rank {r}: the count missed the control's loss.item() reads: {res['control']}"
+
+
+def _gpu_steps(opt, model, world: int, rank: int, first: int, count: int) -> None:
+    batches = [tuple(t.cuda() for t in batch(first + k, world, rank)) for k in range(count)]
+    torch.cuda.synchronize()
+    for x, y in batches:
+        opt.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+
+
+def _count_gpu_syncs(mode: str) -> dict:
+    """On a rank: steady iterations of dear on a CUDA model under the sync debug mode ("warn",
+    recorded on this thread): the warnings dear's iterations raise, and a control's."""
+    import warnings
+
+    from tests.workloads import init_in_issue_mode
+    if mode == "one":
+        dear.init()                    # torchrun's variables: CUDA tensors on NCCL
+    else:
+        init_in_issue_mode(mode, "cuda")
+    rank, world = dear.rank(), dear.size()
+    model = make_net().cuda()
+    opt = dear.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                                    model=model, fusion_threshold=2048)
+    _gpu_steps(opt, model, world, rank, 0, WARMUP)
+    planned = opt.dear_schedule.plan is not None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            _gpu_steps(opt, model, world, rank, WARMUP, COUNTED)
+            mine = [f"{w.filename}:{w.lineno}: {w.message}" for w in caught]
+            torch.ones(1, device="cuda").item()            # the control: one sync
+            control = len(caught) - len(mine)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    opt.synchronize()
+    dear.shutdown()
+    return {"planned": planned, "syncs": mine, "control": control}
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("check_every", ["1", "16"])
+@pytest.mark.parametrize("native", ["1", "0"])
+def test_steady_iterations_do_not_synchronize_the_gpu_at_one_rank(native: str,
+                                                                  check_every: str) -> None:
+    """A world of one on NCCL (torchrun's variables): dear's steady iterations raise no
+    warning of torch.cuda.set_sync_debug_mode, with contents compared every iteration and
+    sampled, on both hook paths; the control `.item()` warns once."""
+    [res] = run_distributed(_count_gpu_syncs, 1, "one", timeout=240,
+                            env={"DEAR_NATIVE": native, "DEAR_CHECK_EVERY": check_every})
+    assert res["control"] == 1, "the sync debug mode did not see the control's .item()"
+    assert res["syncs"] == [], "dear synchronized the GPU in steady iterations:\n" + \
+        "\n".join(res["syncs"])
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("check_every", ["1", "16"])
+def test_the_planned_schedule_does_not_synchronize_the_gpu(check_every: str) -> None:
+    """Two ranks sharing the GPU through Gloo's CUDA collectives, the planned schedule issued
+    on a side stream as with NCCL: the training thread's steady iterations raise no warning of
+    the sync debug mode (Gloo's own threads are not watched), and the schedule is in force."""
+    results = run_distributed(_count_gpu_syncs, 2, "stream", timeout=240,
+                              env={"DEAR_CHECK_EVERY": check_every})
+    for r, res in enumerate(results):
+        assert res["planned"], f"rank {r}: the planned schedule was not in force"
+        assert res["control"] == 1, f"rank {r}: the sync debug mode missed the control"
+        assert res["syncs"] == [], f"rank {r}: dear synchronized the GPU:\n" + \
+            "\n".join(res["syncs"])

@@ -6,6 +6,9 @@
 #   SUITE="tests/test_x.py ..." adds a pytest run of those (-n 14); SUITE_TIMEOUT bounds it.
 #   CUDA_TIMEOUT bounds the CUDA tests (-n 4); DEMO=0 leaves the demo out; GPU_BENCH=1 adds
 #   benchmarks.gpu_edit_checks (torch vs dear at one rank, its result files copied to $OUT).
+#   HOST_COST=1 runs benchmarks.host_cost on the GPU right after the build (plain, DDP and dear
+#   at one rank on NCCL, bf16 autocast, ResNet-50 batch 32 and 128, BERT-Base 32 x 128; result
+#   files benchmarks/results/gpu_host_cost.* copied to $OUT); PROBES=0 leaves the probes out.
 # Last run: 2026-11-27 on an H200 (torch 2.11+cu130, NCCL 2.28.9): 48 CUDA tests passed, 1
 # skipped (nccl4py not installed there), 1 failed on a test bug fixed after (then passed).
 set -u
@@ -18,9 +21,19 @@ nvidia-smi -L
 "$PY" -m pip install --no-build-isolation --no-deps --no-index -e . >"$OUT/build.log" 2>&1
 echo "build: pip exit $?"; grep -n " error" "$OUT/build.log" | head -20
 "$PY" -m dear.info
-for m in raw csrc; do
-  timeout 60 "$PY" tools/gpu_probe.py "$m" >"$OUT/probe_$m.log" 2>&1; echo "probe $m: exit $?"
-done
+if [ "${HOST_COST:-0}" != 0 ]; then
+  echo "== benchmarks.host_cost on the GPU"
+  timeout "${HOST_COST_TIMEOUT:-240}" "$PY" -m benchmarks.host_cost --device cuda --nproc 1 \
+    --no-pin --autocast bf16 --models resnet50@32,resnet50@128,bert_base@32 \
+    --methods none,ddp,dear,dear:collectives_at_one=true --warmup 20 --blocks 8 --block 10 \
+    --name gpu_host_cost 2>&1 | tail -16
+  cp benchmarks/results/gpu_host_cost.* "$OUT/" 2>/dev/null
+fi
+if [ "${PROBES:-1}" != 0 ]; then
+  for m in raw csrc; do
+    timeout 60 "$PY" tools/gpu_probe.py "$m" >"$OUT/probe_$m.log" 2>&1; echo "probe $m: exit $?"
+  done
+fi
 echo "== CUDA tests"
 timeout -s INT "${CUDA_TIMEOUT:-300}" "$PY" -m pytest -q -rfEs -p no:cacheprovider --tb=short \
   -n 4 --timeout 280 -m cuda tests 2>&1 | tee "$OUT/cuda.log" | tail -12
