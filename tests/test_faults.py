@@ -141,12 +141,23 @@ def test_a_checkpoint_gets_the_mode_torch_save_gives(tmp_path) -> None:
 
 
 # --------------------------------------------------------------------- dead or stalled rank
+def _start_together(marker: str) -> None:
+    """Every rank at the optimizer's first collective together: on a busy 2-core machine one
+    rank's start-up can outlast the short DEAR_TIMEOUT (seen: rank 0 timed out in the
+    optimizer's setup all_gather_object while rank 1 was still starting), which is not the
+    fault these tests inject."""
+    open(f"{marker}.ready{dear.rank()}", "w").close()
+    for r in range(dear.size()):
+        wait_for_file(f"{marker}.ready{r}", 60)
+
+
 def _faulty_training(fault: str, marker: str) -> dict:
     """Rank 1 dies (SIGKILL) or stalls at step 3; rank 0 reports its error and how long after
     the fault (rank 1 writes the time to `marker`) it came, and its parameters after the 3 good
     steps (AMP and clipping: the same bits on both backends)."""
     rank = dear.rank()
     model = make_net()
+    _start_together(marker)
     opt = dear.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model,
                                     fusion_threshold=2048)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
