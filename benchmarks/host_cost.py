@@ -351,7 +351,9 @@ the training thread per iteration (sys.setprofile); `ATen ops`: operators per it
 thread (torch's profiler, a separate pass); `host reads`: those of them that read a tensor's
 value on the host (aten::_local_scalar_dense, item, equal, is_nonzero), each a host-device
 synchronization on a GPU; plain training's count comes from its SGD and loss, not from a
-framework."""
+framework. `syncs` (GPU only): synchronizations per iteration reported by
+torch.cuda.set_sync_debug_mode("warn"); `wall / DDP's`: the method's iteration over DDP's (on a
+GPU the issue's target for dear: at most 1.05)."""
 
 
 def main(argv: Optional[list[str]] = None) -> int:
