@@ -162,7 +162,8 @@ class HangReporter:
             wakes += 1
             now = [(c.recorder.issued, c.recorder.completed)
                    for c in list(self._channels.values())]
-            if now == last or wakes % EVERY == 0:
+            began = any(i for i, _ in now) and not any(i for i, _ in last or [])
+            if now == last or began or wakes % EVERY == 0:
                 if not self._publish():
                     return                     # the store is gone: nothing left to publish to
             last = now
@@ -170,7 +171,7 @@ class HangReporter:
     def _record(self) -> dict[str, Any]:
         snap = self._comm.recorder.snapshot(SHOWN)
         snap.update(rank=self._comm.rank, beat=self._beat, failed=self._failed,
-                    host=os.uname().nodename, pid=os.getpid(),
+                    host=os.uname().nodename, pid=os.getpid(), published=time.time(),
                     channels={name: c.recorder.snapshot(SHOWN) for name, c
                               in list(self._channels.items()) if name != MAIN})
         return snap
@@ -317,6 +318,15 @@ def _entry(record: dict[str, Any], seq: int) -> Optional[dict[str, Any]]:
     return None
 
 
+def _age(record: dict[str, Any], mine: dict[str, Any]) -> str:
+    """How long before this report (`mine`, published when it was written) `record` was."""
+    published, at = record.get("published"), mine.get("published")
+    if published is None or at is None:
+        return "of unknown age"
+    clocks = "" if record.get("host") == mine.get("host") else " by the two hosts' clocks"
+    return f"published {max(0.0, at - published):.1f} s before this report{clocks}"
+
+
 def compose(rank: int, members: Sequence[int], rec: FlightRecord,
             now: dict[int, dict[str, Any]], before: dict[int, dict[str, Any]], reachable: bool,
             channel: str = MAIN) -> str:
@@ -347,10 +357,10 @@ def compose(rank: int, members: Sequence[int], rec: FlightRecord,
         alive = _beat_moved(r, before, now)
         if not alive and not record.get("failed"):
             gone.append(r)
-            lines.append(f"  rank {r}: NOT RESPONDING (died or froze); its last record "
-                         f"(published at most {INTERVAL * EVERY:g} s before it stopped) had "
-                         f"issued up to "
-                         f"#{record['issued']}, last {_describe(last)}")
+            lines.append(f"  rank {r}: NOT RESPONDING (died or froze); its last record, "
+                         f"{_age(record, now[rank])}, had issued up to #{record['issued']}, "
+                         f"last {_describe(last)} (a rank that issues collectives publishes "
+                         f"every {INTERVAL * EVERY:g} s: it may have issued more since)")
             continue
         state = "also failed" if record.get("failed") else "alive, busy outside dear's collectives"
         if record["issued"] < rec.seq:

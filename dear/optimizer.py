@@ -184,17 +184,12 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     """
     if schedule is not None and schedule not in ("planned", "dear"):
         raise ValueError(f"schedule must be 'planned' or 'dear', got {schedule!r}")
-    if not runtime.is_initialized() and _horovod_is_initialized():
-        runtime.init(backend="horovod")        # hvd.init() was called: the one-line swap
-    comm = runtime.communicator()              # fails clearly before dear.init()
+    # The arguments first, as Horovod's optimizer checks them: a script that builds it before
+    # hvd.init() gets the ValueError about its arguments, not "not initialised".
     check_optimizer(optimizer)
     check_not_wrapped(optimizer)               # dear or hvd over dear / hvd: clear errors
     op = resolve_op(op)
     compressor = resolve_compression(compression)
-    # A Horovod process set of some ranks: the optimizer averages over those ranks only.
-    set_comm = process_set_communicator(process_set, runtime.config().timeout)
-    if set_comm is not None:
-        comm = set_comm
     groups = horovod_groups(num_groups, groups)
     if backward_passes_per_step < 1:
         raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
@@ -206,6 +201,13 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         raise ValueError(f"fusion_threshold must be >= 0 bytes, got {fusion_threshold}")
     mode = None if autotune is None else parse_autotune(autotune)
     named = named_params_of(optimizer, named_parameters, model, sparse_as_dense)
+    if not runtime.is_initialized() and _horovod_is_initialized():
+        runtime.init(backend="horovod")        # hvd.init() was called: the one-line swap
+    comm = runtime.communicator()              # fails clearly before dear.init()
+    # A Horovod process set of some ranks: the optimizer averages over those ranks only.
+    set_comm = process_set_communicator(process_set, runtime.config().timeout)
+    if set_comm is not None:
+        comm = set_comm
     for dtype in {p.dtype for _, p in named}:
         comm.check_dtype(compressor.wire_dtype(dtype))
     check_same_across_ranks(named, comm)

@@ -69,6 +69,26 @@ def test_duplicate_names(local_dear) -> None:
         dear.DistributedOptimizer(sgd(model), named)
 
 
+def test_bad_arguments_are_refused_before_init_as_horovod_refuses_them() -> None:
+    """Horovod's test_duplicate_names builds the optimizer before hvd.init(): Horovod checks its
+    arguments first and raises the ValueError; so do dear's optimizer and dear.horovod's (a
+    generator of pairs, as that test passes, included); well-formed arguments still get the
+    error that says to initialise."""
+    import itertools
+
+    import dear.horovod as hvd
+    assert not dear.is_initialized()
+    nets = [torch.nn.Conv2d(1, 1, 1), torch.nn.Conv2d(1, 1, 1)]
+    for wrap in (dear.DistributedOptimizer, hvd.DistributedOptimizer):
+        opt = torch.optim.SGD(itertools.chain(*(n.parameters() for n in nets)), lr=0.1)
+        named = itertools.chain(*(n.named_parameters() for n in nets))
+        with pytest.raises(ValueError, match=r"duplicate names: \['bias', 'weight'\]"):
+            wrap(opt, named_parameters=named)
+        with pytest.raises((RuntimeError, ValueError), match=r"init\(\)"):  # Horovod's: ValueError
+            wrap(sgd(nets[0]), named_parameters=nets[0].named_parameters())
+    assert not dear.is_initialized()
+
+
 def test_optimizer_needing_a_closure(local_dear) -> None:
     model = make_net()
     with pytest.raises(ValueError, match="closure"):

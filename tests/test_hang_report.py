@@ -61,6 +61,22 @@ def test_a_rank_whose_heartbeat_stopped_is_not_responding() -> None:
     assert "Rank(s) not responding: 1." in text and "published no record" in text, text
 
 
+def test_a_not_responding_ranks_record_says_how_old_it_is() -> None:
+    """A record published long before the report (a training rank publishes every 10 s) is
+    never presented as the rank's last state without its age."""
+    rec = _failed(10, "reduce_scatter", 64)
+    me = dict(_record(10, 5, []), published=1000.0, host="a")
+    dead = dict(_record(0, 3, []), published=991.7, host="a")
+    text = compose(0, range(2), rec, {0: me, 1: dead}, {1: dead}, True)
+    assert "its last record, published 8.3 s before this report, had issued up to #0" in text, \
+        text
+    assert "it may have issued more since" in text, text
+    text = compose(0, range(2), rec, {0: me, 1: dict(dead, host="b")}, {1: dead}, True)
+    assert "published 8.3 s before this report by the two hosts' clocks" in text, text
+    text = compose(0, range(2), rec, {0: me, 1: _record(0, 3, [])}, {1: dead}, True)
+    assert "its last record, of unknown age," in text, text
+
+
 def test_another_collective_in_the_same_place_is_a_different_branch() -> None:
     rec = _failed(10, "all_reduce", 4)
     other = _record(11, 4, [(10, "reduce_scatter", 64), (11, "reduce_scatter", 64)],

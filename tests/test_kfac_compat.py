@@ -305,3 +305,32 @@ def test_kfac_pytorchs_read_only_attributes_and_argument_rules():
                                grad_worker_fraction=DistributedStrategy.MEM_OPT)
     assert p.colocate_factors is True
     KFACPreconditioner(W.make_model("mlp"), factor_decay=1)   # (0, 1] as kfac-pytorch
+
+
+# kfac-pytorch 0.4.2's kfac/enums.py, as its users import them (values ints, dear's strings).
+THEIR_MEMBERS = {"ComputeMethod": {"EIGEN": 1, "INVERSE": 2},
+         "AssignmentStrategy": {"COMPUTE": 1, "MEMORY": 2},
+         "DistributedStrategy": {"COMM_OPT": 1, "MEM_OPT": 2, "HYBRID_OPT": 3},
+         "AllreduceMethod": {"ALLREDUCE": 1, "ALLREDUCE_BUCKETED": 2}}
+THEIRS = {name: enum.Enum(name, members) for name, members in THEIR_MEMBERS.items()}
+
+
+def test_what_a_kfac_pytorch_user_reads_back_equals_kfac_pytorchs_members():
+    """kfac-pytorch's test_preconditioner_init compares the preconditioner's choices with its own
+    enum members: they compare equal either side first (and hash alike, for dict lookups),
+    differently named members do not, and dear's own members still compare by identity."""
+    D, A = THEIRS["DistributedStrategy"], THEIRS["AllreduceMethod"]
+    p = KFACPreconditioner(W.make_model("mlp"), compute_method="inverse",
+                           assignment_strategy="memory", allreduce_bucket_cap_mb=0)
+    pairs = [(p.compute_method, THEIRS["ComputeMethod"].INVERSE),
+             (p.assignment_strategy, THEIRS["AssignmentStrategy"].MEMORY),
+             (p.distributed_strategy, D.COMM_OPT), (p.allreduce_method, A.ALLREDUCE)]
+    for ours, theirs in pairs:
+        assert ours == theirs and theirs == ours and not ours != theirs, (ours, theirs)
+        assert {theirs: 1}.get(ours) == 1 and {ours: 1}.get(theirs) == 1
+    assert p.distributed_strategy != D.MEM_OPT and D.HYBRID_OPT != p.distributed_strategy
+    assert p.allreduce_method != A.ALLREDUCE_BUCKETED
+    assert KFACPreconditioner(W.make_model("mlp")).allreduce_method == A.ALLREDUCE_BUCKETED
+    assert p.distributed_strategy is DistributedStrategy.COMM_OPT
+    assert DistributedStrategy.MEM_OPT != Strategy.MEM_OPT      # another enum of dear's
+    assert DistributedStrategy.MEM_OPT != "mem-opt" and DistributedStrategy.MEM_OPT != 2

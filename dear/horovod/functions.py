@@ -18,6 +18,7 @@ import torch.distributed as dist
 from .. import runtime
 from ..comm import wire
 from ..optimizer import DistributedOptimizer as _dear_optimizer
+from ..validation import named_params_of
 from .basics import (ProcessSet, allgather_bytes, check_initialized, global_process_set, member,
                      rank, size)
 from .compression import Compression
@@ -136,6 +137,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 (Horovo
     """dear.DistributedOptimizer with Horovod's arguments in Horovod's positions (dear's own,
     such as model=, as keywords). It averages over every rank of the job: a process set that is
     a subset of the ranks is refused."""
+    if named_parameters is not None:          # Horovod checks the names before hvd.init()
+        named_parameters = list(named_parameters)
+        named_params_of(optimizer, named_parameters, None, sparse_as_dense)
     check_initialized()
     if process_set is not None and process_set is not global_process_set and (
             not isinstance(process_set, ProcessSet) or process_set.ranks != list(range(size()))):

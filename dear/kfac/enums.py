@@ -1,8 +1,11 @@
 """The choices K-FAC offers, as enums (strings are accepted at the API and converted once).
 
-ComputeMethod, AssignmentStrategy and DistributedStrategy carry kfac-pytorch's member names, and
-`parse` also takes kfac-pytorch's own enum members (matched by name), so code written for
-kfac.preconditioner.KFACPreconditioner passes its arguments through unchanged.
+ComputeMethod, AssignmentStrategy, DistributedStrategy and AllreduceMethod carry kfac-pytorch's
+class and member names, and `parse` also takes kfac-pytorch's own enum members (matched by name),
+so code written for kfac.preconditioner.KFACPreconditioner passes its arguments through
+unchanged. What it reads back compares equal to kfac-pytorch's members too
+(`p.distributed_strategy == kfac.enums.DistributedStrategy.MEM_OPT`, either side first): a member
+equals a member of an enum class of the same name with the same member name, whatever its values.
 """
 
 from __future__ import annotations
@@ -13,7 +16,20 @@ from typing import Any, TypeVar
 E = TypeVar("E", bound=enum.Enum)
 
 
-class ComputeMethod(enum.Enum):
+class _KfacNamed(enum.Enum):
+    """Equal to the same-named member of a same-named enum class (kfac-pytorch's, whose values
+    are ints where dear's are strings); hashed by name, as every Enum member is."""
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, enum.Enum) and type(other) is not type(self):
+            return type(other).__name__ == type(self).__name__ and other.name == self.name
+        return self is other if isinstance(other, enum.Enum) else NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self._name_)
+
+
+class ComputeMethod(_KfacNamed):
     """How a factor is turned into something that preconditions (kfac-pytorch's names)."""
 
     EIGEN = "eigen"        # eigendecomposition; damping added to the eigenvalue products
@@ -44,7 +60,7 @@ class Strategy(enum.Enum):
     AUTO = "auto"
 
 
-class AssignmentStrategy(enum.Enum):
+class AssignmentStrategy(_KfacNamed):
     """kfac-pytorch's cost of decomposing a d x d factor when assigning work: COMPUTE d^3,
     MEMORY d^2 (greedy, largest layer first, to the least-loaded rank)."""
 
@@ -52,7 +68,7 @@ class AssignmentStrategy(enum.Enum):
     MEMORY = "memory"
 
 
-class DistributedStrategy(enum.Enum):
+class DistributedStrategy(_KfacNamed):
     """kfac-pytorch's shortcuts for grad_worker_fraction: COMM_OPT 1, HYBRID_OPT 0.5,
     MEM_OPT 1 / world size."""
 
@@ -77,7 +93,7 @@ def parse(cls: type[E], value: Any, what: str) -> E:
     raise ValueError(f"{what} must be one of {choices} (or {cls.__name__}.*), got {value!r}")
 
 
-class AllreduceMethod(enum.Enum):
+class AllreduceMethod(_KfacNamed):
     """kfac-pytorch's: how factors are all-reduced; from allreduce_bucket_cap_mb (0: one
     collective per factor, else fused into buckets of that size)."""
 
