@@ -30,6 +30,7 @@ from tests.workloads import batch, make_net, max_diff, state_of
 TOTAL, EVERY = 12, 3                           # steps; a checkpoint after every 3rd
 OVERFLOW_AT = 7                                # rank 1 overflows: a skipped step after resuming
 TIMEOUT = 3.0                                  # DEAR_TIMEOUT in the fault tests
+LOAD_MARGIN = 10.0                             # seconds a loaded machine may add to a timing
 
 
 # ------------------------------------------------------------------ checkpoint, kill, resume
@@ -216,7 +217,10 @@ def _check_fault(result: dict, fault: str, hops: int = 1) -> None:
     assert "dear: " in result["error"] and "of bucket" in result["error"], result["error"]
     assert "reduce-scatter" in result["error"] or "all-gather" in result["error"]
     if fault == "stalls":                      # in a ring, the wait may pass through a rank
-        assert TIMEOUT - 0.5 < result["after"] < hops * TIMEOUT + 2.0, result
+        # Not before the timeout; after it, within a margin a loaded 2-core machine keeps
+        # (a rank descheduled for seconds), far below what no timeout would give (the ranks'
+        # 60 s deadline; Gloo's own default is 30 minutes).
+        assert TIMEOUT - 0.5 < result["after"] < hops * TIMEOUT + LOAD_MARGIN, result
     else:
         assert result["after"] < TIMEOUT, result
 
