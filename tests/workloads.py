@@ -5,7 +5,7 @@ the per-rank losses, which is what data-parallel averaging computes)."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -67,15 +67,16 @@ def branch_used(step: int, rank: int) -> bool:
     return (step + rank) % 2 == 0 or step % 3 == 0
 
 
-def reference(opt: str, world: int, steps: int, *, frozen: bool = False, branch: bool = False,
-              scheduler: bool = False, dtype: torch.dtype = torch.float32
+def reference(opt: str, world: int, steps: Union[int, Sequence[int]], *, frozen: bool = False,
+              branch: bool = False, scheduler: bool = False, dtype: torch.dtype = torch.float32
               ) -> dict[str, torch.Tensor]:
     """Single process, global batch, plain torch; dtype=torch.float64 gives the exact answer
-    (to float32's eyes) that float32 implementations are judged against (`assert_float32_close`)."""
+    (to float32's eyes) that float32 implementations are judged against (`assert_float32_close`).
+    `steps`: how many, or which steps' batches (a step left out: an update dropped)."""
     model = make_net(frozen).to(dtype)
     optimizer = OPTIMIZERS[opt]([p for p in model.parameters() if p.requires_grad])
     sched = torch.optim.lr_scheduler.StepLR(optimizer, 2, 0.5) if scheduler else None
-    for step in range(steps):
+    for step in (range(steps) if isinstance(steps, int) else steps):
         optimizer.zero_grad()
         losses = []
         for r in range(world):
