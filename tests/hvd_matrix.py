@@ -1,5 +1,6 @@
 """Runs on every Horovod rank: each configuration trained with hvd.DistributedOptimizer and with
-the one-line swap to dear.DistributedOptimizer; rank 0 saves both results to argv[1]."""
+the one-line swap to dear.DistributedOptimizer; rank 0 saves both results to argv[1], every other
+rank r to argv[1] + f".{r}"."""
 
 import itertools
 import os
@@ -32,8 +33,7 @@ def main() -> None:
     plane = os.environ.get("DEAR_HOROVOD_DATA_PLANE", "gloo")
     name = dear.runtime.communicator().name
     assert name == {"gloo": "horovod-gloo-pairwise", "horovod": "horovod"}[plane], name
-    if hvd.rank() == 0:
-        torch.save(out, sys.argv[1])
+    torch.save(out, sys.argv[1] + (f".{hvd.rank()}" if hvd.rank() else ""))
     dear.shutdown()
 
 
