@@ -163,6 +163,37 @@ def test_trains_like_one_process_with_a_scheduler() -> None:
     assert all(torch.equal(results[0][k], results[1][k]) for k in results[0])
 
 
+def sharded_runs(names: list[str]) -> dict:
+    dear.init()
+    out = {}
+    for name in names:
+        model = make_net()
+        opt = dear.DistributedOptimizer(ELEMENTWISE[name](model.parameters()), model=model,
+                                        fusion_threshold=700, shard_optimizer_state=True)
+        for step in range(STEPS):
+            opt.zero_grad()
+            x, y = batch(step, dear.size(), dear.rank())
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+        out[name] = state_of(model)           # reads through the model: the last update lands
+    dear.shutdown()
+    return out
+
+
+LESS_COMMON = ["adamax", "nadam", "radam", "asgd", "adadelta", "rprop"]
+
+
+def test_less_common_optimizers_sharded_train_like_one_process() -> None:
+    """Adamax, NAdam, RAdam, ASGD, Adadelta and Rprop with sharded state on 2 ranks against
+    single-process training on the global batch (not only against unsharded dear)."""
+    results = run_distributed(sharded_runs, 2, LESS_COMMON, timeout=240)
+    for name in LESS_COMMON:
+        exact = reference(ELEMENTWISE[name], 2, STEPS, dtype=torch.float64)
+        peer = reference(ELEMENTWISE[name], 2, STEPS)
+        for rank, res in enumerate(results):
+            assert_float32_close(res[name], exact, peer, what=f"sharded {name}, rank {rank}")
+
+
 class _Rank:
     rank = 0
     size = 1

@@ -67,14 +67,17 @@ def branch_used(step: int, rank: int) -> bool:
     return (step + rank) % 2 == 0 or step % 3 == 0
 
 
-def reference(opt: str, world: int, steps: Union[int, Sequence[int]], *, frozen: bool = False,
+def reference(opt: Union[str, Callable[[Any], torch.optim.Optimizer]], world: int,
+              steps: Union[int, Sequence[int]], *, frozen: bool = False,
               branch: bool = False, scheduler: bool = False, dtype: torch.dtype = torch.float32
               ) -> dict[str, torch.Tensor]:
     """Single process, global batch, plain torch; dtype=torch.float64 gives the exact answer
     (to float32's eyes) that float32 implementations are judged against (`assert_float32_close`).
-    `steps`: how many, or which steps' batches (a step left out: an update dropped)."""
+    `steps`: how many, or which steps' batches (a step left out: an update dropped). `opt`: a
+    name of OPTIMIZERS or a factory."""
     model = make_net(frozen).to(dtype)
-    optimizer = OPTIMIZERS[opt]([p for p in model.parameters() if p.requires_grad])
+    make = OPTIMIZERS[opt] if isinstance(opt, str) else opt
+    optimizer = make([p for p in model.parameters() if p.requires_grad])
     sched = torch.optim.lr_scheduler.StepLR(optimizer, 2, 0.5) if scheduler else None
     for step in (range(steps) if isinstance(steps, int) else steps):
         optimizer.zero_grad()
