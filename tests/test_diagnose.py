@@ -82,9 +82,13 @@ def test_trace_of_dear_run(tmp_path, world):
         assert meta["fusion"] == {"rs_threshold": 40_000, "ag_threshold": 40_000,
                                   "first_bucket": 40_000, "chunk_bytes": None}
         assert [b for g in meta["gather_groups"] for b in g] == list(range(len(meta["buckets"])))
-        # Clocks: rank 1's runs 7 s ahead; the measured offset must undo it to within 1 ms
-        # (on one host the true offset is exactly the injected skew).
-        assert abs(meta["clock_offset_ns"] + rank.rank * SKEW_NS) < 1_000_000
+        # Clocks: rank 1's runs 7 s ahead; the measured offset must undo it to within the
+        # bound the method gives (half the best round trip: on a loaded machine it may exceed
+        # any fixed figure), which must be a bound (on one host the true offset is exactly the
+        # injected skew), and useful when the machine is not starved (under 50 ms).
+        error = meta["clock_offset_error_ns"]
+        assert 0 <= error < 50_000_000 and (rank.rank > 0 or error == 0), error
+        assert abs(meta["clock_offset_ns"] + rank.rank * SKEW_NS) <= error
         # Bounded: the traced iterations and nothing else.
         assert sorted(rank.iterations) == [2, 3, 4]
         assert {s.iteration for s in rank.spans} == {2, 3, 4}

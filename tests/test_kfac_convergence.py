@@ -1,7 +1,8 @@
 """Convergence on real data: scikit-learn's bundled digits (no download). With the same lr
 schedule (cosine from 0.05 over 30 epochs, batch 256, SGD momentum 0.9, seed 0), SGD preconditioned
 by dear.KFAC reaches 97% test accuracy in fewer epochs than plain SGD, and plain SGD's own best
-accuracy of the 30 epochs in fewer epochs than SGD, for an MLP and a small CNN. The full grid (batch 64 too, other lrs and seeds, where SGD sometimes wins) is in
+accuracy of the 30 epochs in fewer epochs than SGD, for an MLP and a small CNN. The full grid
+(batch 64 too, other lrs and seeds, where SGD sometimes wins) is in
 benchmarks/results/kfac.convergence.md (`python -m benchmarks.kfac convergence`)."""
 
 from __future__ import annotations

@@ -22,7 +22,8 @@ def test_needs_nccl4py():
 def test_skipped_for_another_reason():
     pytest.skip("needs a CUDA GPU")
 '''
-MODULE_LEVEL = 'import pytest\npytest.importorskip("dear_no_such_package")\n\ndef test_x():\n    pass\n'
+MODULE_LEVEL = ('import pytest\npytest.importorskip("dear_no_such_package")\n\n'
+                'def test_x():\n    pass\n')
 
 
 def _run(tmp_path, source: str, require: bool) -> subprocess.CompletedProcess:

@@ -53,16 +53,19 @@ def current_group(comm: Optional[Any] = None) -> Group:
     return Group(0, 1, lambda: None, lambda value: [value])
 
 
-def clock_offset(group: Group, clock: Clock, rounds: int = ROUNDS) -> tuple[int, int]:
-    """(offset, origin): nanoseconds to add to this rank's clock to read rank 0's (0 on rank 0),
-    and a reading of rank 0's clock that every rank shares (the trace's time zero). Collective."""
+def clock_offset(group: Group, clock: Clock, rounds: int = ROUNDS
+                 ) -> tuple[int, int, Optional[int]]:
+    """(offset, origin, error): nanoseconds to add to this rank's clock to read rank 0's (0 on
+    rank 0), a reading of rank 0's clock that every rank shares (the trace's time zero), and a
+    bound on the offset's error where the method gives one (point to point: half the best
+    round trip; None after barriers). Collective."""
     if group.size == 1:
-        return 0, clock()
-    offset = _ping_pong(group, clock, rounds) if group.p2p else _barrier_offset(group, clock,
-                                                                                rounds)
+        return 0, clock(), 0
+    offset, error = (_ping_pong(group, clock, rounds) if group.p2p
+                     else (_barrier_offset(group, clock, rounds), None))
     group.barrier()
     origin = int(group.gather(clock())[0])
-    return offset, origin
+    return offset, origin, error
 
 
 def _barrier_offset(group: Group, clock: Clock, rounds: int) -> int:
@@ -74,10 +77,12 @@ def _barrier_offset(group: Group, clock: Clock, rounds: int) -> int:
     return int(statistics.median(offsets))
 
 
-def _ping_pong(group: Group, clock: Clock, rounds: int) -> int:
+def _ping_pong(group: Group, clock: Clock, rounds: int) -> tuple[int, int]:
+    """NTP's estimate from the round with the shortest round trip: the peer's offset is off by
+    at most half that round trip (each one-way delay is at least zero)."""
     import torch.distributed as dist
     buf = torch.zeros(2, dtype=torch.int64)
-    offsets = torch.zeros(group.size, dtype=torch.int64)
+    offsets = torch.zeros(2, group.size, dtype=torch.int64)    # offset, error bound
     if group.rank == 0:
         for peer in range(1, group.size):
             best: Optional[tuple[int, int]] = None
@@ -92,11 +97,11 @@ def _ping_pong(group: Group, clock: Clock, rounds: int) -> int:
                 if best is None or rtt < best[0]:
                     best = (rtt, ahead)
             assert best is not None
-            offsets[peer] = -best[1]
+            offsets[0, peer], offsets[1, peer] = -best[1], (best[0] + 1) // 2 + 1
     else:
         for _ in range(rounds):
             dist.recv(buf, 0, tag=_TAG)
             t1 = clock()
             dist.send(torch.tensor([t1, clock()]), 0, tag=_TAG)
     dist.broadcast(offsets, 0)
-    return int(offsets[group.rank])
+    return int(offsets[0, group.rank]), int(offsets[1, group.rank])

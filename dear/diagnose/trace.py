@@ -118,9 +118,10 @@ class Tracer:
         if callable(flush):
             flush()                            # no all-gather in flight while clocks align
         group = current_group(comm.inner if comm is not None else None)
-        offset, origin = clock_offset(group, clock)
+        offset, origin, error = clock_offset(group, clock)
         self.meta.update(rank=group.rank, world_size=group.size, clock_offset_ns=offset,
-                         origin_ns=origin, backend=comm.name if comm is not None else None)
+                         clock_offset_error_ns=error, origin_ns=origin,
+                         backend=comm.name if comm is not None else None)
         self._params = collect_params(self.model, self.optimizer)
         self._param_index = {id(p): i for i, (_, p) in enumerate(self._params)}
         if self.model is not None:
