@@ -2,14 +2,16 @@
 
     python -m benchmarks.fault_exit [--timeout 5] [--name fault_exit]
 
-Two ranks (Gloo, loopback) train with dear; at step 3 rank 1 dies (SIGKILL on itself) or stalls
-(sleeps far longer than DEAR_TIMEOUT) and writes the time it did so. Rank 0 writes when it
-caught the error; this script notes when rank 0's process ended (its handler re-raises, as a
-training script would). Cases: dear.DistributedOptimizer alone, with dear.KFAC (comm-opt: its
-own process groups), and on a process group the user made with torch's 30-minute default,
-the fault met in `dear.allreduce` (user-group) or in backward's reduce-scatters
-(user-group-backward), on the Horovod backend under horovodrun (horovod) and on the MPI backend
-under mpirun (mpi), whose own exits are timed. The goal (issue 34): every rank leaves within
+Two ranks (Gloo, loopback) train with dear; at step 3 rank 1 dies (SIGKILL on itself), stalls
+(sleeps far longer than DEAR_TIMEOUT: its other threads run on) or freezes (SIGSTOP on itself,
+as a rank stuck in a driver call: none of its threads runs), and writes the time it did so.
+Rank 0 writes when it caught the error; this script notes when rank 0's process ended (its
+handler re-raises, as a training script would) and when the launcher returned. Cases:
+dear.DistributedOptimizer alone, with dear.KFAC (comm-opt: its own process groups), and on a
+process group the user made with torch's 30-minute default, the fault met in `dear.allreduce`
+(user-group) or in backward's reduce-scatters (user-group-backward), on the Horovod backend
+under horovodrun (horovod) and on the MPI backend under mpirun (mpi), whose own exits are
+timed. The goal (issue 34): every rank leaves within
 DEAR_TIMEOUT + 5 s.
 """
 
@@ -24,7 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any
+from typing import Any, Optional
 
 from benchmarks import cli
 
@@ -33,7 +35,7 @@ CASES = ("optimizer", "kfac", "user-group", "user-group-backward", "horovod", "m
 #: with CUDA tensors). Both ranks use GPU 0 where there is one GPU (NCCL refuses two ranks on
 #: one device: the error is what gets reported then).
 GPU_CASES = ("nccl", "torch-nccl")
-FAULTS = ("dies", "stalls")
+FAULTS = ("dies", "stalls", "frozen")
 
 
 def _rank(case: str, fault: str, marker: str) -> None:
@@ -52,6 +54,8 @@ def _rank(case: str, fault: str, marker: str) -> None:
         import horovod.torch as hvd
         hvd.init()
         rank = hvd.rank()
+    with open(f"{marker}.pid{rank}", "w") as fh:   # the harness watches rank 0's process end
+        fh.write(str(os.getpid()))
     device = "cuda" if case in GPU_CASES else "cpu"
     if case == "mpi":                          # under mpirun: MPI's collectives
         rank = int(os.environ.get("PMI_RANK") or os.environ.get("OMPI_COMM_WORLD_RANK", "0"))
@@ -72,6 +76,8 @@ def _rank(case: str, fault: str, marker: str) -> None:
                 fh.write(repr(time.time()))
             if fault == "dies":
                 os.kill(os.getpid(), signal.SIGKILL)
+            if fault == "frozen":              # as a rank stuck in a driver call: no thread runs
+                os.kill(os.getpid(), signal.SIGSTOP)
             time.sleep(3600)
 
     try:
@@ -135,12 +141,19 @@ def _measure(case: str, fault: str, timeout: float) -> dict[str, Any]:
         marker = os.path.join(tmp, "fault")
         procs = _launch(case, fault, marker, timeout)
         limit = time.time() + timeout + 40
+        rank0: Optional[int] = None
+        rank0_ended: Optional[float] = None
         while procs[0].poll() is None and time.time() < limit:
+            rank0 = rank0 or _pid(marker + ".pid0")
+            if rank0 is not None and rank0_ended is None and not _alive(rank0):
+                rank0_ended = time.time()
             time.sleep(0.02)
         ended = time.time() if procs[0].poll() is not None else None
+        if rank0_ended is None and rank0 is not None and not _alive(rank0):
+            rank0_ended = ended
         for p in procs:
             if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
+                os.killpg(p.pid, signal.SIGKILL)   # a frozen rank too: SIGKILL needs no SIGCONT
             p.wait()
         errors = procs[0].stderr.read() if procs[0].stderr is not None else ""
         fault_t = float(open(marker).read()) if os.path.exists(marker) else None
@@ -152,9 +165,29 @@ def _measure(case: str, fault: str, timeout: float) -> dict[str, Any]:
         return {**out, "error": f"rank 1 never reached the fault; rank 0: {tail[-400:]}"}
     out["raised_s"] = None if caught is None else round(caught["t"] - fault_t, 2)
     out["exited_s"] = None if ended is None else round(ended - fault_t, 2)
+    out["rank0_exited_s"] = None if rank0_ended is None else round(rank0_ended - fault_t, 2)
     out["error"] = None if caught is None else caught["error"]
-    out["within_timeout_plus_5"] = ended is not None and ended - fault_t <= timeout + 5
+    survivor = rank0_ended if rank0_ended is not None else ended
+    out["within_timeout_plus_5"] = survivor is not None and survivor - fault_t <= timeout + 5
     return out
+
+
+def _pid(path: str) -> Optional[int]:
+    try:
+        with open(path) as fh:
+            return int(fh.read())
+    except (OSError, ValueError):
+        return None
+
+
+def _alive(pid: int) -> bool:
+    """Whether the process runs (a zombie, ended but not yet reaped by its launcher, counts as
+    ended)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def main() -> None:
@@ -180,10 +213,10 @@ def main() -> None:
     if args.name:
         from benchmarks.results import markdown_table, write
         table = markdown_table(
-            ["case", "fault", "rank 0 raised (s after fault)", "rank 0 exited (s)",
-             f"within DEAR_TIMEOUT + 5 ({args.timeout:g} + 5 s)"],
-            [[r["case"], r["fault"], r.get("raised_s"), r.get("exited_s"),
-              r.get("within_timeout_plus_5")] for r in rows])
+            ["case", "fault", "rank 0 raised (s after fault)", "rank 0's process ended (s)",
+             "launcher returned (s)", f"within DEAR_TIMEOUT + 5 ({args.timeout:g} + 5 s)"],
+            [[r["case"], r["fault"], r.get("raised_s"), r.get("rank0_exited_s"),
+              r.get("exited_s"), r.get("within_timeout_plus_5")] for r in rows])
         print(write(args.name, "Time to raise and to exit after a peer's fault", {"rows": rows},
                     table))
 

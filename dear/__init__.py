@@ -1,5 +1,6 @@
 """dear: decoupled all-reduce (reduce-scatter in backward, all-gather in the next forward)."""
 
+from . import launch
 from .checkpoint import atomic_save
 from .comm.base import ReduceOp
 from .compression import Compression
@@ -10,6 +11,8 @@ from .native import native_available
 from .optimizer import DistributedOptimizer
 from .runtime import (allreduce, broadcast_optimizer_state, broadcast_parameters, init,
                       is_initialized, local_rank, rank, shutdown, size)
+
+launch.align_horovod_timeout()      # before a script's hvd.init(): DEAR_TIMEOUT governs Horovod's
 
 Average = ReduceOp.Average
 Sum = ReduceOp.Sum

@@ -24,6 +24,7 @@ listeners on the external interface in every rank, for nothing); across hosts, a
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 import socket
@@ -301,6 +302,30 @@ def launched(environ: Optional[Mapping[str, str]] = None) -> bool:
 def under_horovodrun(environ: Optional[Mapping[str, str]] = None) -> bool:
     env = os.environ if environ is None else environ
     return "HOROVOD_RANK" in env
+
+
+#: seconds Horovod's own Gloo waits may take beyond DEAR_TIMEOUT: dear raises first (DEAR_TIMEOUT
+#: plus its hang report), and Horovod's background thread, stuck on a frozen peer, lets the
+#: process end soon after (it ends only when that wait times out: 30 s by default)
+HOROVOD_GLOO_SLACK = 3
+
+
+def align_horovod_timeout(timeout: Optional[float] = None,
+                          environ: Optional[MutableMapping[str, str]] = None) -> None:
+    """Under horovodrun, before hvd.init(): Horovod's Gloo timeout (HOROVOD_GLOO_TIMEOUT_SECONDS,
+    unless set) follows DEAR_TIMEOUT (the environment's, or `timeout`), so a rank whose peer
+    froze leaves within about DEAR_TIMEOUT + 5 s, not Horovod's 30. Without either, Horovod's
+    default stays."""
+    env = os.environ if environ is None else environ
+    if not under_horovodrun(env) or "HOROVOD_GLOO_TIMEOUT_SECONDS" in env:
+        return
+    if timeout is None:
+        try:
+            timeout = float(env["DEAR_TIMEOUT"])
+        except (KeyError, ValueError):
+            return
+    if timeout > 0 and timeout != float("inf"):
+        env["HOROVOD_GLOO_TIMEOUT_SECONDS"] = str(math.ceil(timeout) + HOROVOD_GLOO_SLACK)
 
 
 def process_env(environ: Optional[Mapping[str, str]] = None) -> Placement:

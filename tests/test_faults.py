@@ -346,3 +346,31 @@ def test_the_survivor_of_a_stalled_peer_leaves_its_process(case: str) -> None:
     result = _measure(case, "stalls", 5.0)
     assert result.get("raised_s") is not None, result
     assert result["exited_s"] is not None and result["exited_s"] < 5.0 + 60, result
+
+
+def test_a_frozen_peer_under_horovodrun_does_not_hold_the_survivor() -> None:
+    """A peer frozen in backward (SIGSTOP: none of its threads runs, as in a stuck driver call)
+    under horovodrun: rank 0's process lived until Horovod's own 30 s Gloo timeout ended the
+    wait inside its shutdown (measured 31.0 s after the fault). dear now sets that timeout from
+    DEAR_TIMEOUT (5 s + 3 here; measured 9.0 s); the bound leaves a busy machine's teardown well
+    below the 30 s it would take without."""
+    from benchmarks.fault_exit import _measure
+    result = _measure("horovod", "frozen", 5.0)
+    assert result.get("raised_s") is not None, result
+    assert result["rank0_exited_s"] is not None and result["rank0_exited_s"] < 25.0, result
+
+
+def test_horovods_gloo_timeout_follows_dear_timeout() -> None:
+    from dear.launch import HOROVOD_GLOO_SLACK, align_horovod_timeout
+    env = {"HOROVOD_RANK": "0", "DEAR_TIMEOUT": "4.5"}
+    align_horovod_timeout(environ=env)
+    assert env["HOROVOD_GLOO_TIMEOUT_SECONDS"] == str(5 + HOROVOD_GLOO_SLACK)
+    mine = {"HOROVOD_RANK": "0", "DEAR_TIMEOUT": "5", "HOROVOD_GLOO_TIMEOUT_SECONDS": "60"}
+    align_horovod_timeout(environ=mine)                 # the user's setting wins
+    assert mine["HOROVOD_GLOO_TIMEOUT_SECONDS"] == "60"
+    for env in ({"DEAR_TIMEOUT": "5"}, {"HOROVOD_RANK": "0"}):  # not horovodrun; no timeout
+        align_horovod_timeout(environ=env)
+        assert "HOROVOD_GLOO_TIMEOUT_SECONDS" not in env
+    env = {"HOROVOD_RANK": "1"}
+    align_horovod_timeout(7.0, environ=env)              # dear.init(timeout=...) starting Horovod
+    assert env["HOROVOD_GLOO_TIMEOUT_SECONDS"] == str(7 + HOROVOD_GLOO_SLACK)

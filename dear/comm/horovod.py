@@ -100,6 +100,8 @@ class HorovodCommunicator(Communicator):
         self._timeout = timeout                # seconds a wait may take (DEAR_TIMEOUT)
         self._owns = not self._hvd.is_initialized() and process_set is None
         if self._owns:
+            from .. import launch
+            launch.align_horovod_timeout(timeout)
             self._hvd.init()
         # Over some ranks only (Horovod's process_set=): ranks are the set's, every Horovod
         # call names the set, and a broadcast's root is given to Horovod as a global rank.
