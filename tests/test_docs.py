@@ -108,10 +108,11 @@ def test_configuration_table_defaults_are_configs() -> None:
 
 
 def test_docs_name_only_variables_that_exist() -> None:
-    """Every DEAR_* name in README.md and docs/ is one Config reads, or one setup.py reads while
-    building (DEAR_BUILD_*)."""
+    """Every DEAR_* name in README.md and docs/ is one Config reads, one setup.py reads while
+    building (DEAR_BUILD_*), or one the test suite reads (tests/conftest.py)."""
     known = set(_declared_variables())
-    known |= set(re.findall(r"\b(DEAR_[A-Z0-9_]+)\b", (ROOT / "setup.py").read_text()))
+    for path in (ROOT / "setup.py", ROOT / "tests" / "conftest.py"):
+        known |= set(re.findall(r"\b(DEAR_[A-Z0-9_]+)\b", path.read_text()))
     pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
     unknown = {f"{page.relative_to(ROOT)}: {name}" for page in pages
                for name in re.findall(r"\b(DEAR_[A-Z0-9]+(?:_[A-Z0-9]+)*)\b", page.read_text())
