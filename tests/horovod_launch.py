@@ -40,7 +40,12 @@ def run_horovod(args: list[str], np: int = 2, timeout: float = 180.0) -> list[st
                    "HOROVOD_SIZE": str(slot.size), "HOROVOD_LOCAL_RANK": str(slot.local_rank),
                    "HOROVOD_LOCAL_SIZE": str(slot.local_size),
                    "HOROVOD_CROSS_RANK": str(slot.cross_rank),
-                   "HOROVOD_CROSS_SIZE": str(slot.cross_size), "OMP_NUM_THREADS": "1"}
+                   "HOROVOD_CROSS_SIZE": str(slot.cross_size), "OMP_NUM_THREADS": "1",
+                   # Horovod's default, explicit: a test's short DEAR_TIMEOUT (dear's fault
+                   # tests) would otherwise shorten Horovod's rendezvous to DEAR_TIMEOUT + 3 s,
+                   # less than two ranks' start-ups may differ on a busy machine
+                   "HOROVOD_GLOO_TIMEOUT_SECONDS": os.environ.get(
+                       "HOROVOD_GLOO_TIMEOUT_SECONDS", "30")}
             procs.append(subprocess.Popen([sys.executable, *args], cwd=ROOT, env=env, text=True,
                                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                           start_new_session=True))
