@@ -175,12 +175,17 @@ class Runner:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
 
-    def timed(self) -> None:
+    def timed(self, n: int = 1) -> None:
+        """`n` iterations timed as one (synchronized before and after on a GPU), each kept at
+        their mean."""
+        self.sync()
         t0, c0, p0 = time.perf_counter(), time.thread_time(), time.process_time()
-        self.step()
-        self.walls.append(time.perf_counter() - t0)
-        self.threads.append(time.thread_time() - c0)
-        self.processes.append(time.process_time() - p0)
+        for _ in range(n):
+            self.step()
+        self.sync()
+        self.walls += [(time.perf_counter() - t0) / n] * n
+        self.threads += [(time.thread_time() - c0) / n] * n
+        self.processes += [(time.process_time() - p0) / n] * n
 
     def counts(self, iters: int) -> dict[str, Any]:
         with CallCounter() as counter:
@@ -217,16 +222,10 @@ class Runner:
         as a whole, its mean iteration kept)."""
         walls, threads, processes = len(self.walls), len(self.threads), len(self.processes)
         if self.device.type == "cuda":
-            self.sync()
-            t0, c0, p0 = time.perf_counter(), time.thread_time(), time.process_time()
+            self.timed(n)
+        else:
             for _ in range(n):
-                self.step()
-            self.sync()
-            self.walls += [(time.perf_counter() - t0) / n] * n
-            self.threads += [(time.thread_time() - c0) / n] * n
-            self.processes += [(time.process_time() - p0) / n] * n
-        for _ in range(n if self.device.type != "cuda" else 0):
-            self.timed()
+                self.timed()
         self.blocks.append((statistics.median(self.walls[walls:]),
                             statistics.median(self.threads[threads:]),
                             statistics.median(self.processes[processes:])))

@@ -29,6 +29,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from . import model_guard
+
 Eager = Callable[[torch.nn.Module, tuple[Any, ...]], None]
 
 _tokens = itertools.count(1)
@@ -112,11 +114,11 @@ class PreForwardHook:
         self.handle = module.register_forward_pre_hook(self._hook, with_kwargs=True,
                                                        prepend=True)
         self.id = self.handle.id
-        _on_attach(self.handle)
+        model_guard.track(self.handle)
 
     def detach(self) -> None:
         if self.handle is not None:
-            _on_detach(self.handle)
+            model_guard.untrack(self.handle)
             self.handle.remove()
             self.handle = None
 
@@ -128,13 +130,3 @@ class PreForwardHook:
     def remove(self) -> None:
         _hooks.pop(self.token, None)
         self.detach()
-
-
-def _on_attach(handle: Any) -> None:
-    from . import model_guard
-    model_guard.track(handle)
-
-
-def _on_detach(handle: Any) -> None:
-    from . import model_guard
-    model_guard.untrack(handle)

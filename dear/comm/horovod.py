@@ -34,6 +34,7 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
+from .. import launch
 from . import gloo_bootstrap
 from .base import (CallbackWork, Communicator, DoneWork, Work, all_gather_object_with,
                    broadcast_object_with, check_shard_sizes)
@@ -100,7 +101,6 @@ class HorovodCommunicator(Communicator):
         self._timeout = timeout                # seconds a wait may take (DEAR_TIMEOUT)
         self._owns = not self._hvd.is_initialized() and process_set is None
         if self._owns:
-            from .. import launch
             launch.align_horovod_timeout(timeout)
             self._hvd.init()
         # Over some ranks only (Horovod's process_set=): ranks are the set's, every Horovod

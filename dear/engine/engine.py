@@ -42,7 +42,7 @@ from ..fusion.fusion_config import FusionConfig
 from ..fusion.bucket import Bucket, Stage
 from ..fusion.layout import GatherGroup, Layout
 from ..fusion.rows import RowSparseBucket
-from ..fusion.schedule import ScheduleDriver
+from ..fusion.schedule import ScheduleDriver, scope
 from ..fusion.views import GradientViews
 from ..sparse import SparseGradients
 from ..stream import StreamCheck
@@ -362,7 +362,7 @@ class Engine:
     # ------------------------------------------------------------- 5. next forward
     def pre_forward(self, module: torch.nn.Module, args: Any) -> None:
         """Before `module` runs: apply the pending buckets holding its parameters."""
-        if torch.autograd.profiler._is_profiler_enabled:
+        if torch.autograd.profiler._is_profiler_enabled:     # scope() inlined: per module
             with torch.autograd.profiler.record_function("dear::pre_forward"):
                 self._pre_forward(module, args)
         else:
@@ -477,12 +477,6 @@ class Engine:
         if self.owned_comm is not None:        # a process set's communicator
             self.owned_comm.shutdown()
             self.owned_comm = None
-
-
-def scope(name: str) -> Any:
-    """A profiler scope naming the phase, only while a profiler records (its cost otherwise)."""
-    return (torch.autograd.profiler.record_function(name)
-            if torch.autograd.profiler._is_profiler_enabled else contextlib.nullcontext())
 
 
 def _observed(observers: list[Callable[[Bucket], Any]], bucket: Bucket) -> Any:

@@ -21,7 +21,7 @@ from ..extension import ExtensionPoints
 from ..fusion.autotune import make_autotuner
 from ..fusion.fusion_config import FusionConfig
 from ..fusion.rows import RowSparseBucket, resolve_row_sparse
-from ..fusion.schedule import ScheduleDriver, issue_mode
+from ..fusion.schedule import ScheduleDriver, issue_mode, scope
 from ..fusion.views import GradientViews
 from ..sharded import ShardedState, tensor_bytes
 from ..stream import parameter_digest
@@ -52,9 +52,7 @@ class _DistributedOptimizer(ExtensionPoints, torch.optim.Optimizer):
              grad_scaler: Optional[Any] = None) -> None:
         """Finish averaging and start the all-gathers; the update lands in the next forward.
         `scaler.step(optimizer)` passes its GradScaler as `grad_scaler` (see dear/amp.py)."""
-        with contextlib.ExitStack() as stack:
-            if torch.autograd.profiler._is_profiler_enabled:
-                stack.enter_context(torch.autograd.profiler.record_function("dear::step"))
+        with scope("dear::step"):
             steps.step(self.dear_engine, closure, grad_scaler)
 
     def flush_updates(self) -> int:

@@ -58,8 +58,9 @@ __all__ = ["BackwardClock", "CommExecutor", "FutureWork", "LinkCost", "Plan", "c
            "close_shared", "issue_mode", "plan_gaps", "probe_link"]
 
 
-def _scope(name: str) -> ContextManager[Any]:
-    """A profiler scope, only while a profiler records (its cost otherwise)."""
+def scope(name: str) -> ContextManager[Any]:
+    """A profiler scope `name` (dear::<phase>), only while a profiler records (its cost
+    otherwise). The engine's phases and this module's collective thread use it."""
     return (torch.autograd.profiler.record_function(name)
             if torch.autograd.profiler._is_profiler_enabled else contextlib.nullcontext())
 
@@ -146,7 +147,7 @@ class CommExecutor:
             try:
                 if self._error is not None:
                     raise self._error
-                with _scope("dear::collective_thread"):
+                with scope("dear::collective_thread"):
                     if before is not None:
                         before()
                     work: Optional[Work] = issue()
