@@ -8,6 +8,8 @@ working: optimizer.clip_grad_norm_, Horovod's synchronize()/skip_synchronize(), 
 
 from __future__ import annotations
 
+from typing import Optional
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -47,9 +49,13 @@ def _edit(kind: str, model: torch.nn.Module, opt: torch.optim.Optimizer, scaler)
 
 
 def _edit_loop(kind: str, bad_step: int, sharded: bool = False, device: str = "cpu") -> dict:
-    """Good steps, then one step with the edit (`bad_step`); the error's text and the state.
+    """Good steps, then one step with the edit (`bad_step`); the error's text, the state after
+    the refused step and after one more, and which batches each should have trained on.
     `sharded`: shard_optimizer_state under a forced plan, so the step refused has buckets
-    updated early, in backward, to undo."""
+    updated early, in backward, to undo. On a GPU an edit through .data is refused at a later
+    step() (docs/deferred-update.md): its own update ran on the values backward produced and
+    the step that sees it is the one dropped; the device is synchronized first, so that this
+    later step is the next one."""
     rank, world = dear.rank(), dear.size()
     model = make_net().to(device)
     opt = dear.DistributedOptimizer(OPTIMIZERS["adam"](model.parameters()), model=model,
@@ -57,15 +63,15 @@ def _edit_loop(kind: str, bad_step: int, sharded: bool = False, device: str = "c
                                     schedule="planned" if sharded else "dear",
                                     shard_optimizer_state=sharded)
     scaler = torch.amp.GradScaler(device, init_scale=4.0) if kind == "unscale" else None
-    error = None
-    for step in range(bad_step + 1):
+
+    def step(i: int, edit: bool, scaler=scaler) -> Optional[str]:
         if sharded:
             force_plan(opt)
         opt.zero_grad()
-        x, y = (t.to(device) for t in batch(step, world, rank))
+        x, y = (t.to(device) for t in batch(i, world, rank))
         loss = F.mse_loss(model(x), y)
         (scaler.scale(loss) if scaler else loss).backward()
-        if step == bad_step:
+        if edit:
             _edit(kind, model, opt, scaler)
         try:
             if scaler:
@@ -74,16 +80,25 @@ def _edit_loop(kind: str, bad_step: int, sharded: bool = False, device: str = "c
             else:
                 opt.step()
         except RuntimeError as exc:
-            error = str(exc)
+            return str(exc)
+        return None
+
+    for i in range(bad_step):
+        assert step(i, False) is None
+    error = step(bad_step, True)
+    applied = list(range(bad_step))
+    if error is None and device == "cuda" and kind.startswith("data"):
+        torch.cuda.synchronize()
+        applied.append(bad_step)
+        error = step(bad_step + 1, False)
     opt.flush_updates()
     before = state_of(model)
     # The dropped step left the optimizer usable: train on, without the edit.
-    opt.zero_grad()
-    x, y = (t.to(device) for t in batch(bad_step + 1, world, rank))
-    F.mse_loss(model(x), y).backward()
-    opt.step()
+    last = bad_step + 2 if bad_step in applied else bad_step + 1
+    assert step(last, False, scaler=None) is None   # (a scaler whose step raised needs update())
     opt.flush_updates()
-    return {"error": error, "before": to_cpu(before), "after": to_cpu(state_of(model))}
+    return {"error": error, "before": to_cpu(before), "after": to_cpu(state_of(model)),
+            "before_steps": applied, "after_steps": [*applied, last]}
 
 
 def _init(device: str) -> None:
@@ -144,8 +159,8 @@ def _check_step_dropped(res: dict, bad_step: int, what: str) -> None:
     """The refused step changed nothing (parameters and Adam's state as if its batch had never
     come), and training went on: against single-process Adam on the global batch of every
     step but the refused one, as float32 training is judged (tests/workloads.py)."""
-    for key, steps in (("before", list(range(bad_step))),
-                       ("after", [*range(bad_step), bad_step + 1])):
+    for key in ("before", "after"):
+        steps = res[f"{key}_steps"]
         exact = reference("adam", 2, steps, dtype=torch.float64)
         assert_float32_close(res[key], exact, reference("adam", 2, steps),
                              what=f"{what}, {key} the next step")

@@ -137,6 +137,10 @@ def test_auto_finds_the_model_tables_and_names_are_checked() -> None:
     with pytest.raises(ValueError, match="model="):
         resolve_row_sparse(True, named, None)
     assert resolve_row_sparse("auto", named, None, explicit=False) == set()   # DEAR_ROW_SPARSE
+    # Alone there is no link to save: "auto" picks none, names are still obeyed.
+    assert resolve_row_sparse("auto", named, big, world_size=1) == set()
+    assert resolve_row_sparse("0.weight", named, big, world_size=1) == {0}
+    assert resolve_row_sparse("auto", named, big, world_size=2) == {0}
 
 
 def test_a_traced_window_sends_the_table_densely(tmp_path) -> None:

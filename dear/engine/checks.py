@@ -88,12 +88,12 @@ def edited_grad_error(name: str, param: torch.nn.Parameter, views: bool) -> Runt
 
 
 def late_grad_error(name: Optional[str]) -> RuntimeError:
-    """A `.grad` edit through `.data` seen one step late (its contents were compared on the
-    device, without stopping the host: dear/written.py's DeviceVerdict)."""
+    """A `.grad` edit through `.data` seen at a later step (its contents were compared on the
+    device, without stopping the host: dear/written.py's Verdict)."""
     return RuntimeError(
         f"dear: the gradient of {name or 'a parameter'} was changed through .data after "
-        "backward handed it to dear.DistributedOptimizer in the last iteration (seen now: "
-        "its contents are compared on the GPU without stopping the host, so that update "
+        "backward handed it to dear.DistributedOptimizer in an earlier iteration (seen "
+        "now: its contents are compared on the GPU without stopping the host, so that update "
         "was applied with the values backward produced, not the edited ones). dear reduces "
         "each gradient as backward produces it: to clip, call "
         "optimizer.clip_grad_norm_(max_norm); to edit the averaged gradients, use Horovod's "

@@ -264,7 +264,8 @@ def adopt_parameter_set(engine: "Engine") -> None:
     if engine.views is not None:
         engine.views = GradientViews()
     engine.row_sparse = resolve_row_sparse(engine.row_sparse_setting, named, engine.model,
-                                           explicit=engine.row_sparse_explicit)
+                                           explicit=engine.row_sparse_explicit,
+                                           world_size=engine.comm.size)
     engine.param_key = tuple(id(p) for p in engine.params)
     engine.param_digest = parameter_digest(named)
     note_parameter_set(engine)

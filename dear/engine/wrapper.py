@@ -310,7 +310,8 @@ def attach(opt: Any, named: list[tuple[str, torch.nn.Parameter]],
     engine.row_sparse_setting = cfg.row_sparse if row_sparse is None else row_sparse
     engine.row_sparse_explicit = row_sparse is not None
     engine.row_sparse = resolve_row_sparse(engine.row_sparse_setting, named, model,
-                                           explicit=engine.row_sparse_explicit)
+                                           explicit=engine.row_sparse_explicit,
+                                           world_size=engine.comm.size)
     if engine.row_sparse:
         log.info("dear: sent as the rows some rank used (row_sparse; DEAR_ROW_SPARSE=off "
                  "sends them whole): %s", ", ".join(engine.names[i]

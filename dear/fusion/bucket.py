@@ -209,7 +209,12 @@ class Bucket:
                 elif grad is not own:          # a view of this buffer is already in place
                     view.copy_(grad)
             self._held = [None] * len(self.params)
-            self.flags.copy_(torch.tensor(self.used, dtype=self.flags.dtype))
+            if all(u != 0 for u in self.used):
+                self.flags.fill_(1.0)
+            else:  # from pinned memory: a pageable host-to-device copy waits for the device
+                pinned = self.flags.is_cuda
+                used = torch.tensor(self.used, dtype=self.flags.dtype, pin_memory=pinned)
+                self.flags.copy_(used, non_blocking=pinned)
             self.buffer[self.spec.flags_offset + len(self.params):].zero_()
         self._filled = True
 

@@ -140,18 +140,23 @@ MIN_TABLE_BYTES = 1 << 20     # smaller tables: the marks' round trip costs more
 
 def resolve_row_sparse(setting: Union[bool, str, Sequence[str], None],
                        named: Sequence[tuple[str, torch.nn.Parameter]],
-                       model: Optional[torch.nn.Module], explicit: bool = True) -> set[int]:
+                       model: Optional[torch.nn.Module], explicit: bool = True,
+                       world_size: Optional[int] = None) -> set[int]:
     """Which parameters (indices into `named`) are sent as their used rows. `setting`: False /
     "off"; True / "auto": the weights (>= 1 MB, 2-D) of the model's dense nn.Embedding and
     nn.EmbeddingBag tables that no other module holds (needs model=; from DEAR_ROW_SPARSE,
     `explicit=False`, a missing model= just means none); or parameter names, comma-separated
     or a list. A table tied to an output layer (GPT-2's wte and lm_head) is left out: the
     output layer's gradient fills every row, so its rows would only cost the marks' round trip
-    and the all-gather's place in the next forward."""
+    and the all-gather's place in the next forward. "auto" at `world_size` 1 chooses none:
+    there is no link to save, and finding the used rows reads a count on the host (on a GPU,
+    a host-device synchronization an iteration)."""
     if setting is None or setting is False or setting == "off" or setting == "":
         return set()
     index = {name: i for i, (name, _) in enumerate(named)}
     if setting is True or setting == "auto":
+        if world_size == 1:
+            return set()
         if model is None:
             if not explicit:
                 return set()
