@@ -199,12 +199,13 @@ class Runner:
                 "host_reads": sum(ops[name] for name in HOST_READS) / iters,
                 "host_reads_by_op": {name: ops[name] / iters for name in HOST_READS
                                      if ops[name]},
-                "syncs": self.syncs(iters)}
+                **self.syncs(iters)}
 
-    def syncs(self, iters: int) -> float:
-        """Host-device synchronizations per iteration (CUDA's sync debug mode; NaN on CPU)."""
+    def syncs(self, iters: int) -> dict[str, Any]:
+        """Host-device synchronizations per iteration (CUDA's sync debug mode; NaN on CPU),
+        and where they were called from (file:line: the Python line that made each)."""
         if self.device.type != "cuda":
-            return float("nan")
+            return {"syncs": float("nan"), "sync_sites": {}}
         self.sync()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -215,7 +216,10 @@ class Runner:
             finally:
                 torch.cuda.set_sync_debug_mode("default")
         self.sync()
-        return sum("synchroniz" in str(w.message) for w in caught) / iters
+        found = [w for w in caught if "synchroniz" in str(w.message)]
+        sites = collections.Counter(f"{os.path.relpath(w.filename)}:{w.lineno}" for w in found)
+        return {"syncs": len(found) / iters,
+                "sync_sites": {k: v / iters for k, v in sites.most_common(8)}}
 
     def block(self, n: int) -> None:
         """`n` timed iterations; their medians kept as one block's (on a GPU: the block timed
@@ -311,7 +315,7 @@ def report(args: argparse.Namespace, rows: dict[str, dict[str, dict[str, Any]]])
     table_rows, summary = [], {}
     for name, per_method in rows.items():
         med = {m: {k: got[k] for k in ("wall", "process_cpu", "thread_cpu", "calls", "ops",
-                                        "host_reads", "syncs")}
+                                        "host_reads", "syncs", "sync_sites")}
                for m, got in per_method.items()}
         base = med.get("none")
         ddp = med.get("ddp")
@@ -333,6 +337,10 @@ def report(args: argparse.Namespace, rows: dict[str, dict[str, dict[str, Any]]])
                                round(m["wall"] / ddp["wall"], 3) if ddp else float("nan")])
     table = results.markdown_table(headers, table_rows)
     print(table, flush=True)
+    for name, med in summary.items():
+        for label, m in med.items():
+            if m["sync_sites"]:
+                print(f"syncs of {name} {label} per iteration, by caller: {m['sync_sites']}")
     if args.name:
         results.write(args.name, "Host cost per iteration: plain training, DDP and dear",
                       {"args": vars(args), "summary": summary, "runs": rows}, table, NOTES)

@@ -134,12 +134,14 @@ class HangReporter:
             self._store.set(f"{key}{rank}", str(mine))
         deadline = time.monotonic() + timeout
         while True:
+            # The records are read before the keys are checked: a rank that met and went on
+            # set its key before publishing a higher count, so it is seen as come. (Read
+            # after, a rank descheduled between the two reads took it for one gone.)
             with self._lock:
+                records = self._read() or {}
                 came = [r for r in range(size) if self._store.check([f"{key}{r}"])]
             if len(came) == size:
                 return []
-            with self._lock:
-                records = self._read() or {}
             gone = [r for r in range(size) if r not in came
                     and records.get(r, {}).get("issued", 0) > mine]
             if gone:

@@ -12,13 +12,15 @@ import signal
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
+import pytest
 import torch
 import torch.nn.functional as F
 
 import dear
 from dear.comm.flight import FlightRecord, mark
-from dear.hang import compose
+from dear.hang import HangReporter, compose
 from tests.distributed import run_distributed
 from tests.workloads import batch, make_net
 
@@ -214,3 +216,38 @@ def test_a_peer_stalled_before_dear_kfac_s_collectives_is_named(tmp_path) -> Non
     assert "Rank(s) that did not issue it: 1." in error, error
     assert "rank 1: did NOT issue" in error and "alive, busy outside" in error, error
     assert "dear hang report from rank 0" in _shown(hang_dir)
+
+
+class _WorldMovesOn:
+    """A store in which rank 0 reaches the meeting and goes on (its key set, then a record
+    that it issued more) right after the reporter's first existence check."""
+
+    def __init__(self, meeting: str, went_on: bool) -> None:
+        self.inner = torch.distributed.HashStore()
+        self.meeting, self.went_on, self.checks = meeting, went_on, 0
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+    def check(self, keys: list) -> bool:
+        answer = self.inner.check(keys)
+        self.checks += 1
+        if self.checks == 1:
+            if not self.went_on:                    # rank 0 met: key first, then its record
+                self.inner.set(f"dear/meet/{self.meeting}/rank0", "5")
+            self.inner.set("dear/flight/rank0", '{"issued": 9}')
+        return answer
+
+
+@pytest.mark.parametrize("went_on", [False, True])
+def test_a_rank_that_met_and_went_on_is_not_taken_for_one_gone(went_on: bool) -> None:
+    """meet() reads the records before the keys: a rank that set its key and then issued more
+    between the two reads is one that came (read the other way round it was called gone:
+    seen on a busy CI machine); one that issued more without coming is gone."""
+    comm = SimpleNamespace(size=2, rank=1, recorder=SimpleNamespace(issued=5),
+                           channel=SimpleNamespace(on_failure=None))
+    reporter = HangReporter(comm, _WorldMovesOn("m", went_on), interval=3600)  # type: ignore
+    try:
+        assert reporter.meet("m", timeout=5) == ([0] if went_on else [])
+    finally:
+        reporter.close()

@@ -8,7 +8,8 @@
 #   benchmarks.gpu_edit_checks (torch vs dear at one rank, its result files copied to $OUT).
 #   HOST_COST=1 runs benchmarks.host_cost on the GPU right after the build (plain, DDP and dear
 #   at one rank on NCCL, bf16 autocast, ResNet-50 batch 32 and 128, BERT-Base 32 x 128; result
-#   files benchmarks/results/gpu_host_cost.* copied to $OUT); PROBES=0 leaves the probes out.
+#   files benchmarks/results/gpu_host_cost.* copied to $OUT; HOST_COST_MODELS and
+#   HOST_COST_METHODS replace those lists); PROBES=0 leaves the probes out.
 # Last run: 2026-11-27 on an H200 (torch 2.11+cu130, NCCL 2.28.9): 48 CUDA tests passed, 1
 # skipped (nccl4py not installed there), 1 failed on a test bug fixed after (then passed).
 set -u
@@ -24,9 +25,10 @@ echo "build: pip exit $?"; grep -n " error" "$OUT/build.log" | head -20
 if [ "${HOST_COST:-0}" != 0 ]; then
   echo "== benchmarks.host_cost on the GPU"
   timeout "${HOST_COST_TIMEOUT:-240}" "$PY" -m benchmarks.host_cost --device cuda --nproc 1 \
-    --no-pin --autocast bf16 --models resnet50@32,resnet50@128,bert_base@32 \
-    --methods none,ddp,dear,dear:collectives_at_one=true --warmup 20 --blocks 8 --block 10 \
-    --name gpu_host_cost 2>&1 | tail -16
+    --no-pin --autocast bf16 --models "${HOST_COST_MODELS:-resnet50@32,resnet50@128,bert_base@32}" \
+    --methods "${HOST_COST_METHODS:-none,ddp,dear,dear:collectives_at_one=true}" \
+    --warmup 20 --blocks 8 --block 10 \
+    --name gpu_host_cost 2>&1 | grep -v "^USDT" | tail -16
   cp benchmarks/results/gpu_host_cost.* "$OUT/" 2>/dev/null
 fi
 if [ "${PROBES:-1}" != 0 ]; then
