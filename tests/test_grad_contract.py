@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import dear
+from dear.written import DEFERRED_DEVICES
 from tests.distributed import run_distributed, wait_for_file
 from tests.test_sharded import force_plan
 from tests.workloads import (OPTIMIZERS, assert_float32_close, batch, init_in_issue_mode,
@@ -49,13 +50,13 @@ def _edit(kind: str, model: torch.nn.Module, opt: torch.optim.Optimizer, scaler)
 
 
 def _edit_loop(kind: str, bad_step: int, sharded: bool = False, device: str = "cpu") -> dict:
-    """Good steps, then one step with the edit (`bad_step`); the error's text, the state after
-    the refused step and after one more, and which batches each should have trained on.
-    `sharded`: shard_optimizer_state under a forced plan, so the step refused has buckets
-    updated early, in backward, to undo. On a GPU an edit through .data is refused at a later
-    step() (docs/deferred-update.md): its own update ran on the values backward produced and
-    the step that sees it is the one dropped; the device is synchronized first, so that this
-    later step is the next one."""
+    """Good steps, then one step with the edit (`bad_step`); the error's text and the state
+    before the bad step, after the refused step and after one more. `sharded`:
+    shard_optimizer_state under a forced plan, so the step refused has buckets updated early,
+    in backward, to undo. On a GPU an edit through .data is refused at a later step()
+    (docs/deferred-update.md): its own update ran, and the step that sees it is the one
+    dropped (`late`: the state after the edited step); the device is synchronized first, so
+    that this later step is the next one."""
     rank, world = dear.rank(), dear.size()
     model = make_net().to(device)
     opt = dear.DistributedOptimizer(OPTIMIZERS["adam"](model.parameters()), model=model,
@@ -85,20 +86,25 @@ def _edit_loop(kind: str, bad_step: int, sharded: bool = False, device: str = "c
 
     for i in range(bad_step):
         assert step(i, False) is None
+    opt.flush_updates()
+    good = to_cpu(state_of(model))
     error = step(bad_step, True)
-    applied = list(range(bad_step))
-    if error is None and device == "cuda" and kind.startswith("data"):
-        torch.cuda.synchronize()
-        applied.append(bad_step)
+    late = None
+    if error is None and device in DEFERRED_DEVICES and kind.startswith("data"):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        opt.flush_updates()
+        late = {"edited": to_cpu(state_of(model))}
         error = step(bad_step + 1, False)
     opt.flush_updates()
     before = state_of(model)
     # The dropped step left the optimizer usable: train on, without the edit.
-    last = bad_step + 2 if bad_step in applied else bad_step + 1
-    assert step(last, False, scaler=None) is None   # (a scaler whose step raised needs update())
+    last = bad_step + (2 if late else 1)
+    again = step(last, False, scaler=None)   # (a scaler whose step raised needs update())
+    assert again is None, f"{kind}: the step after the refused one raised: {again}"
     opt.flush_updates()
-    return {"error": error, "before": to_cpu(before), "after": to_cpu(state_of(model)),
-            "before_steps": applied, "after_steps": [*applied, last]}
+    return {"error": error, "good": good, "before": to_cpu(before),
+            "after": to_cpu(state_of(model)), "late": late}
 
 
 def _init(device: str) -> None:
@@ -158,13 +164,27 @@ def _check_every_edit(ranks: list[dict]) -> None:
 def _check_step_dropped(res: dict, bad_step: int, what: str) -> None:
     """The refused step changed nothing (parameters and Adam's state as if its batch had never
     come), and training went on: against single-process Adam on the global batch of every
-    step but the refused one, as float32 training is judged (tests/workloads.py)."""
-    for key in ("before", "after"):
-        steps = res[f"{key}_steps"]
-        exact = reference("adam", 2, steps, dtype=torch.float64)
-        assert_float32_close(res[key], exact, reference("adam", 2, steps),
-                             what=f"{what}, {key} the next step")
+    step but the refused one, as float32 training is judged (tests/workloads.py). Refused late
+    (a .data edit on a GPU, docs/deferred-update.md): the edited step's update ran, on values
+    that may hold the edit, so the steps before it are judged against the reference, the
+    refused step must have changed nothing (bitwise), and a one-ulp edit, which cannot move
+    the update beyond float32 rounding, is judged against the reference too."""
+    _close(res["good"], list(range(bad_step)), f"{what}, before the bad step")
     assert max_diff(res["before"], res["after"]) > 0.0, "training did not go on"
+    if res["late"] is None:
+        _close(res["before"], list(range(bad_step)), f"{what}, before the next step")
+        _close(res["after"], [*range(bad_step), bad_step + 1], f"{what}, after the next step")
+        return
+    assert max_diff(res["before"], res["late"]["edited"]) == 0.0, (
+        f"{what}: the step refused late changed the model or the optimizer's state")
+    if "data-ulp" in what:
+        _close(res["before"], list(range(bad_step + 1)), f"{what}, refused late")
+        _close(res["after"], [*range(bad_step + 1), bad_step + 2], f"{what}, after it")
+
+
+def _close(state: dict, steps: list[int], what: str) -> None:
+    exact = reference("adam", 2, steps, dtype=torch.float64)
+    assert_float32_close(state, exact, reference("adam", 2, steps), what=what)
 
 
 def test_edit_through_data_is_refused_with_sharded_state_updated_early() -> None:

@@ -127,9 +127,11 @@ def refuse_edited_grads(engine: "Engine") -> None:
         if late is not None:
             engine.abandon_iteration()
             raise checks.late_grad_error(engine.names[late])
+        queued = len(engine.late_edits)
         i = edited_parameter(engine)
     if i is None:
         return
+    del engine.late_edits[queued:]   # this iteration's own verdicts: it is refused already
     engine.abandon_iteration()
     p = engine.params[i]
     raise checks.edited_grad_error(engine.names[i], p,
