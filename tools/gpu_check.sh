@@ -10,8 +10,8 @@
 #   at one rank on NCCL, bf16 autocast, ResNet-50 batch 32 and 128, BERT-Base 32 x 128; result
 #   files benchmarks/results/gpu_host_cost.* copied to $OUT; HOST_COST_MODELS and
 #   HOST_COST_METHODS replace those lists); PROBES=0 leaves the probes out.
-# Last run: 2026-11-27 on an H200 (torch 2.11+cu130, NCCL 2.28.9): 48 CUDA tests passed, 1
-# skipped (nccl4py not installed there), 1 failed on a test bug fixed after (then passed).
+# Last run: 2026-11-28 on an H200 (torch 2.11+cu130): 55 CUDA tests passed, 1 skipped (nccl4py
+# not installed there), at 33d0da0.
 set -u
 OUT=${OUT:-/tmp/dear-gpu-check}
 mkdir -p "$OUT"
