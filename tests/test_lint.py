@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -30,3 +31,12 @@ def test_mypy_finds_nothing_in_dear() -> None:
     out = subprocess.run([sys.executable, "-m", "mypy", "--no-incremental"],
                          cwd=ROOT, capture_output=True, text=True, timeout=280)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("module", ["dear.engine.engine", "tests.test_x", "benchmarks.bench"])
+def test_a_deprecated_call_in_our_code_fails_the_suite(module: str) -> None:
+    """pyproject's filters: a DeprecationWarning raised in our modules (dear calling a
+    deprecated torch API, say) is an error; third-party code's own stay quiet."""
+    with pytest.raises(DeprecationWarning):
+        warnings.warn_explicit("old API", DeprecationWarning, "x.py", 1, module=module)
+    warnings.warn_explicit("old API", DeprecationWarning, "x.py", 1, module="torch.nn")
