@@ -164,6 +164,9 @@ def process_set_communicator(process_set: object, timeout: float) -> Optional[An
     rank outside the set, a world of one (Horovod's optimizer there averages nothing)."""
     if process_set is None or getattr(process_set, "process_set_id", None) == 0:
         return None                            # the global set
+    make = getattr(process_set, "dear_communicator", None)
+    if callable(make):                         # dear.horovod's ProcessSet
+        return make(timeout)
     hvd = sys.modules.get("horovod.torch")
     if hvd is None or not callable(getattr(process_set, "included", None)):
         raise ValueError(f"process_set={process_set!r} is not a Horovod process set: pass one "

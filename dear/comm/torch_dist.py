@@ -207,10 +207,21 @@ class TorchCommunicator(Communicator):
         while an optimizer, kept alive by a reference cycle, still held this communicator)."""
         reverse, exchange = self._reverse, self._exchange
         self._reverse = self._exchange = None
+        if self._group is not None:        # a subgroup (a process set's): its owner destroys it
+            self._group = _Released()      # held, it would keep its store alive (stale keys)
         if exchange is not None:           # its step thread finishes what was submitted
             exchange.close()
         if reverse is not None and dist.is_initialized():
             dist.destroy_process_group(reverse)
+
+
+class _Released:
+    """Stands in for a subgroup once its communicator was shut down: any use says so."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise RuntimeError("dear: this optimizer's process set was shut down (hvd.shutdown() or "
+                           "hvd.remove_process_set()); create the optimizer again after "
+                           "hvd.init() and hvd.add_process_set()")
 
 
 def _timeout_of(group: Optional[dist.ProcessGroup]) -> Optional[datetime.timedelta]:

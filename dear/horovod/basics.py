@@ -67,6 +67,19 @@ class ProcessSet:
     def included(self) -> Optional[bool]:
         return None if self.ranks is None else rank() in self.ranks
 
+    def dear_communicator(self, timeout: float) -> object:
+        """What dear.DistributedOptimizer(process_set=this set) averages over: the set's ranks
+        (each of them must create the optimizer), or, on a rank outside the set, this rank
+        alone (Horovod's optimizer there reduces nothing)."""
+        from ..comm.local import LocalCommunicator
+        from ..comm.torch_dist import TorchCommunicator
+        if self.process_set_id is None or _state.sets.get(self.process_set_id) is not self:
+            raise ValueError(f"{self} is not registered: call hvd.add_process_set() on every "
+                             "rank before DistributedOptimizer(process_set=...)")
+        if not self.included():
+            return LocalCommunicator()
+        return TorchCommunicator(self.group, timeout=timeout)
+
     def __str__(self) -> str:
         return f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks})"
 

@@ -135,18 +135,17 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 (Horovo
                          process_set: Optional[ProcessSet] = global_process_set,
                          **options: Any) -> torch.optim.Optimizer:
     """dear.DistributedOptimizer with Horovod's arguments in Horovod's positions (dear's own,
-    such as model=, as keywords). It averages over every rank of the job: a process set that is
-    a subset of the ranks is refused."""
+    such as model=, as keywords). A process set of some ranks: the optimizer averages over
+    those ranks (every member creates it), and on a rank outside the set over none, as
+    Horovod's."""
     if named_parameters is not None:          # Horovod checks the names before hvd.init()
         named_parameters = list(named_parameters)
         named_params_of(optimizer, named_parameters, None, sparse_as_dense)
     check_initialized()
-    if process_set is not None and process_set is not global_process_set and (
-            not isinstance(process_set, ProcessSet) or process_set.ranks != list(range(size()))):
-        raise ValueError(
-            f"DistributedOptimizer(process_set={process_set}) is not supported: "
-            "dear.DistributedOptimizer averages gradients over every rank of the job. Start a "
-            "job of those ranks, or average with hvd.allreduce(..., process_set=...)")
+    if process_set is not None and not isinstance(process_set, ProcessSet):
+        raise ValueError(f"process_set must be a ProcessSet, got {process_set!r}")
+    if process_set is not None and process_set.ranks == list(range(size())):
+        process_set = global_process_set       # every rank: dear's own communicator
     if not isinstance(op, bool) and op == Adasum:
         raise NotImplementedError(ADASUM_REFUSED)
     if not isinstance(op, bool) and op in (Min, Max, Product):
@@ -154,7 +153,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 (Horovo
                          "hvd.Average or hvd.Sum")
     wrapped: Any = _dear_optimizer(optimizer, named_parameters, compression,
                                    backward_passes_per_step, op, gradient_predivide_factor,
-                                   num_groups, groups, sparse_as_dense, None, **options)
+                                   num_groups, groups, sparse_as_dense, process_set, **options)
     return wrapped
 
 
