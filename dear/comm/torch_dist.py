@@ -207,8 +207,10 @@ class TorchCommunicator(Communicator):
         while an optimizer, kept alive by a reference cycle, still held this communicator)."""
         reverse, exchange = self._reverse, self._exchange
         self._reverse = self._exchange = None
-        if self._group is not None:        # a subgroup (a process set's): its owner destroys it
-            self._group = _Released()      # held, it would keep its store alive (stale keys)
+        # A subgroup (a process set's) is destroyed by its owner; held here, it would keep its
+        # rendezvous store alive, and a re-init would read that store's stale addresses.
+        if self._group is not None:
+            self._group = _Released()  # type: ignore[assignment]
         if exchange is not None:           # its step thread finishes what was submitted
             exchange.close()
         if reverse is not None and dist.is_initialized():
