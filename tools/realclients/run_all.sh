@@ -5,6 +5,9 @@
 # state dicts every rank saves. One run at a time; each under `timeout -k 10 300`.
 #
 #   ./run_all.sh [OUT_DIR]        (default /tmp/realclients/out/<date>)
+#   ONLY=timm ./run_all.sh        the timm runs alone (src/tv/ not needed)
+#   EXTRA_PATH=DIR                a folder with timm and torchvision (pip install --target DIR
+#                                 --no-deps ...) put on PYTHONPATH after dear: no scratch venv
 #
 # Inputs (all in this folder):
 #   src/tv/    torchvision references/classification as published (pytorch/vision 428a54c, 2025-06-03;
@@ -34,7 +37,8 @@ find "$OUT/dear_pkg" -name __pycache__ -prune -exec rm -rf {} +
   echo "uncommitted changes under dear/:"; git -C "$DEAR_SRC" status --short -- dear 2>/dev/null
   echo "sha256 of the copied tree: $(cd "$OUT/dear_pkg" && find dear -type f | sort | xargs sha256sum | sha256sum | cut -c1-16)"
 } > "$OUT/dear_version.txt"
-export PYTHONPATH=$HERE/pyshim:$OUT/dear_pkg
+export PYTHONPATH=$HERE/pyshim:$OUT/dear_pkg${EXTRA_PATH:+:$EXTRA_PATH}
+ONLY=${ONLY:-}
 
 # --- build the four script variants from the published sources and the patches -------------
 build() {  # build NAME SRC PATCH...
@@ -42,8 +46,10 @@ build() {  # build NAME SRC PATCH...
     rm -rf "$BUILD/$name"; cp -r "$src" "$BUILD/$name"
     for p in "$@"; do (cd "$BUILD/$name" && patch -s -p1 < "$p") || { echo "patch $p failed"; exit 1; }; done
 }
+if [ "$ONLY" != timm ]; then
 build tv_ddp    "$HERE/src/tv"   "$HERE/patches/tv_cpu.patch"
 build tv_dear   "$HERE/src/tv"   "$HERE/patches/tv_cpu.patch" "$HERE/patches/tv_dear.patch"
+fi
 build timm_ddp  "$HERE/src/timm" "$HERE/patches/timm_cpu.patch"
 build timm_dear "$HERE/src/timm" "$HERE/patches/timm_cpu.patch" "$HERE/patches/timm_dear.patch"
 
@@ -76,10 +82,12 @@ TIMM_COMMON=(--data-dir "$DATA" --train-split train --val-split val --model resn
 
 : > "$OUT/runs.txt"
 for var in ddp dear ddp2; do
+    [ "$ONLY" = timm ] && break
     # (a) plain, StepLR
     run tv_a "$var" tv "${TV_COMMON[@]}" --epochs 2 --output-dir "$OUT/tv_a/ckpt_$var"
 done
 for var in ddp dear; do
+    [ "$ONLY" = timm ] && break
     # (b) --model-ema (an EMA update every step)
     run tv_b "$var" tv "${TV_COMMON[@]}" --epochs 2 --model-ema --model-ema-steps 1 --model-ema-decay 0.99 \
         --output-dir "$OUT/tv_b/ckpt_$var"
@@ -115,7 +123,9 @@ echo "== runs (rc 0 = ok; 124/137 = timeout) =="
 cat "$OUT/runs.txt"
 echo
 echo "== max |difference| of the final state dicts =="
-"$PY" "$HERE/compare.py" "$OUT" tv_a tv_b tv_c_p1 tv_c timm_a timm_a_nodistbn timm_b timm_c_p1 timm_c | tee "$OUT/table.txt"
+SCENARIOS="tv_a tv_b tv_c_p1 tv_c timm_a timm_a_nodistbn timm_b timm_c_p1 timm_c"
+[ "$ONLY" = timm ] && SCENARIOS="timm_a timm_a_nodistbn timm_b timm_c_p1 timm_c"
+"$PY" "$HERE/compare.py" "$OUT" $SCENARIOS | tee "$OUT/table.txt"
 echo
 echo "== dear under test =="; cat "$OUT/dear_version.txt"
 echo
