@@ -33,17 +33,13 @@ warnings.filterwarnings("ignore", message="GradScaler is going to stop passing i
                         category=FutureWarning)
 
 
-def _inverse_scale(scaler: Any) -> torch.Tensor:
+def inverse_scale(scaler: Any) -> torch.Tensor:
+    """1 / scale in float32, as GradScaler.unscale_ multiplies by it."""
     scale = scaler._get_scale_async()
     if scale is None:
         raise RuntimeError("scaler.step(optimizer) before scaler.scale(loss): there is no scale "
                            "to undo; call scaler.scale(loss).backward() first")
     return scale.double().reciprocal().float()   # as GradScaler.unscale_ does
-
-
-def inverse_scale(scaler: Any) -> torch.Tensor:
-    """1 / scale in float32, as GradScaler.unscale_ multiplies by it."""
-    return _inverse_scale(scaler)
 
 
 def unscale_local(buckets: Sequence[Bucket], rank: int, scaler: Any,
@@ -58,7 +54,7 @@ def unscale_local(buckets: Sequence[Bucket], rank: int, scaler: Any,
                          "float32 and run the forward under torch.autocast, or use bfloat16")
     device = buckets[0].shard.device
     found = torch.zeros((), dtype=torch.float32, device=device)
-    inv_scale = (_inverse_scale(scaler) if in_place else torch.ones((), dtype=torch.float32)
+    inv_scale = (inverse_scale(scaler) if in_place else torch.ones((), dtype=torch.float32)
                  ).to(device)
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = defaultdict(list)
     for piece in gradient_slices(buckets, rank):

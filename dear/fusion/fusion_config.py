@@ -26,7 +26,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import math
 import os
 import tempfile
 from typing import Any, Optional, Sequence
@@ -139,7 +138,3 @@ def load(path: str, fingerprint: str) -> FusionConfig:
 
 def _optional_int(value: Any) -> Optional[int]:
     return None if value is None else int(value)
-
-
-def log2_bytes(nbytes: int) -> float:
-    return math.log2(max(nbytes, 1))

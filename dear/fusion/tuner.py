@@ -27,7 +27,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import statistics
 import time
 from typing import Any, Callable, Optional
@@ -287,8 +286,3 @@ class OnlineAutotuner(TrialDriver):
                           "iteration_time_s": round(seconds, 6),
                           "samples_per_s": self._samples_per_s(seconds),
                           "best_so_far_s": round(self.tuner.best_time or seconds, 6)})
-
-
-def default_paths(directory: str = ".") -> tuple[str, str]:
-    return (os.path.join(directory, "dear_autotune.jsonl"),
-            os.path.join(directory, "dear_fusion.json"))
