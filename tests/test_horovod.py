@@ -9,6 +9,7 @@ import torch
 
 from tests.horovod_launch import horovod_available, run_horovod
 from tests.subprocesses import BIN, ROOT, run
+from tests.workloads import set_batch, set_net, set_reference
 
 
 def test_horovod_is_installed_with_its_torch_extension():
@@ -141,7 +142,7 @@ def process_set_training(out: str) -> None:
     import dear
     hvd.init()
     pair = hvd.add_process_set([0, 2])
-    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+    model = set_net()
     torch.manual_seed(0)
     for p in model.parameters():
         torch.nn.init.normal_(p)
@@ -149,7 +150,7 @@ def process_set_training(out: str) -> None:
                                     named_parameters=model.named_parameters(),
                                     process_set=pair)
     for step in range(4):
-        x, y = _set_batch(step, hvd.rank())
+        x, y = set_batch(step, hvd.rank())
         opt.zero_grad()
         torch.nn.functional.mse_loss(model(x), y).backward()
         opt.step()
@@ -158,11 +159,6 @@ def process_set_training(out: str) -> None:
     torch.save({"state": state, "names": names}, f"{out}.{hvd.rank()}")
     dear.shutdown()
     hvd.remove_process_set(pair)
-
-
-def _set_batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(100 * step + rank)
-    return torch.randn(4, 6, generator=g), torch.randn(4, 3, generator=g)
 
 
 def test_a_process_set_averages_over_its_own_ranks(tmp_path, monkeypatch):
@@ -177,18 +173,11 @@ def test_a_process_set_averages_over_its_own_ranks(tmp_path, monkeypatch):
     run_horovod([str(script)], np=3, timeout=180)
 
     def reference(ranks: list[int]) -> dict:
-        model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(),
-                                    torch.nn.Linear(5, 3))
+        model = set_net()
         torch.manual_seed(0)
         for p in model.parameters():
             torch.nn.init.normal_(p)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        for step in range(4):
-            xs, ys = zip(*(_set_batch(step, r) for r in ranks))
-            opt.zero_grad()
-            torch.nn.functional.mse_loss(model(torch.cat(xs)), torch.cat(ys)).backward()
-            opt.step()
-        return model.state_dict()
+        return set_reference(model.state_dict(), ranks)
 
     results = [torch.load(f"{out}.{r}") for r in range(3)]
     for ranks, members in (([0, 2], (0, 2)), ([1], (1,))):

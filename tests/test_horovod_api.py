@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from tests.distributed import run_distributed, wait_for_file
 from tests.subprocesses import ROOT
+from tests.workloads import set_batch, set_net, set_reference
 
 FAST = {"DEAR_TIMEOUT": "60"}
 
@@ -313,16 +314,16 @@ def _process_set_ranks() -> None:
     # concatenated batches; rank 1, outside it, trains on its own (Horovod's optimizer there
     # averages nothing). Sums of two halves instead of one batch: float32 rounding.
     torch.manual_seed(0)
-    net = _set_net()
+    net = set_net()
     start = {k: v.clone() for k, v in net.state_dict().items()}
     opt = hvd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9),
                                    named_parameters=net.named_parameters(), process_set=pair)
     for step in range(4):
-        xb, yb = _set_batch(step, r)
+        xb, yb = set_batch(step, r)
         opt.zero_grad()
         torch.nn.functional.mse_loss(net(xb), yb).backward()
         opt.step()
-    for name, value in _set_reference(start, [0, 2] if r != 1 else [1]).items():
+    for name, value in set_reference(start, [0, 2] if r != 1 else [1]).items():
         torch.testing.assert_close(net.state_dict()[name], value, rtol=1e-5, atol=1e-6,
                                    msg=f"rank {r}, {name}")
     opt.flush_updates()
@@ -338,28 +339,6 @@ def _process_set_ranks() -> None:
     if r != 1:
         assert torch.equal(hvd.allreduce(x, op=hvd.Sum, process_set=evens), torch.full((3,), 4.0))
     hvd.barrier()
-
-
-def _set_net() -> torch.nn.Module:
-    return torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
-
-
-def _set_batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(100 * step + rank)
-    return torch.randn(4, 6, generator=g), torch.randn(4, 3, generator=g)
-
-
-def _set_reference(start: dict, ranks: list[int]) -> dict:
-    """Single-process SGD on the concatenated batches of `ranks`."""
-    net = _set_net()
-    net.load_state_dict(start)
-    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
-    for step in range(4):
-        xs, ys = zip(*(_set_batch(step, k) for k in ranks))
-        opt.zero_grad()
-        torch.nn.functional.mse_loss(net(torch.cat(xs)), torch.cat(ys)).backward()
-        opt.step()
-    return net.state_dict()
 
 
 def test_process_sets_run_on_their_own_groups():

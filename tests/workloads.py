@@ -93,6 +93,32 @@ def reference(opt: Union[str, Callable[[Any], torch.optim.Optimizer]], world: in
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def set_net() -> torch.nn.Module:
+    """The small model of the process-set tests (tests/test_horovod.py, test_horovod_api.py)."""
+    return torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+
+
+def set_batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank `rank`'s batch of step `step` in the process-set tests."""
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randn(4, 6, generator=g), torch.randn(4, 3, generator=g)
+
+
+def set_reference(start: dict[str, torch.Tensor], ranks: Sequence[int], steps: int = 4
+                  ) -> dict[str, torch.Tensor]:
+    """Single-process SGD (momentum 0.9) from `start` on the concatenated batches of `ranks`:
+    what an optimizer averaging over the process set `ranks` must give."""
+    net = set_net()
+    net.load_state_dict(start)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    for step in range(steps):
+        xs, ys = zip(*(set_batch(step, k) for k in ranks))
+        opt.zero_grad()
+        F.mse_loss(net(torch.cat(xs)), torch.cat(ys)).backward()
+        opt.step()
+    return net.state_dict()
+
+
 def state_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 

@@ -73,9 +73,7 @@ class ProcessSet:
         alone (Horovod's optimizer there reduces nothing)."""
         from ..comm.local import LocalCommunicator
         from ..comm.torch_dist import TorchCommunicator
-        if self.process_set_id is None or _state.sets.get(self.process_set_id) is not self:
-            raise ValueError(f"{self} is not registered: call hvd.add_process_set() on every "
-                             "rank before DistributedOptimizer(process_set=...)")
+        _check_registered(self)
         if not self.included():
             return LocalCommunicator()
         return TorchCommunicator(self.group, timeout=timeout)
@@ -332,14 +330,18 @@ def _release(ps: ProcessSet) -> None:
     ps.group = ps.control = None
 
 
+def _check_registered(ps: ProcessSet) -> None:
+    if ps.process_set_id is None or _state.sets.get(ps.process_set_id) is not ps:
+        raise ValueError(f"{ps} is not registered: call hvd.add_process_set() on every rank")
+
+
 def member(process_set: Optional[ProcessSet]) -> ProcessSet:
     """The registered set a collective runs on (None: the global set); this rank must be in it."""
     check_initialized()
     ps = global_process_set if process_set is None else process_set
     if not isinstance(ps, ProcessSet):
         raise ValueError(f"process_set must be a ProcessSet, got {ps!r}")
-    if ps.process_set_id is None or _state.sets.get(ps.process_set_id) is not ps:
-        raise ValueError(f"{ps} is not registered: call hvd.add_process_set() on every rank")
+    _check_registered(ps)
     if not ps.included():
         raise ValueError(f"rank {rank()} is not a member of {ps}")
     return ps
