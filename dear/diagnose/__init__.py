@@ -10,16 +10,21 @@
   fusion threshold or DeAR fusion layout (`fusion=FusionConfig(...)`; the objective of
   dear.fusion.offline's tuner). `Simulator(path, contention=fit_contention(overlapped,
   clean))` also models compute slowed by communication on the same CPU.
-Command line: `python -m dear.diagnose report|simulate TRACE_DIR ...`.
+- `scaling_curve(path, workers, topology=Topology(...))`: throughput, speed-up and efficiency
+  vs workers per schedule, by the replay and a closed-form queueing model (docs: "How many
+  workers?").
+Command line: `python -m dear.diagnose report|simulate|scale TRACE_DIR ...`.
 """
 
 from .chrome import Trace, load_trace
 from .costmodel import CostModel
 from .plot import plot_timeline
 from .report import Report, build_report, format_report
+from .scale import ScalingCurve, scaling_curve
 from .simulate import Prediction, Schedule, Simulator, fit_contention, predict_iteration_time
+from .topology import Topology
 from .trace import Tracer, trace
 
-__all__ = ["CostModel", "Prediction", "Report", "Schedule", "Simulator", "Trace", "Tracer",
-           "build_report", "fit_contention", "format_report", "load_trace", "plot_timeline",
-           "predict_iteration_time", "trace"]
+__all__ = ["CostModel", "Prediction", "Report", "ScalingCurve", "Schedule", "Simulator",
+           "Topology", "Trace", "Tracer", "build_report", "fit_contention", "format_report",
+           "load_trace", "plot_timeline", "predict_iteration_time", "scaling_curve", "trace"]

@@ -1,4 +1,4 @@
-"""python -m dear.diagnose report|simulate TRACE_DIR [...] | hang [DIR]"""
+"""python -m dear.diagnose report|simulate|scale TRACE_DIR [...] | hang [DIR]"""
 
 from __future__ import annotations
 
@@ -42,6 +42,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     hang.set_defaults(run=_hang)
     from .simulate_cli import add_parser as add_simulate
     add_simulate(sub)
+    from .scale_cli import add_parser as add_scale
+    add_scale(sub)
     args = parser.parse_args(argv)
     try:
         return int(args.run(args))
