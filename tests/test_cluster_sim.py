@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from dear.cluster import (FIFO, CommModelCurve, Job, JobView, LinearCurve, Optimus, Pollux,
-                          TableCurve, as_curve, generate, load_jobs, make_policy, simulate)
+                          TableCurve, as_curve, from_scaling_curve, generate, load_jobs,
+                          make_policy, simulate)
 from dear.cluster.__main__ import main as cli
 from dear.cluster.metrics import batch_means_interval
 from dear.cluster.policies import POLICIES
@@ -212,3 +213,20 @@ def test_jobs_file_round_trip_and_cli(tmp_path: Path) -> None:
     assert {s["policy"] for s in summary} == {"fifo", "pollux"}
     assert cli(["simulate", "--jobs-file", str(path), "--gpus", "2", "--out",
                 str(out)]) == 2
+
+
+def test_a_scaling_curve_becomes_a_table_curve() -> None:
+    """dear.diagnose.scale's result (duck-typed here: workers + samples_per_s) maps onto a
+    TableCurve: exact at the predicted points, interpolated between, capped at the last."""
+    class Scaling:
+        workers = [1, 2, 4, 8]
+        batch_size = 32
+
+        def samples_per_s(self, schedule: str, model: str = "replay") -> list[float]:
+            return {"dear": [100.0, 190.0, 350.0, 600.0]}[schedule]
+    curve = from_scaling_curve(Scaling(), "dear")
+    assert [curve.throughput(n) for n in (0, 1, 2, 3, 4, 8, 16)] == [
+        0.0, 100.0, 190.0, 270.0, 350.0, 600.0, 600.0]
+    assert curve.max_workers == 8
+    with pytest.raises(ValueError, match="ScalingCurve"):
+        from_scaling_curve(object())

@@ -4,7 +4,7 @@ their throughput-vs-workers curves, a policy allocates, the simulation reports c
 matplotlib for the plot)."""
 
 from .curves import (CommModelCurve, LinearCurve, PolluxCurve, TableCurve, ThroughputCurve,
-                     as_curve)
+                     as_curve, from_scaling_curve)
 from .experiment import Comparison, compare
 from .metrics import summarize
 from .policies import FIFO, SRTF, Optimus, Pollux, Tiresias, make_policy
@@ -12,6 +12,6 @@ from .simulator import JobRecord, JobView, SimulationResult, simulate
 from .workload import Job, generate, load_jobs
 
 __all__ = ["ThroughputCurve", "TableCurve", "CommModelCurve", "PolluxCurve", "LinearCurve",
-           "as_curve", "Job", "generate", "load_jobs", "simulate", "SimulationResult",
-           "JobRecord", "JobView", "FIFO", "SRTF", "Tiresias", "Optimus", "Pollux",
-           "make_policy", "summarize", "compare", "Comparison"]
+           "as_curve", "from_scaling_curve", "Job", "generate", "load_jobs", "simulate",
+           "SimulationResult", "JobRecord", "JobView", "FIFO", "SRTF", "Tiresias", "Optimus",
+           "Pollux", "make_policy", "summarize", "compare", "Comparison"]

@@ -182,6 +182,21 @@ def as_curve(source: Any, max_workers: int = 0) -> ThroughputCurve:
                      "pairs, or an object with `workers` and `throughput` sequences")
 
 
+def from_scaling_curve(scaling: Any, schedule: str = "dear", model: str = "replay",
+                       max_workers: int = 0) -> TableCurve:
+    """dear.diagnose.scale's ScalingCurve (a trace's predicted samples/s at each worker count,
+    per schedule and model) -> the TableCurve of one schedule. Duck-typed: anything with
+    `workers` and `samples_per_s(schedule, model)`; nothing of dear.diagnose is imported."""
+    try:
+        values = scaling.samples_per_s(schedule, model)
+        workers = scaling.workers
+    except AttributeError:
+        raise ValueError("expected a ScalingCurve (dear.diagnose.scale.scaling_curve's "
+                         "result): an object with `workers` and `samples_per_s(schedule, "
+                         "model)`") from None
+    return TableCurve.from_points(zip(workers, values), max_workers)
+
+
 def curve_from_dict(spec: Mapping[str, Any]) -> ThroughputCurve:
     """The "curve" object of a jobs file (docs/sharing-a-cluster.md) -> a curve."""
     if not isinstance(spec, Mapping) or "kind" not in spec:
