@@ -35,7 +35,7 @@ warnings.filterwarnings("ignore", message="GradScaler is going to stop passing i
 
 def inverse_scale(scaler: Any) -> torch.Tensor:
     """1 / scale in float32, as GradScaler.unscale_ multiplies by it."""
-    scale = scaler._get_scale_async()
+    scale = scaler._get_scale_async()  # torch's GradScaler  # noqa: SLF001
     if scale is None:
         raise RuntimeError("scaler.step(optimizer) before scaler.scale(loss): there is no scale "
                            "to undo; call scaler.scale(loss).backward() first")
@@ -71,14 +71,15 @@ def agree(comm: Communicator, found: torch.Tensor) -> torch.Tensor:
 
 def record(scaler: Any, optimizer: Any, found: torch.Tensor) -> None:
     """Make `scaler.update()` see the agreed found-inf (it sums these per-device tensors)."""
-    per_device = scaler._found_inf_per_device(optimizer)
+    per_device = scaler._found_inf_per_device(optimizer)  # torch's GradScaler  # noqa: SLF001
     per_device.clear()
     per_device[found.device] = found.float()
 
 
 def unscaled_by_user(scaler: Any, optimizer: Any) -> bool:
     """Whether the user called scaler.unscale_(optimizer) in this iteration."""
-    return scaler._per_optimizer_states[id(optimizer)]["stage"] is OptState.UNSCALED
+    # torch's GradScaler: no public API for this
+    return scaler._per_optimizer_states[id(optimizer)]["stage"] is OptState.UNSCALED  # noqa: SLF001
 
 
 def unscale_averaged_grads(scaler: Any, optimizer: torch.optim.Optimizer) -> bool:
@@ -86,7 +87,8 @@ def unscale_averaged_grads(scaler: Any, optimizer: torch.optim.Optimizer) -> boo
     rank, so GradScaler's own unscale_ is right as it is. Return whether to skip the update."""
     if not unscaled_by_user(scaler, optimizer):
         scaler.unscale_(optimizer)
-    return bool(sum(v.item() for v in scaler._found_inf_per_device(optimizer).values()))
+    found = scaler._found_inf_per_device(optimizer)  # torch's GradScaler  # noqa: SLF001
+    return bool(sum(v.item() for v in found.values()))
 
 
 def add_step_listener(optimizer: torch.optim.Optimizer, listener: Any) -> None:

@@ -31,7 +31,7 @@ from .comm.base import Communicator
 def issue_pending() -> None:
     """Before a collective issued from the main thread inside dear (buffers, sparse gradients,
     dear.join): every optimizer's collective thread has issued what backward gave it, so this
-    collective keeps its place in the order on every rank (as runtime._flush_all does for the
+    collective keeps its place in the order on every rank (as runtime.flush_all does for the
     user's collectives)."""
     for opt in runtime.optimizers():
         opt.dear_schedule.drain()

@@ -260,6 +260,11 @@ class Config:
                              f"{self.horovod_data_plane!r}")
 
     @classmethod
+    def variables(cls) -> dict[str, str]:
+        """Each field's DEAR_* variable (configuration table, settings digest)."""
+        return {field: var for field, (var, _parse) in cls._ENV.items()}
+
+    @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> "Config":
         """Defaults, overridden by DEAR_* variables, overridden by explicit (non-None) arguments."""
         environ = os.environ if environ is None else environ

@@ -180,7 +180,7 @@ class DeARStrategy(DDPStrategy):
 
         def clip_gradients(optimizer: Any, clip_val: Union[int, float, None] = 0.0,
                            gradient_clip_algorithm: Any = None) -> None:
-            opt: Any = (optimizer._optimizer if isinstance(optimizer, LightningOptimizer)
+            opt: Any = (optimizer._optimizer if isinstance(optimizer, LightningOptimizer)  # noqa: SLF001
                         else optimizer)
             if not hasattr(opt, "flush_updates"):   # not dear's: Lightning's own clipping
                 return original(optimizer, clip_val,  # type: ignore[arg-type]
@@ -205,12 +205,14 @@ class DeARStrategy(DDPStrategy):
         """Lightning's Precision.optimizer_step without handing the closure to step(): run it,
         the before-step hooks and clipping, then step (through the GradScaler if there is one)."""
         model = model or self.lightning_module
-        opt = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+        # Lightning's wrapper and precision plugin: no public API for these
+        opt = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer  # noqa: SLF001
         if not hasattr(opt, "flush_updates"):
             return super().optimizer_step(optimizer, closure, model, **kwargs)
         precision = self.precision_plugin
         closure_result = closure()
-        precision._after_closure(model, opt)  # on_before_optimizer_step hooks, then clipping
+        # on_before_optimizer_step hooks, then clipping
+        precision._after_closure(model, opt)  # noqa: SLF001
         skipped_backward = closure_result is None
         if isinstance(model, pl.LightningModule) and model.automatic_optimization \
                 and skipped_backward:

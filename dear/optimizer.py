@@ -88,10 +88,10 @@ def _count_steps(optimizer: torch.optim.Optimizer) -> None:
     @functools.wraps(step)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         opt: Any = ref()
-        opt._opt_called = True
+        opt._opt_called = True  # torch's LR scheduler flags  # noqa: SLF001
         return step(opt, *args, **kwargs)
 
-    wrapper._wrapped_by_lr_sched = True        # type: ignore[attr-defined]
+    wrapper._wrapped_by_lr_sched = True        # type: ignore[attr-defined]  # noqa: SLF001 (torch's LR scheduler flags)
     optimizer.step = wrapper                   # type: ignore[method-assign]
 
 

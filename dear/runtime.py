@@ -175,6 +175,20 @@ def communicator() -> Communicator:
     return _state.comm
 
 
+def current_communicator() -> Optional[Communicator]:
+    """The process's communicator, or None before dear.init()."""
+    return _state.comm
+
+
+def replace_communicator(old: object, new: Any) -> bool:
+    """Put `new` in place of `old` if `old` is the process's communicator (dear.diagnose's
+    tracer wraps it while it records, and unwraps it after); whether it did."""
+    if _state.comm is not old:
+        return False
+    _state.comm = new
+    return True
+
+
 def config() -> Config:
     return _state.config
 
@@ -219,7 +233,7 @@ def local_rank() -> int:
     return 0 if size() == 1 else communicator().local_rank
 
 
-def _flush_all() -> None:
+def flush_all() -> None:
     """Before a collective of the user's: pending updates applied, and whatever an optimizer's
     collective thread was given is issued, so this one keeps its place in the order."""
     for opt in list(_state.optimizers):
@@ -234,7 +248,7 @@ def broadcast_parameters(params: Union[Mapping[str, torch.Tensor],
     """Copy rank `root_rank`'s tensors to every rank, in place (a state_dict, named_parameters()
     or a list of tensors), in the same order on every rank."""
     comm = communicator()
-    _flush_all()
+    flush_all()
     mark_phase("dear.broadcast_parameters")
     items = params.items() if isinstance(params, Mapping) else params
     tensors = [t[1] if isinstance(t, tuple) else t for t in items]
@@ -251,7 +265,7 @@ def broadcast_parameters(params: Union[Mapping[str, torch.Tensor],
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0) -> None:
     """Give every rank rank `root_rank`'s optimizer state and hyperparameters."""
     comm = communicator()
-    _flush_all()
+    flush_all()
     mark_phase("dear.broadcast_optimizer_state")
     if getattr(optimizer, "shard_optimizer_state", False):
         # Each rank holds its own shards of one state: only the hyperparameters are rank 0's.

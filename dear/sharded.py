@@ -106,6 +106,11 @@ class ShardedState:
         self.attributes: Optional[dict[str, Any]] = None
 
     @property
+    def shard_values(self) -> list[torch.Tensor]:
+        """Per bucket, this rank's shard of its parameters (memory accounting)."""
+        return self._values
+
+    @property
     def holds_state(self) -> bool:
         return any(self.state.values())
 

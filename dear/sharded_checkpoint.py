@@ -41,7 +41,7 @@ def _sharded_tensor(pieces: list[tuple[int, int, int]], local: Optional[torch.Te
               and m.placement is not None and m.placement.rank() == rank]
     meta = ShardedTensorMetadata(shards_metadata=metas, size=torch.Size([numel]),
                                  tensor_properties=TensorProperties(dtype=dtype))
-    return ShardedTensor._init_from_local_shards_and_global_metadata(shards, meta)
+    return ShardedTensor._init_from_local_shards_and_global_metadata(shards, meta)  # torch's  # noqa: SLF001
 
 
 def _pieces(sharded: ShardedState, world: int) -> dict[Any, list[tuple[int, int, int]]]:

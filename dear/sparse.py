@@ -154,7 +154,7 @@ class SparseGradients:
             i_block = idx[sum(idx_sizes[:k]):sum(idx_sizes[:k + 1])].view(sparse_dims[k], most[k])
             i_block[:, :n].copy_(g._indices())
             v_block = vals[sum(val_sizes[:k]):sum(val_sizes[:k + 1])].view(most[k], row_numels[k])
-            v_block[:n].copy_(g._values().reshape(n, -1))
+            v_block[:n].copy_(g._values().reshape(n, -1))  # torch's sparse tensor  # noqa: SLF001
         if prescale != 1.0:
             vals.mul_(prescale)
         all_idx = torch.empty(world * idx.numel(), dtype=idx.dtype, device=device)

@@ -232,7 +232,7 @@ def collective_knobs(config: Any) -> dict[str, str]:
         value = getattr(config, field.name)
         if field.name == "trace":              # tracing on or off; the path is local
             value = bool(value)
-        var = config._ENV.get(field.name, (field.name,))[0]
+        var = config.variables().get(field.name, field.name)
         out[var] = repr(value)
     return out
 

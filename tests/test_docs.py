@@ -69,7 +69,7 @@ def _documented_variables() -> dict[str, str]:
 
 def _declared_variables() -> dict[str, str]:
     """Config's fields as from_env reads them: variable -> field name."""
-    return {variable: field for field, (variable, _parse) in Config._ENV.items()}
+    return {variable: field for field, variable in Config.variables().items()}
 
 
 def test_configuration_table_lists_every_variable_config_reads() -> None:

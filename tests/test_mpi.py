@@ -259,7 +259,7 @@ def _progress() -> None:
     x = torch.ones(4 * 1024 * 1024)
     out = torch.empty(x.numel() // comm.size)
     work = comm.reduce_scatter(x, out)
-    request = work._inner[0]                                   # type: ignore[attr-defined]
+    request = work.inner[0]                                    # type: ignore[attr-defined]
     done = request.event.wait(60)
     work.wait()
     ok = done and bool((out == comm.size).all())

@@ -62,7 +62,7 @@ class CallbackWork(Work):
 
     def __init__(self, inner: list[Any], finish: Optional[Callable[[], object]] = None,
                  timeout: Optional[float] = None) -> None:
-        self._inner = inner
+        self.inner = inner                  # public: dear.diagnose's tracer relays them
         self._finish = finish
         self._done = False
         # DEAR_TIMEOUT for torch.distributed handles: the process group's own timeout may be
@@ -72,7 +72,7 @@ class CallbackWork(Work):
     def wait(self) -> None:
         if self._done:
             return
-        for work in self._inner:
+        for work in self.inner:
             if self._timeout is not None and not isinstance(work, Work):
                 work.wait(self._timeout)
             else:

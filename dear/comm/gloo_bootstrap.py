@@ -71,9 +71,9 @@ def reachable_address(iface: Optional[str]) -> tuple[str, str]:
 
 def _group(store: Any, name: str, rank: int, size: int, iface: Optional[str],
            timeout: datetime.timedelta) -> Any:
-    options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
-    options._timeout = timeout
-    options._devices = [dist.ProcessGroupGloo.create_device(interface=iface) if iface
+    options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # noqa: SLF001 (torch's Gloo options)
+    options._timeout = timeout  # torch's Gloo options  # noqa: SLF001
+    options._devices = [dist.ProcessGroupGloo.create_device(interface=iface) if iface  # torch's  # noqa: SLF001
                         else dist.ProcessGroupGloo.create_default_device()]
     return dist.ProcessGroupGloo(dist.PrefixStore(f"{_PREFIX}.{name}", store), rank, size,
                                  options)

@@ -88,7 +88,7 @@ class MPIRequest:
 
     def wait(self) -> None:
         if not self._done:
-            self._comm._wait(self)
+            self._comm.complete(self)
             self.keep = ()
             self._done = True
 
@@ -224,7 +224,7 @@ class MPICommunicator(Communicator):
                 continue                         # test again at once: more may be ready
             time.sleep(self._interval)
 
-    def _wait(self, work: MPIRequest) -> None:
+    def complete(self, work: MPIRequest) -> None:
         """Until the request completes: the waiting thread drives MPI itself (MPI_Test, backing
         off from 20 us to 1 ms), since it has nothing else to do; the progress thread may
         complete it too. At most DEAR_TIMEOUT seconds."""

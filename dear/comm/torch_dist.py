@@ -231,8 +231,8 @@ def _timeout_of(group: Optional[dist.ProcessGroup]) -> Optional[datetime.timedel
     as fast as the group it doubles; None (torch's default) if torch hides it."""
     try:
         pg = group if group is not None else dist.group.WORLD
-        backend = pg._get_backend(torch.device("cpu"))  # type: ignore[union-attr]
-        return backend.options._timeout
+        backend = pg._get_backend(torch.device("cpu"))  # type: ignore[union-attr]  # noqa: SLF001 (torch's)
+        return backend.options._timeout  # torch's Gloo options  # noqa: SLF001
     except (AttributeError, RuntimeError):
         return None
 
@@ -257,7 +257,7 @@ class _StepWork(Work):
         self._callbacks: list[Callable[[], None]] = []
         self._lock = threading.Lock()
 
-    def _finish(self, error: Optional[BaseException]) -> None:
+    def finish(self, error: Optional[BaseException]) -> None:
         with self._lock:
             self._error = error
             self._done.set()
@@ -337,7 +337,7 @@ def _run_steps(jobs: queue.SimpleQueue) -> None:
                 run()
             except BaseException as exc:
                 failed = error = exc
-        work._finish(error)
+        work.finish(error)
         del run, work                 # drop the groups the job referenced
 
 

@@ -160,7 +160,7 @@ class TracingCommunicator(WrappedCommunicator):
 
     def _track(self, rec: CollectiveRecord, issued: Work, cuda: bool) -> None:
         work: Any = getattr(issued, "backend_work", issued)    # under the flight record
-        inner = getattr(work, "_inner", None)           # dear.comm.base.CallbackWork
+        inner = getattr(work, "inner", None)            # dear.comm.base.CallbackWork
         handle = getattr(work, "_handle", None)         # dear.comm.horovod.HorovodWork
         if isinstance(work, DoneWork) or (isinstance(inner, list) and not inner):
             rec.complete(self._recorder.clock(), "issue")
@@ -172,7 +172,7 @@ class TracingCommunicator(WrappedCommunicator):
                 _stamp_when_all_done(rec, futures, self._recorder.clock)
             else:
                 relays = [_Relay() for _ in inner]
-                work._inner = relays                     # type: ignore[attr-defined]
+                work.inner = relays                      # type: ignore[attr-defined]
                 self._watcher.wait_for(rec, inner, relays)
         elif callable(getattr(work, "add_done_callback", None)):   # dear's ring exchange
             clock = self._recorder.clock
@@ -252,7 +252,7 @@ def ddp_comm_hook(slot: list) -> Callable:
     def traced_allreduce(process_group, bucket):  # type: ignore[no-untyped-def]
         # (no annotations: DDP compares them with dist.GradBucket, and ours are strings)
         tracer = slot[0]
-        iteration = tracer._recording if tracer is not None else None
+        iteration = tracer.recording if tracer is not None else None
         if iteration is None:
             return allreduce_hook(process_group, bucket)
         recorder: Recorder = tracer.recorder

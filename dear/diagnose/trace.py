@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import time
+import weakref
 from typing import Any, Iterator, Optional
 
 import torch
@@ -31,6 +32,9 @@ from .recorder import Clock, CollectiveKind, Ev, Recorder
 from .targets import collect_params, describe
 
 log = logging.getLogger("dear")
+
+# DDP keeps a comm hook for good: each traced DDP model's hook asks its slot for the tracer.
+_DDP_SLOTS: "weakref.WeakKeyDictionary[torch.nn.Module, list]" = weakref.WeakKeyDictionary()
 
 
 def parse_iterations(text: str) -> range:
@@ -103,6 +107,11 @@ class Tracer:
         """Iterations completed since the tracer started."""
         return self._count
 
+    @property
+    def recording(self) -> Optional[int]:
+        """The iteration being recorded now, or None between recorded iterations."""
+        return self._recording
+
     def _active(self) -> Optional[int]:
         return self._recording
 
@@ -168,7 +177,7 @@ class Tracer:
         from .. import runtime
         dear_opt = hasattr(self.optimizer, "dear_communicator")
         opt_comm = self.optimizer.dear_communicator if dear_opt else None
-        rt_comm = runtime._state.comm
+        rt_comm = runtime.current_communicator()
         target = opt_comm if opt_comm is not None else rt_comm
         if target is None:
             return None
@@ -181,7 +190,7 @@ class Tracer:
         if schedule is not None:               # the replay models DeAR's order: trace that
             self._schedule_was_paused, schedule.paused = schedule.paused, True
         if rt_comm is target:
-            runtime._state.comm = proxy
+            runtime.replace_communicator(target, proxy)
         self._proxy = proxy
         return proxy
 
@@ -196,8 +205,7 @@ class Tracer:
         schedule = getattr(self.optimizer, "dear_schedule", None)
         if schedule is not None:
             schedule.paused = getattr(self, "_schedule_was_paused", False)
-        if runtime._state.comm is proxy:
-            runtime._state.comm = inner
+        runtime.replace_communicator(proxy, inner)
 
     # ------------------------------------------------------------------------- iterations
     def _set_count(self, count: int, t_ns: int) -> None:
@@ -226,7 +234,7 @@ class Tracer:
             self._hook_ddp(model)
 
     def _hook_ddp(self, ddp: torch.nn.parallel.DistributedDataParallel) -> None:
-        slot: Any = getattr(ddp, "_dear_trace_slot", None)
+        slot: Any = _DDP_SLOTS.get(ddp)
         if slot is None:
             if getattr(ddp, "_comm_hooks", None):
                 log.warning("dear.diagnose: this DDP model has its own comm hook; its "
@@ -234,7 +242,7 @@ class Tracer:
                 return
             slot = [None]                      # DDP keeps a comm hook for good: it asks
             ddp.register_comm_hook(ddp.process_group, ddp_comm_hook(slot))  # the slot
-            ddp._dear_trace_slot = slot  # type: ignore[attr-defined]
+            _DDP_SLOTS[ddp] = slot
         slot[0] = self
         self._ddp_slot = slot
 
@@ -260,7 +268,7 @@ class Tracer:
             self._patched.append("step")
         allreduce = getattr(optimizer, "_allreduce_grad_async", None)
         if callable(allreduce) and hasattr(optimizer, "_handles"):  # horovod.torch's optimizer
-            optimizer._allreduce_grad_async = self._traced_horovod(allreduce)
+            optimizer._allreduce_grad_async = self._traced_horovod(allreduce)  # horovod.torch's  # noqa: SLF001
             self._patched.append("_allreduce_grad_async")
         observe = getattr(optimizer, "dear_observe_updates", None)
         if observe is not None:                # dear: per-bucket updates

@@ -83,8 +83,8 @@ class Hooks:
             self.switch.fast = (buckets is not None and not provisional
                                 and not iteration.reduced and passes_needed == 1)
         for bucket in buckets or ():
-            if bucket._ready is not None:
-                bucket._ready.set_digest(iteration.check_contents)
+            if bucket.ready is not None:
+                bucket.ready.set_digest(iteration.check_contents)
 
     def hook_modules(self, keep: Optional[set[torch.nn.Module]]) -> None:
         """Hook only the modules in `keep` (each bucket's first module and the root: the
@@ -108,7 +108,7 @@ class Hooks:
              where: Sequence[tuple["Bucket", int]]) -> None:
         """Point each C++ hook at its slot in the new layout (none: no layout yet)."""
         for i, hook in enumerate(self.native):
-            ready = where[i][0]._ready if buckets is not None else None
+            ready = where[i][0].ready if buckets is not None else None
             if ready is None:
                 hook.unbind()
             else:

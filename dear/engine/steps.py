@@ -157,7 +157,7 @@ def edited_parameter(engine: "Engine") -> Optional[int]:
             return edited
     on_device: dict[int, Fingerprint] = {}     # C++ records of device gradients: see below
     for bucket in engine.buckets or ():
-        ready = bucket._ready
+        ready = bucket.ready
         if ready is not None and bucket.stage is not Stage.GATHERING:
             j = ready.first_edited(bucket.params)
             if j >= 0:

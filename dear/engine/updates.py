@@ -255,7 +255,7 @@ class ShardedUpdates(Updates):
         raise ValueError(KFAC_REFUSED)
 
     def memory(self) -> tuple[int, int, int]:
-        return (tensor_bytes(self.state._values),
+        return (tensor_bytes(self.state.shard_values),
                 sum(tensor_bytes(s.values()) for s in self.state.state.values()),
                 self.state.peak_saved_bytes)
 

@@ -107,11 +107,11 @@ class Bucket:
         # Native path (csrc/, `native` None: DEAR_NATIVE and whether it was built): hooks only
         # record gradients; C++ packs the bucket, flags and padding when the last one arrives.
         use_native = _native.enabled(_runtime.config().native) if native is None else native
-        self._ready = (_native.grad_ready(self.buffer, spec.offsets, spec.numels,
+        self.ready = (_native.grad_ready(self.buffer, spec.offsets, spec.numels,
                                           spec.flags_offset, sparse_as_dense)
                        if use_native else None)
-        if self._ready is not None:        # the hooks call C++ directly: no Python frame
-            self.pack = self._ready.record  # type: ignore[method-assign]
+        if self.ready is not None:        # the hooks call C++ directly: no Python frame
+            self.pack = self.ready.record  # type: ignore[method-assign]
 
     def expose_views(self) -> list[torch.Tensor]:
         """The views the parameters' .grad point at (gradient_as_bucket_view)."""
@@ -154,15 +154,15 @@ class Bucket:
 
     @property
     def full(self) -> bool:
-        if self._ready is not None:
-            return self._ready.full()
+        if self.ready is not None:
+            return self.ready.full()
         return self.num_packed == len(self.params)
 
     def pack(self, j: int, grad: Optional[torch.Tensor]) -> None:
         """Take parameter j's local gradient (None: this rank has none, counts as zero); it is
         copied into the buffer by fill()."""
-        if self._ready is not None:
-            self._ready.record(j, grad)
+        if self.ready is not None:
+            self.ready.record(j, grad)
             return
         if self.packed[j]:
             return
@@ -186,7 +186,7 @@ class Bucket:
 
     def local_used(self) -> list[float]:
         """Which parameters this rank had a gradient for, this iteration (1.0 or 0.0)."""
-        return list(self._ready.used()) if self._ready is not None else list(self.used)
+        return list(self.ready.used()) if self.ready is not None else list(self.used)
 
     @property
     def all_used_here(self) -> bool:
@@ -199,8 +199,8 @@ class Bucket:
         if self._filled:
             return
         assert self.full, "bucket filled before every gradient was taken"
-        if self._ready is not None:
-            self._ready.pack()                 # C++, without the GIL
+        if self.ready is not None:
+            self.ready.pack()                 # C++, without the GIL
         else:
             mine: Sequence[Optional[torch.Tensor]] = self.user_views or [None] * len(self.params)
             for view, grad, own in zip(self.grad_views, self._held, mine):
@@ -220,9 +220,9 @@ class Bucket:
 
     def pack_missing(self) -> None:
         """Parameters whose hook did not fire this iteration contribute their .grad, or zero."""
-        if self._ready is not None:
-            for j in self._ready.missing():
-                self._ready.record(j, self.params[j].grad)
+        if self.ready is not None:
+            for j in self.ready.missing():
+                self.ready.record(j, self.params[j].grad)
             return
         for j, p in enumerate(self.params):
             if not self.packed[j]:
@@ -238,7 +238,7 @@ class Bucket:
         """`submit` (the schedule's executor) fills the buffer and issues the collective in its
         thread, in order; without it, this thread does both now."""
         assert self.stage is Stage.IDLE and self.full, "bucket reduced twice or before it is full"
-        self._all_used_here = (self._ready.all_used() if self._ready is not None
+        self._all_used_here = (self.ready.all_used() if self.ready is not None
                                else all(u != 0 for u in self.used))
 
         def issue() -> Work:
@@ -330,8 +330,8 @@ class Bucket:
         if work is not None:
             self._gathers.append(work)
         self.stage = Stage.GATHERING
-        if self._ready is not None:        # its C++ hooks hand gradients to Python now
-            self._ready.set_pending(True)
+        if self.ready is not None:        # its C++ hooks hand gradients to Python now
+            self.ready.set_pending(True)
 
     def finish_all_gather(self) -> list[bool]:
         """Wait for the averaged gradients; return which parameters any rank produced one for."""
@@ -344,8 +344,8 @@ class Bucket:
             if self.wire is not self.buffer:
                 self.buffer.copy_(self.wire)
             return [True] * len(self.params)
-        if self._ready is not None:
-            ext = _native.extension()          # loaded: it made self._ready
+        if self.ready is not None:
+            ext = _native.extension()          # loaded: it made self.ready
             assert ext is not None
             return ext.unpack_bucket(self.wire, self.buffer, self.spec.flags_offset,
                                      len(self.params))
@@ -365,8 +365,8 @@ class Bucket:
             self.reset()
 
     def reset(self) -> None:
-        if self._ready is not None:
-            self._ready.reset()
+        if self.ready is not None:
+            self.ready.reset()
         self.packed = [False] * len(self.params)
         self.used = [0.0] * len(self.params)
         self._held = [None] * len(self.params)

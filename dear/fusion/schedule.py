@@ -74,7 +74,7 @@ class FutureWork(Work):
         self._work: Optional[Work] = None
         self._error: Optional[BaseException] = None
 
-    def _set(self, work: Optional[Work], error: Optional[BaseException]) -> None:
+    def resolve(self, work: Optional[Work], error: Optional[BaseException]) -> None:
         self._work, self._error = work, error
         self._issued.set()
 
@@ -151,10 +151,10 @@ class CommExecutor:
                     if before is not None:
                         before()
                     work: Optional[Work] = issue()
-                future._set(work, None)
+                future.resolve(work, None)
             except BaseException as exc:    # a dead rank: every later task fails the same way
                 self._error = self._error or exc
-                future._set(None, exc)
+                future.resolve(None, exc)
             with self._cond:
                 self._busy = False
                 self._cond.notify_all()

@@ -88,7 +88,7 @@ def broadcast_parameters(params: Params, root_rank: int = 0) -> None:
     for t in tensors:
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"broadcast_parameters expects tensors, got {type(t)}")
-    runtime._flush_all()
+    runtime.flush_all()
     devices = list(dict.fromkeys(t.device for t in tensors))
     for device in devices:                 # one agreement round per device
         grouped_broadcast_([t.detach() for t in tensors if t.device == device], root_rank)
@@ -102,7 +102,7 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
     check_initialized()
     if isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError("cannot broadcast torch.optim.LBFGS state")
-    runtime._flush_all()
+    runtime.flush_all()
     if len(optimizer.state_dict()["state"]) == 0:
         _initialize_state(optimizer, model)
         if len(optimizer.state_dict()["state"]) == 0:

@@ -322,7 +322,9 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str, op: Any,
     t = tensor.coalesce() if not tensor.is_coalesced() else tensor
     indices = allgather_async(t._indices().transpose(0, 1).contiguous(), name=f"{name}.indices",
                               process_set=process_set)
-    values = allgather_async(t._values(), name=f"{name}.values", process_set=process_set)
+    # torch's sparse tensor: _values() is its COO values without coalescing
+    values = allgather_async(t._values(), name=f"{name}.values",  # noqa: SLF001
+                             process_set=process_set)
     set_size = member(process_set).size() or 1
 
     def handle() -> torch.Tensor:

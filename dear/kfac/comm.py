@@ -125,7 +125,7 @@ class Transport:
             _SHARED[key] = cached
         return cached[1]
 
-    def _peer(self, index: int) -> int:
+    def peer(self, index: int) -> int:
         return dist.get_global_rank(self._group, index) if self._group is not None else index
 
     def all_reduce(self, tensor: Tensor) -> Work:
@@ -142,7 +142,7 @@ class Transport:
         if not self._torch:
             return self._comm.broadcast(tensor, root)  # type: ignore[union-attr]
         return self._issued("broadcast", tensor, lambda: CallbackWork(
-            [dist.broadcast(tensor, self._peer(root), group=self._group, async_op=True)]))
+            [dist.broadcast(tensor, self.peer(root), group=self._group, async_op=True)]))
 
     def reduce(self, tensor: Tensor, root: int) -> Work:
         """Sum `tensor` over ranks into rank `root`'s copy; other ranks' copies are unspecified."""
@@ -155,15 +155,15 @@ class Transport:
 
     def _reduce(self, tensor: Tensor, root: int) -> Work:
         if not self._gloo or tensor.is_cuda:
-            return CallbackWork([dist.reduce(tensor, self._peer(root), group=self._group,
+            return CallbackWork([dist.reduce(tensor, self.peer(root), group=self._group,
                                              async_op=True)])
         self._tag = (self._tag + 1) % (1 << 20)
         tag, me = _TAG_OFFSET + self._tag, self.rank
         if me != root:
             group = self._group if me < root or self._reverse is None else self._reverse
-            return CallbackWork([dist.isend(tensor, self._peer(root), group, tag)])
+            return CallbackWork([dist.isend(tensor, self.peer(root), group, tag)])
         scratch = [(src, torch.empty_like(tensor)) for src in range(self.size) if src != me]
-        works = [dist.irecv(buf, self._peer(src), self._group if src < me or self._reverse
+        works = [dist.irecv(buf, self.peer(src), self._group if src < me or self._reverse
                             is None else self._reverse, tag) for src, buf in scratch]
 
         def finish() -> None:
@@ -180,7 +180,7 @@ class Transport:
         box: list[Any] = [wire.encode(obj) if self.rank == root else None]  # torch: bytes
 
         def call() -> None:
-            dist.broadcast_object_list(box, src=self._peer(root), group=self._group)
+            dist.broadcast_object_list(box, src=self.peer(root), group=self._group)
         if self._flight is not None:
             self._flight.blocking("broadcast_object", call)
         else:

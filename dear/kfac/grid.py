@@ -25,12 +25,12 @@ def grid_transports(world: Transport, columns: int) -> tuple[Transport, Transpor
     n, rank = world.size, world.rank
     column = row = None
     for c in range(columns):                  # same order on every rank: collective
-        group = dist.new_group([world._peer(r) for r in range(c, n, columns)],
+        group = dist.new_group([world.peer(r) for r in range(c, n, columns)],
                                timeout=group_timeout())
         if rank % columns == c:
             column = group
     for r in range(n // columns):
-        group = dist.new_group([world._peer(x) for x in range(r * columns, (r + 1) * columns)],
+        group = dist.new_group([world.peer(x) for x in range(r * columns, (r + 1) * columns)],
                                timeout=group_timeout())
         if rank // columns == r:
             row = group

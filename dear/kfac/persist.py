@@ -3,7 +3,8 @@ detached from the live state (so a later step cannot change a saved checkpoint).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import dataclasses
+from typing import Any, Mapping, Sequence
 
 from torch import Tensor
 
@@ -11,58 +12,66 @@ from .enums import ComputeMethod
 from .linalg import Decomposition
 from .state import LayerState
 
-if TYPE_CHECKING:
-    from .preconditioner import KFAC
-
-
 # kfac-pytorch's state_dict keys for the hyperparameters that are plain values
 _HYPER_KEYS = {"factor_update_steps": "factor_update_freq", "inv_update_steps": "inv_update_freq",
                "damping": "damping", "factor_decay": "factor_decay", "kl_clip": "kl_clip",
                "lr": "lr"}
 
 
-def save(kfac: KFAC, include_factors: bool) -> dict[str, Any]:
+def save(steps: int, method: ComputeMethod, decomposition_damping: float | None,
+         sources: Mapping[str, Any], layers: Sequence[LayerState],
+         include_factors: bool) -> dict[str, Any]:
     """kfac-pytorch's layout ('steps', plain hyperparameters, 'layers' with 'A' and 'G') plus
-    the decompositions and the damping they were made with."""
-    out: dict[str, Any] = {"steps": kfac.steps, "method": kfac.method.value,
-                           "decomposition_damping": kfac._dec_damping}
+    the decompositions and the damping they were made with (`sources`: each hyperparameter's
+    value or callable; callables are not saved)."""
+    out: dict[str, Any] = {"steps": steps, "method": method.value,
+                           "decomposition_damping": decomposition_damping}
     for key, name in _HYPER_KEYS.items():
-        if not callable(kfac._sources[name]):
-            out[key] = kfac._sources[name]
+        if not callable(sources[name]):
+            out[key] = sources[name]
     if include_factors:
-        out["layers"] = {s.name: layer_state(s) for s in kfac.layers}
+        out["layers"] = {s.name: layer_state(s) for s in layers}
     return out
 
 
-def load(kfac: KFAC, state: dict[str, Any], compute_inverses: bool = True) -> None:
+@dataclasses.dataclass
+class Restored:
+    """What load() read that the preconditioner itself keeps."""
+
+    steps: int
+    hyperparameters: dict[str, Any]          # plain values saved, by kfac-pytorch's names
+    decomposition_damping: float | None
+    force_decompose: bool                    # decompositions to recompute at the next step
+
+
+def load(state: dict[str, Any], layers: Sequence[LayerState], method: ComputeMethod,
+         compute_inverses: bool = True) -> Restored:
     """As kfac-pytorch: saved plain hyperparameters replace the current ones; factors are
-    restored; decompositions are recomputed at the next step where the checkpoint lacks them
-    (a kfac-pytorch checkpoint never has them), unless compute_inverses=False."""
+    restored into `layers`; decompositions are recomputed at the next step where the checkpoint
+    lacks them (a kfac-pytorch checkpoint never has them), unless compute_inverses=False."""
     if "steps" not in state:
         raise ValueError("dear.KFAC.load_state_dict: not a KFAC state_dict (no 'steps')")
-    names = {s.name: s for s in kfac.layers}
+    names = {s.name: s for s in layers}
     unknown = sorted(set(state.get("layers", {})) - set(names))
     if unknown:
         raise ValueError(f"dear.KFAC.load_state_dict: the checkpoint has layers this model "
                          f"lacks: {unknown}")
-    same_method = state.get("method") == kfac.method.value
-    kfac.steps = int(state["steps"])
-    for key, name in _HYPER_KEYS.items():
-        if key in state:
-            setattr(kfac, name, state[key])
-    kfac._step_cache = (-1, False, 0.0)
-    kfac._dec_damping = state.get("decomposition_damping")
+    same_method = state.get("method") == method.value
+    steps = int(state["steps"])
+    hyper = {name: state[key] for key, name in _HYPER_KEYS.items() if key in state}
+    damping = state.get("decomposition_damping")
     for name, saved in state.get("layers", {}).items():
         s = names[name]
         s.a, s.g = clone(saved.get("A")), clone(saved.get("G"))
-        s.a_dec = decomposition(saved.get("A_dec"), kfac.method) if same_method else None
-        s.g_dec = decomposition(saved.get("G_dec"), kfac.method) if same_method else None
+        s.a_dec = decomposition(saved.get("A_dec"), method) if same_method else None
+        s.g_dec = decomposition(saved.get("G_dec"), method) if same_method else None
     # Decompositions missing where factors exist are recomputed at the next step, by every
     # rank's plan (all ranks load the same checkpoint, so they agree); so is a checkpoint that
     # does not say with which damping they were made.
-    kfac._force_decompose = compute_inverses and ("layers" not in state or not same_method or any(
-        (s.a is not None and s.a_dec is None) for s in kfac.layers) or (
-        kfac._dec_damping is None and kfac.steps > 0))
+    force = compute_inverses and ("layers" not in state or not same_method or any(
+        (s.a is not None and s.a_dec is None) for s in layers) or (
+        damping is None and steps > 0))
+    return Restored(steps, hyper, damping, force)
 
 
 def clone(t: Tensor | None) -> Tensor | None:

@@ -396,12 +396,19 @@ class KFAC:
         """The step counter and, with include_factors, the running factors and decompositions
         this rank holds (under mem-opt, hybrid-opt and pad only some ranks hold a layer's
         decomposition, under pad also its factors: save every rank's state_dict to resume)."""
-        return persist.save(self, include_factors)
+        return persist.save(self.steps, self.method, self._dec_damping, self._sources,
+                            self.layers, include_factors)
 
     def load_state_dict(self, state: dict[str, Any], compute_inverses: bool = True) -> None:
         """Resume from state_dict() (or from a kfac-pytorch checkpoint: its factors and plain
         hyperparameters; the decompositions are then recomputed at the next step)."""
-        persist.load(self, state, compute_inverses)
+        restored = persist.load(state, self.layers, self.method, compute_inverses)
+        self.steps = restored.steps
+        for name, value in restored.hyperparameters.items():
+            setattr(self, name, value)
+        self._step_cache = (-1, False, 0.0)
+        self._dec_damping = restored.decomposition_damping
+        self._force_decompose = restored.force_decompose
         if self._link is not None:          # the armed eigenbases are no longer ours
             self._link.disarm()
 

@@ -82,7 +82,7 @@ class LossScale:
         def heard(grad_scaler: Any) -> None:
             scale = me()
             if scale is not None:
-                scale._on_optimizer_step(grad_scaler, opt())
+                scale.on_optimizer_step(grad_scaler, opt())
         amp.add_step_listener(optimizer, heard)
 
     def defer_or_assume(self, optimizer: Any, run: Callable[[], None]) -> bool:
@@ -94,7 +94,7 @@ class LossScale:
         self.pending = run
         return True
 
-    def _on_optimizer_step(self, grad_scaler: Any, optimizer: Any) -> None:
+    def on_optimizer_step(self, grad_scaler: Any, optimizer: Any) -> None:
         self._seen, self.stepped, self._cached = grad_scaler, True, None
         pending, self.pending = self.pending, None
         assumed, self._assumed_unscaled = self._assumed_unscaled, False
