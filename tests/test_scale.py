@@ -48,6 +48,16 @@ def test_no_overlap_curve_is_compute_plus_ring_cost():
         s > 0 for s in curve.cost_s.values())
 
 
+def test_compute_scale_scales_only_the_compute():
+    topo = Topology(bandwidth_bps=2e9, latency_s=1e-4)
+    curve = scaling_curve(_sim(), [1, 4], ["allreduce"], topology=topo, compute_scale=0.5)
+    want = [0.5 * COMPUTE + _ring_allreduce(n, 4 * MB, 1e-4, 2e9) for n in (1, 4)]
+    for model in ("replay", "queueing"):
+        assert curve.seconds[model]["allreduce"] == pytest.approx(want, rel=1e-9)
+    with pytest.raises(ValueError, match="compute_scale"):
+        scaling_curve(_sim(), [1], compute_scale=0)
+
+
 def test_curves_are_monotone_and_never_above_linear():
     # Every collective costs more with more workers: iteration times never fall, efficiency
     # never rises above 1, and throughput still grows (compute per worker is fixed).

@@ -132,13 +132,23 @@ def planned_time(prof: Profile, layout: DearLayout, numel: Sequence[int],
 
 @dataclasses.dataclass
 class QueueModel:
-    """The trace's profiles and parameter sizes: all the closed form reads."""
+    """The trace's profiles and parameter sizes: all the closed form reads. `compute_scale`:
+    every compute time multiplied by it (another accelerator, as Simulator.predict's)."""
 
     model: Model
+    compute_scale: float = 1.0
 
     @property
     def profiles(self) -> list[Profile]:
-        return self.model.profiles
+        k = self.compute_scale
+        if k == 1.0:
+            return self.model.profiles
+        seg = lambda ss: [dataclasses.replace(s, duration=s.duration * k) for s in ss]  # noqa
+        return [dataclasses.replace(
+            p, forward=seg(p.forward), backward=seg(p.backward),
+            **{f: getattr(p, f) * k for f in ("lead", "loss", "backward_tail", "update",
+                                               "step_extra", "tail")})
+            for p in self.model.profiles]
 
     def buckets(self, schedule: str, n: int, fusion_threshold: Optional[int] = None,
                 fusion: Optional[FusionConfig] = None

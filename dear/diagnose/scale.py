@@ -161,10 +161,11 @@ def scaling_curve(trace: "Trace | str | Simulator",
                   schedules: Sequence["str | Schedule"] = DEFAULT_SCHEDULES, *,
                   topology: Optional[Topology] = None, batch_size: float = 1.0,
                   fusion_threshold: Optional[int] = None,
-                  models: Sequence[str] = MODELS) -> ScalingCurve:
+                  models: Sequence[str] = MODELS, compute_scale: float = 1.0) -> ScalingCurve:
     """The curve of `trace` (a directory, a loaded Trace or a Simulator) at each worker count
     on `topology` (default: the traced link, one GPU per node), for each schedule, by the
-    replay and the queueing model (`models`)."""
+    replay and the queueing model (`models`). `compute_scale`: every traced compute time
+    multiplied by it (e.g. 0.5: an accelerator twice as fast)."""
     ns = _check_workers(workers)
     if not batch_size > 0:
         raise ValueError(f"batch_size (samples per worker and iteration) must be > 0, got "
@@ -176,6 +177,8 @@ def scaling_curve(trace: "Trace | str | Simulator",
     if bad or "replay" not in models:
         raise ValueError(f"models must include 'replay' and be among {MODELS}, got "
                          f"{list(models)}")
+    if not compute_scale > 0:
+        raise ValueError(f"compute_scale must be > 0, got {compute_scale}")
     topo = topology or Topology()
     sim = trace if isinstance(trace, Simulator) else Simulator(
         load_trace(trace) if isinstance(trace, str) else trace)
@@ -185,23 +188,24 @@ def scaling_curve(trace: "Trace | str | Simulator",
     spent: dict[str, float] = {}
     for model in models:
         started = time.perf_counter()
-        fn = (_replay_fn(sim, fusion_threshold) if model == "replay"
-              else _queue_fn(sim, fusion_threshold))
+        fn = (_replay_fn(sim, fusion_threshold, compute_scale) if model == "replay"
+              else _queue_fn(sim, fusion_threshold, compute_scale))
         seconds[model] = {s: [fn(s, costs[n]) for n in ns] for s in names}
         baseline[model] = {s: fn(s, costs[1]) for s in names}
         spent[model] = time.perf_counter() - started
     return ScalingCurve(ns, float(batch_size), topo, seconds, spent, baseline)
 
 
-def _replay_fn(sim: Simulator, threshold: Optional[int]) -> Any:
+def _replay_fn(sim: Simulator, threshold: Optional[int], scale: float) -> Any:
     def predict(schedule: str, cost: CostModel) -> float:
         return at_cost(sim, cost).predict(schedule, fusion_threshold=threshold,
-                                          world_size=cost.world_size).iteration_time
+                                          world_size=cost.world_size,
+                                          compute_scale=scale).iteration_time
     return predict
 
 
-def _queue_fn(sim: Simulator, threshold: Optional[int]) -> Any:
-    queue = QueueModel(sim.model)
+def _queue_fn(sim: Simulator, threshold: Optional[int], scale: float) -> Any:
+    queue = QueueModel(sim.model, scale)
 
     def predict(schedule: str, cost: CostModel) -> float:
         return queue.iteration_time(schedule, cost, fusion_threshold=threshold)

@@ -55,6 +55,7 @@ def _scale(args: argparse.Namespace) -> int:
     curve = scaling_curve(args.trace, workers, [s.strip() for s in args.schedule.split(",")],
                           topology=topology, batch_size=args.batch,
                           fusion_threshold=args.fusion_threshold,
+                          compute_scale=args.compute_scale,
                           models=("replay",) if args.no_queueing else MODELS)
     base = args.out or os.path.join(args.trace if os.path.isdir(args.trace)
                                     else os.path.dirname(args.trace), "scaling")
@@ -103,6 +104,8 @@ def add_parser(sub: Any) -> None:
                          "efficiency on the new links instead of running at the link rate")
     sc.add_argument("--fusion-threshold", type=_parse_bytes, default=None,
                     help="bucket size, e.g. 25MB (default: as traced, else 25MB)")
+    sc.add_argument("--compute-scale", type=float, default=1.0,
+                    help="multiply compute times (e.g. 0.5 for a 2x faster accelerator)")
     sc.add_argument("--no-queueing", action="store_true", help="the replay only")
     sc.add_argument("--out", default="",
                     help="output prefix for .json/.md/.png (default: TRACE/scaling)")
