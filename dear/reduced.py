@@ -58,7 +58,7 @@ def clip_grad_norm_(engine: "Engine", max_norm: float, norm_type: float = 2.0,
         return torch.nn.utils.clip_grad_norm_(
             [p for p in engine.params if p.grad is not None], max_norm, norm_type,
             error_if_nonfinite)
-    from .engine.steps import refuse_edited_grads
+    from .engine.checks import refuse_edited_grads
     refuse_edited_grads(engine)
     engine.reduce()
     it = engine.iteration                      # (a refused edit starts a new one)

@@ -6,7 +6,7 @@ import datetime
 import gc
 import logging
 import weakref
-from typing import Any, Iterable, Mapping, Optional, Union
+from typing import Any, Callable, Iterable, Mapping, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -145,14 +145,24 @@ def _select_local_gpu() -> None:
         torch.cuda.set_device(local)
 
 
+_at_shutdown: list[Callable[[], None]] = []
+
+
+def at_shutdown(release: Callable[[], None]) -> None:
+    """Run `release` in every dear.shutdown(), after the optimizers' pending updates and before
+    the communicator goes: what a layer above keeps per process (the collective thread)."""
+    if release not in _at_shutdown:
+        _at_shutdown.append(release)
+
+
 def shutdown() -> None:
     """Apply every pending update, then release the process group if dear started it."""
     if _state.comm is None:
         return
     for opt in list(_state.optimizers):
         opt.dear_engine.shutdown()
-    from .fusion.schedule import close_shared
-    close_shared()
+    for release in list(_at_shutdown):         # e.g. the collective thread (fusion/schedule.py)
+        release()
     if _state.reporter is not None:
         _state.reporter.close()
         _state.reporter = None

@@ -15,11 +15,18 @@ fall between them (`contents_checked`).
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
+from ..fusion.bucket import Stage
+from ..fusion.schedule import scope
 from ..validation import held_by_ddp
+from ..written import Fingerprint, Verdict, fingerprints
+from .state import VIEW
+
+if TYPE_CHECKING:
+    from .engine import Engine
 
 #: Iterations after a layout is built (the first step() included) whose contents are always
 #: compared: a habit of the training loop shows in its first iteration.
@@ -101,3 +108,100 @@ def late_grad_error(name: Optional[str]) -> RuntimeError:
         "optimizer.clip_grad_norm_(max_norm); to edit the averaged gradients, use Horovod's "
         "pattern: optimizer.synchronize(); <edit .grad>; with "
         "optimizer.skip_synchronize(): optimizer.step()")
+
+
+# ------------------------------------------------------------------ the .grad edit check
+def refuse_edited_grads(engine: "Engine") -> None:
+    """Refuse, the same way in every iteration, an edit of .grad made after backward handed
+    it to dear: the reduce-scatter already took the old values. A parameter written through
+    .data before the last update ran shows here too (its contents are compared now)."""
+    with scope("dear::check"):
+        written = engine.pending.writes.written_since_step()
+        if written is not None:
+            engine.abandon_iteration()
+            raise written_error(
+                engine.names[engine.index[written]], "through .data (seen now: the update of "
+                "the last step landed on the written values; this step was dropped on this "
+                "rank)")
+        late = _late_edit(engine)
+        if late is not None:
+            engine.abandon_iteration()
+            raise late_grad_error(engine.names[late])
+        queued = len(engine.late_edits)
+        i = edited_parameter(engine)
+    if i is None:
+        return
+    del engine.late_edits[queued:]   # this iteration's own verdicts: it is refused already
+    engine.abandon_iteration()
+    p = engine.params[i]
+    raise edited_grad_error(engine.names[i], p,
+                                   engine.views is not None and engine.views.owns(p))
+
+
+def edited_parameter(engine: "Engine") -> Optional[int]:
+    """A parameter whose .grad changed since dear took it this iteration, or None."""
+    for i, (ref, version) in engine.iteration.taken.items():
+        grad = engine.params[i].grad
+        if ref is None:
+            if grad is not None:
+                return i
+        elif grad is None or (version != VIEW and grad._version != version) \
+                or grad is not ref():
+            return i
+    by_contents = _edited_contents(engine)
+    if by_contents is not None:
+        return by_contents
+    if engine.views is not None and engine.buckets is not None:
+        edited = engine.views.edited(engine.buckets)
+        if edited is not None:
+            return edited
+    on_device: dict[int, Fingerprint] = {}     # C++ records of device gradients: see below
+    for bucket in engine.buckets or ():
+        ready = bucket.ready
+        if ready is not None and bucket.stage is not Stage.GATHERING:
+            j = ready.first_edited(bucket.params)
+            if j >= 0:
+                return bucket.spec.params[j]
+            for j, before in ready.device_fingerprints():
+                on_device[bucket.spec.params[j]] = (before,)
+    if on_device:
+        return _compare_contents(engine, on_device)
+    return None
+
+
+def _edited_contents(engine: "Engine") -> Optional[int]:
+    """A parameter whose .grad is the tensor dear took, at its version, but holds other
+    values (written through .data), or None. One comparison for all."""
+    taken = engine.iteration.fingerprints
+    if not taken:
+        return None
+    return _compare_contents(engine, taken)
+
+
+def _compare_contents(engine: "Engine", taken: dict[int, Fingerprint]) -> Optional[int]:
+    """The parameter (index) whose gradient's contents changed since `taken` recorded them,
+    or None. Fingerprints on a GPU are compared there (dear/written.py's Verdict) and the
+    answer read at a later step() (`_late_edit`), so the host never waits for the device."""
+    grads = [engine.params[i].grad for i in taken]
+    assert all(g is not None for g in grads), "the caller checked it is the gradient dear took"
+    verdict = Verdict(list(taken.values()), fingerprints(grads))   # type: ignore[arg-type]
+    if not verdict.on_device:
+        k = verdict.first()
+        return None if k is None else list(taken)[k]
+    engine.late_edits.append((verdict, list(taken)))
+    return None
+
+
+def _late_edit(engine: "Engine") -> Optional[int]:
+    """A gradient edit of an earlier iteration whose verdict came back from the device since
+    (or, at a flush, all of them), or None."""
+    found, kept = None, []
+    for verdict, indices in engine.late_edits:
+        if not verdict.ready:
+            kept.append((verdict, indices))
+            continue
+        k = verdict.first()
+        if k is not None and found is None:
+            found = indices[k]
+    engine.late_edits = kept
+    return found

@@ -47,15 +47,12 @@ from ..fusion.views import GradientViews
 from ..sparse import SparseGradients
 from ..stream import StreamCheck
 from ..written import fingerprint, fingerprints
-from . import checks
+from . import checks, layout
 from .hooks import Hooks
-from .state import Iteration, Pending, Phase, hyperparameters
+from .state import VIEW, Iteration, Pending, Phase, hyperparameters
 from .updates import Updates
 
 log = logging.getLogger("dear")
-
-_VIEW = -2      # `Iteration.taken`'s version of a gradient view: its bucket's version is checked
-
 
 class Engine:
     """Buckets, layout, schedule, the iteration in progress and what is pending from step() to
@@ -190,7 +187,7 @@ class Engine:
                 self.apply(bucket)
             if self.views is not None and self.views.owns(param):
                 grad = self.views.adopt(param)    # a view: its bucket's version is checked
-                it.taken[i] = (None if grad is None else weakref.ref(grad), _VIEW)
+                it.taken[i] = (None if grad is None else weakref.ref(grad), VIEW)
             else:
                 grad = param.grad
                 self.take(i, grad)
@@ -245,8 +242,7 @@ class Engine:
             return
         with scope("dear::reduce"):
             if self.buckets is None:
-                from .layout import build_buckets
-                build_buckets(self)
+                layout.build_buckets(self)
             buckets = self.buckets
             assert buckets is not None
             self.flush()                       # buffers are about to be reused
@@ -282,9 +278,8 @@ class Engine:
             return
         self.iteration.stream_verified = True
         issue_pending()                        # every optimizer's backward: ours goes after
-        from .layout import trainable_digest
         count = len(self.buckets or ())
-        self.stream.issue(self.had_gradients, trainable_digest(self),
+        self.stream.issue(self.had_gradients, layout.trainable_digest(self),
                           f"the reduce-scatters of buckets 0-{count - 1}" if count else "",
                           all(b.all_used_here for b in self.buckets or ()))
 

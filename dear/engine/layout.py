@@ -7,18 +7,17 @@ from __future__ import annotations
 import logging
 import operator
 import weakref
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING
 
 import torch
 
-from .. import amp, model_guard
+from .. import model_guard
 from ..fusion.fusion_config import FusionConfig
 from ..fusion.layout import build_layout
 from ..fusion.rows import resolve_row_sparse
 from ..fusion.views import GradientViews
 from ..stream import parameter_digest
-from .engine import _VIEW
-from .state import Iteration
+from .state import VIEW, Iteration
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -77,7 +76,7 @@ def relayout(engine: "Engine", fusion: FusionConfig) -> None:
         for i in engine.iteration.taken:   # taken before the buckets existed
             p = engine.params[i]
             if views.owns(p) and p.grad is not None:
-                engine.iteration.taken[i] = (weakref.ref(p.grad), _VIEW)
+                engine.iteration.taken[i] = (weakref.ref(p.grad), VIEW)
                 engine.iteration.fingerprints.pop(i, None)   # dear writes the buffer
                 bucket = engine.where[i][0]
                 bucket.taken_version = bucket.user_version()
@@ -191,31 +190,6 @@ def _maybe_changed(engine: "Engine") -> bool:
 
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
-
-
-def step_with_new_parameters(engine: "Engine", grad_scaler: Optional[Any]) -> None:
-    """add_param_group, or requires_grad flipped (gradual unfreezing, freezing): this step
-    runs synchronously, the layout's buckets averaging what they hold, one all-reduce the
-    gradients of parameters outside the layout, the wrapped optimizer updating everything
-    now (as single-process training); the layout is rebuilt for the next iteration, its
-    order learnt again in the next forward. The stream check inside makes sure every rank
-    changed the same way."""
-    if engine.groups is not None or engine.transform is not None \
-            or engine.autotuner is not None:
-        what = ("groups=" if engine.groups is not None else
-                "dear.KFAC" if engine.transform is not None else "autotune")
-        raise RuntimeError(
-            "dear: the optimizer's trained parameters changed (add_param_group or "
-            f"requires_grad), which {what} does not support: freeze nothing after the "
-            "wrap, or wrap again with the final parameter set")
-    from .steps import synchronize_now
-    synchronize_now(engine)               # checks every rank's new parameter set
-    engine.iteration.synchronized = False
-    engine.updates.unshard(engine)
-    average_outside_layout(engine, [p for p in trainable(engine) if p not in engine.index])
-    if grad_scaler is None or not amp.unscale_averaged_grads(grad_scaler, engine.opt):
-        engine.inner_step(engine.opt)
-    adopt_parameter_set(engine)
 
 
 def average_outside_layout(engine: "Engine", params: list[torch.nn.Parameter]) -> None:

@@ -15,6 +15,9 @@ import torch
 from ..written import Fingerprint, PendingWrites
 
 
+
+VIEW = -2   # `Iteration.taken`'s version of a gradient view: its bucket's version is checked
+
 class Phase(enum.Enum):
     """Where the engine's iteration is (for errors, tests and debuggers: no branch of the data
     path reads it); the phase methods set it."""

@@ -14,10 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from .. import amp, reduced
 from ..comm import flight
-from ..fusion.bucket import Stage
-from ..written import Fingerprint, Verdict, fingerprints
 from . import checks, layout
-from .engine import _VIEW, scope
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -45,7 +42,7 @@ def step(engine: "Engine", closure: Optional[Callable[[], float]] = None,
                 "max_norm, grad_scaler=scaler) instead, or use Horovod's pattern: "
                 "optimizer.synchronize(); scaler.unscale_(optimizer); <clip>; with "
                 "optimizer.skip_synchronize(): scaler.step(optimizer)")
-        refuse_edited_grads(engine)
+        checks.refuse_edited_grads(engine)
     elif not it.synchronized and _zero_grads_only(engine):
         # Horovod's broadcast_optimizer_state: on ranks whose state is empty it sets every
         # .grad to zeros and calls step() (rank 0 does not). Averaging zeros gives zeros, so
@@ -55,7 +52,7 @@ def step(engine: "Engine", closure: Optional[Callable[[], float]] = None,
         engine.inner_step(engine.opt)
         return
     if not it.synchronized and layout.parameter_set_changed(engine):
-        layout.step_with_new_parameters(engine, grad_scaler)
+        step_with_new_parameters(engine, grad_scaler)
         return
     if it.synchronized:                        # Horovod loop: .grad already holds the average
         if not engine.skip_sync and not it.preconditioner_synced:
@@ -110,101 +107,29 @@ def _zero_grads_only(engine: "Engine") -> bool:
                for p in engine.params)
 
 
-# ------------------------------------------------------------------ the .grad edit check
-def refuse_edited_grads(engine: "Engine") -> None:
-    """Refuse, the same way in every iteration, an edit of .grad made after backward handed
-    it to dear: the reduce-scatter already took the old values. A parameter written through
-    .data before the last update ran shows here too (its contents are compared now)."""
-    with scope("dear::check"):
-        written = engine.pending.writes.written_since_step()
-        if written is not None:
-            engine.abandon_iteration()
-            raise checks.written_error(
-                engine.names[engine.index[written]], "through .data (seen now: the update of "
-                "the last step landed on the written values; this step was dropped on this "
-                "rank)")
-        late = _late_edit(engine)
-        if late is not None:
-            engine.abandon_iteration()
-            raise checks.late_grad_error(engine.names[late])
-        queued = len(engine.late_edits)
-        i = edited_parameter(engine)
-    if i is None:
-        return
-    del engine.late_edits[queued:]   # this iteration's own verdicts: it is refused already
-    engine.abandon_iteration()
-    p = engine.params[i]
-    raise checks.edited_grad_error(engine.names[i], p,
-                                   engine.views is not None and engine.views.owns(p))
-
-
-def edited_parameter(engine: "Engine") -> Optional[int]:
-    """A parameter whose .grad changed since dear took it this iteration, or None."""
-    for i, (ref, version) in engine.iteration.taken.items():
-        grad = engine.params[i].grad
-        if ref is None:
-            if grad is not None:
-                return i
-        elif grad is None or (version != _VIEW and grad._version != version) \
-                or grad is not ref():
-            return i
-    by_contents = _edited_contents(engine)
-    if by_contents is not None:
-        return by_contents
-    if engine.views is not None and engine.buckets is not None:
-        edited = engine.views.edited(engine.buckets)
-        if edited is not None:
-            return edited
-    on_device: dict[int, Fingerprint] = {}     # C++ records of device gradients: see below
-    for bucket in engine.buckets or ():
-        ready = bucket.ready
-        if ready is not None and bucket.stage is not Stage.GATHERING:
-            j = ready.first_edited(bucket.params)
-            if j >= 0:
-                return bucket.spec.params[j]
-            for j, before in ready.device_fingerprints():
-                on_device[bucket.spec.params[j]] = (before,)
-    if on_device:
-        return _compare_contents(engine, on_device)
-    return None
-
-
-def _edited_contents(engine: "Engine") -> Optional[int]:
-    """A parameter whose .grad is the tensor dear took, at its version, but holds other
-    values (written through .data), or None. One comparison for all."""
-    taken = engine.iteration.fingerprints
-    if not taken:
-        return None
-    return _compare_contents(engine, taken)
-
-
-def _compare_contents(engine: "Engine", taken: dict[int, Fingerprint]) -> Optional[int]:
-    """The parameter (index) whose gradient's contents changed since `taken` recorded them,
-    or None. Fingerprints on a GPU are compared there (dear/written.py's Verdict) and the
-    answer read at a later step() (`_late_edit`), so the host never waits for the device."""
-    grads = [engine.params[i].grad for i in taken]
-    assert all(g is not None for g in grads), "the caller checked it is the gradient dear took"
-    verdict = Verdict(list(taken.values()), fingerprints(grads))   # type: ignore[arg-type]
-    if not verdict.on_device:
-        k = verdict.first()
-        return None if k is None else list(taken)[k]
-    engine.late_edits.append((verdict, list(taken)))
-    return None
-
-
-def _late_edit(engine: "Engine") -> Optional[int]:
-    """A gradient edit of an earlier iteration whose verdict came back from the device since
-    (or, at a flush, all of them), or None."""
-    found, kept = None, []
-    for verdict, indices in engine.late_edits:
-        if not verdict.ready:
-            kept.append((verdict, indices))
-            continue
-        k = verdict.first()
-        if k is not None and found is None:
-            found = indices[k]
-    engine.late_edits = kept
-    return found
+def step_with_new_parameters(engine: "Engine", grad_scaler: Optional[Any]) -> None:
+    """add_param_group, or requires_grad flipped (gradual unfreezing, freezing): this step
+    runs synchronously, the layout's buckets averaging what they hold, one all-reduce the
+    gradients of parameters outside the layout, the wrapped optimizer updating everything
+    now (as single-process training); the layout is rebuilt for the next iteration, its
+    order learnt again in the next forward. The stream check inside makes sure every rank
+    changed the same way."""
+    if engine.groups is not None or engine.transform is not None \
+            or engine.autotuner is not None:
+        what = ("groups=" if engine.groups is not None else
+                "dear.KFAC" if engine.transform is not None else "autotune")
+        raise RuntimeError(
+            "dear: the optimizer's trained parameters changed (add_param_group or "
+            f"requires_grad), which {what} does not support: freeze nothing after the "
+            "wrap, or wrap again with the final parameter set")
+    synchronize_now(engine)               # checks every rank's new parameter set
+    engine.iteration.synchronized = False
+    engine.updates.unshard(engine)
+    layout.average_outside_layout(
+        engine, [p for p in layout.trainable(engine) if p not in engine.index])
+    if grad_scaler is None or not amp.unscale_averaged_grads(grad_scaler, engine.opt):
+        engine.inner_step(engine.opt)
+    layout.adopt_parameter_set(engine)
 
 
 # ------------------------------------------------------------------ Horovod's synchronize()
@@ -219,7 +144,7 @@ def synchronize(engine: "Engine") -> None:
 
 def synchronize_now(engine: "Engine") -> None:
     """Averaged gradients in .grad now (synchronize() after a backward)."""
-    refuse_edited_grads(engine)
+    checks.refuse_edited_grads(engine)
     communicate(engine, gradients=True)
     if engine.sparse is not None:              # averaged sparse gradients in .grad, as Horovod
         engine.sparse.to_grad()
@@ -262,6 +187,6 @@ def discard_pending_updates(engine: "Engine") -> int:
     return len(buckets)
 
 
-__all__ = ["communicate", "discard_pending_updates", "refuse_edited_grads", "step",
+__all__ = ["communicate", "discard_pending_updates", "step",
            "synchronize", "synchronize_now"]
 

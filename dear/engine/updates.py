@@ -20,6 +20,7 @@ import torch
 
 from .. import clip
 from ..fusion.bucket import Bucket, Stage
+from ..fusion.schedule import scope
 from ..sharded import KFAC_REFUSED, ShardedState, meet_every_rank, tensor_bytes
 from .state import hyperparameters, same_hyperparameters
 
@@ -141,7 +142,6 @@ class ShardedUpdates(Updates):
         hyper = engine.iteration.hyper_at_backward
         if hyper is None or not bucket.all_used_here:
             return
-        from .engine import scope
         with scope("dear::update_early"):
             self.state.update_early(engine.opt, engine.inner_step, bucket, hyper)
 
@@ -182,7 +182,6 @@ class ShardedUpdates(Updates):
         state = self.state
 
         def update(buckets: Sequence[Bucket]) -> None:
-            from .engine import scope
             with scope("dear::update_shards"):
                 state.update(engine.opt, engine.inner_step, used, hyper, only=buckets)
         return update

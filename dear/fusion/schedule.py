@@ -44,6 +44,7 @@ from typing import Any, Callable, ContextManager, Optional, Sequence
 
 import torch
 
+from .. import runtime
 from ..comm.base import Communicator, Work
 from .plan import (BackwardClock, LinkCost, Plan, calibrate, chunk_columns, plan_gaps,
                    probe_link, replay_tail)
@@ -199,6 +200,9 @@ def close_shared() -> None:
     if executor is not None:
         executor.drain()
         executor.close()
+
+
+runtime.at_shutdown(close_shared)
 
 
 # ------------------------------------------------------------------------------- driving

@@ -20,16 +20,11 @@ import torch.distributed as dist
 
 from .. import launch, runtime
 from ..runtime import default_backend
+from .control import allgather_bytes
+from .handles import forget_handles
+from .negotiate import Call, Kind, negotiate
 
 
-# torch 2.13 renamed these two (the old names warn); older torch has only the old names.
-all_gather_flat = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
-reduce_scatter_flat = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
-
-
-class HorovodInternalError(RuntimeError):
-    """A collective failed or the ranks disagreed about it (Horovod's name, so that scripts
-    catching it keep working)."""
 
 
 class ProcessSet:
@@ -195,26 +190,6 @@ def same_host_index(hosts: list[str], r: int) -> int:
     return sum(1 for q in range(r) if hosts[q] == hosts[r])
 
 
-def allgather_bytes(payload: bytes, group: Optional[dist.ProcessGroup],
-                    lengths: Optional[list[int]] = None) -> list[bytes]:
-    """Every member's bytes, in set-rank order: the lengths (unless known), then the bytes
-    padded to the longest (Gloo all-gathers on CPU, bounded by the group's timeout)."""
-    n = dist.get_world_size(group)
-    if lengths is None:
-        sizes = torch.empty(n, dtype=torch.int64)
-        all_gather_flat(sizes, torch.tensor([len(payload)], dtype=torch.int64),
-                                    group=group)
-        lengths = sizes.tolist()
-    width = max(lengths)
-    if width == 0:
-        return [b""] * n
-    mine = torch.zeros(width, dtype=torch.uint8)
-    if payload:
-        mine[:len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-    table = torch.empty(n * width, dtype=torch.uint8)
-    all_gather_flat(table, mine, group=group)
-    rows = table.view(n, width)
-    return [rows[r, :lengths[r]].numpy().tobytes() for r in range(n)]
 
 
 def shutdown() -> None:
@@ -222,7 +197,6 @@ def shutdown() -> None:
     started it."""
     if not _state.initialized:
         return
-    from .ops import forget_handles
     forget_handles()
     for ps in list(_state.sets.values()):
         if ps is not global_process_set:
@@ -293,7 +267,6 @@ def add_process_set(process_set: Union[ProcessSet, Sequence[int]]) -> ProcessSet
         raise ValueError(f"a process set needs distinct ranks in [0, {world}), got {ps.ranks}")
     if ps.process_set_id is not None:
         raise ValueError(f"{ps} is registered already")
-    from .negotiate import Call, Kind, negotiate
     negotiate(global_process_set, Call(Kind.PROCESS_SET, shape_key=tuple(ps.ranks)))
     if any(other.ranks == ps.ranks for other in _state.sets.values()):
         raise ValueError(f"Attempted to add a duplicate process set: {ps}")
@@ -314,7 +287,6 @@ def remove_process_set(process_set: ProcessSet) -> bool:
     set_id = process_set.process_set_id
     if set_id is None or set_id == 0 or _state.sets.get(set_id) is not process_set:
         return False
-    from .negotiate import Call, Kind, negotiate
     negotiate(global_process_set, Call(Kind.PROCESS_SET, shape_key=("remove", set_id)))
     _release(process_set)
     del _state.sets[set_id]

@@ -26,11 +26,14 @@ import dataclasses
 import enum
 import struct
 import zlib
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
 
-from .basics import HorovodInternalError, ProcessSet, all_gather_flat, allgather_bytes
+from .control import HorovodInternalError, all_gather_flat, allgather_bytes
+
+if TYPE_CHECKING:
+    from .basics import ProcessSet
 
 _WIDTH = 16
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uint8, torch.int8,

@@ -24,8 +24,9 @@ import torch.distributed as dist
 
 from .. import runtime
 from ..comm.base import ReduceOp
-from .basics import (HorovodInternalError, ProcessSet, all_gather_flat, global_process_set, member,
-                     reduce_scatter_flat)
+from .basics import ProcessSet, global_process_set, member
+from .control import HorovodInternalError, all_gather_flat, reduce_scatter_flat
+from .handles import claim_name, register, synchronize
 from .negotiate import (DEVICE, DTYPE, NUMEL, OP, Call, Kind, code_dtype, dtype_code,
                         join_rounds, negotiate)
 
@@ -63,74 +64,6 @@ def resolve_op(op: Any, average: Optional[bool] = None, default: int = Average) 
     if op == Adasum:
         raise NotImplementedError(ADASUM_REFUSED)
     return int(op)
-
-
-# --------------------------------------------------------------------------------- handles
-class _Pending:
-    """One issued collective: torch's works, and what turns their buffers into the output."""
-
-    def __init__(self, works: list[Any], finish: Callable[[], Any], name: Optional[str],
-                 cuda: bool) -> None:
-        self.works, self.finish, self.name, self.cuda = works, finish, name, cuda
-
-    def done(self) -> bool:
-        return all(w.is_completed() for w in self.works)
-
-    def wait(self) -> Any:
-        timeout = datetime.timedelta(seconds=runtime.config().timeout)
-        for work in self.works:
-            if self.cuda:
-                work.wait()                    # orders the current stream after it (NCCL)
-            else:
-                work.wait(timeout)
-        return self.finish()
-
-
-_handles: dict[int, _Pending] = {}
-_in_flight: dict[str, int] = {}
-_ids = itertools.count(1)
-
-
-def _claim(name: Optional[str]) -> None:
-    if name is not None and name in _in_flight:
-        raise ValueError(f"a collective named {name!r} is still in flight: synchronize() it "
-                         "before reusing the name (Horovod refuses duplicate names too)")
-
-
-def _register(works: list[Any], finish: Callable[[], Any], name: Optional[str],
-              tensors: Sequence[torch.Tensor]) -> int:
-    handle = next(_ids)
-    _handles[handle] = _Pending(works, finish, name, any(t.is_cuda for t in tensors))
-    if name is not None:
-        _in_flight[name] = handle
-    return handle
-
-
-def synchronize(handle: int) -> Any:
-    """Wait for `handle` and return its output (a tuple for grouped calls and alltoall); None
-    for a handle already synchronized, as Horovod."""
-    pending = _handles.pop(handle, None)
-    if pending is None:
-        return None
-    if pending.name is not None:
-        _in_flight.pop(pending.name, None)
-    try:
-        return pending.wait()
-    except HorovodInternalError:
-        raise
-    except RuntimeError as exc:
-        raise HorovodInternalError(f"dear.horovod: collective failed: {exc}") from exc
-
-
-def poll(handle: int) -> bool:
-    """Whether `handle` has completed (synchronize() then returns without waiting)."""
-    pending = _handles.get(handle)
-    return True if pending is None else pending.done()
-
-
-def forget_handles() -> None:
-    _handles.clear()
-    _in_flight.clear()
 
 
 # ------------------------------------------------------------------------------ buffers
@@ -217,7 +150,7 @@ def _allreduce(inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor],
                process_set: Optional[ProcessSet], grouped: bool) -> int:
     ps = member(process_set)
     _check_group(inputs, "allreduce")
-    _claim(name)
+    claim_name(name)
     extra = [v for t in inputs for v in (dtype_code(t.dtype), t.numel())] if grouped else []
     negotiate(ps, Call(Kind.ALLREDUCE, inputs, op=op, name=name, prescale=prescale_factor,
                        postscale=postscale_factor, extra=extra))
@@ -236,7 +169,7 @@ def _allreduce(inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor],
             scale(buf, post)
             back()
         return tuple(outputs) if grouped else outputs[0]
-    return _register(works, finish, name, inputs)
+    return register(works, finish, name, inputs)
 
 
 def _mirror_allreduce(ps: ProcessSet, device: int) -> Callable[[torch.Tensor, list[int]], None]:
@@ -346,7 +279,7 @@ def _allgather(inputs: Sequence[torch.Tensor], name: Optional[str],
     if any(t.dim() == 0 for t in inputs):
         raise ValueError("allgather concatenates along dimension 0: a tensor needs at least one "
                          "dimension (use tensor.reshape(1))")
-    _claim(name)
+    claim_name(name)
     many = len(inputs) > 1
     agreed = negotiate(ps, Call(Kind.ALLGATHER, inputs, name=name, first_dim_free=True,
                                 mine=0 if many else int(inputs[0].shape[0]),
@@ -375,7 +308,7 @@ def _allgather(inputs: Sequence[torch.Tensor], name: Optional[str],
     def finish() -> Any:
         outs = tuple(make() for make in makers)
         return outs if grouped else outs[0]
-    return _register(works, finish, name, inputs)
+    return register(works, finish, name, inputs)
 
 
 def _same(t: torch.Tensor) -> torch.Tensor:
@@ -405,7 +338,7 @@ def _broadcast(inputs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor], 
             or root_rank not in (ps.ranks or ()):
         raise ValueError(f"root_rank {root_rank!r} is not a rank of {ps} (roots are global "
                          "ranks)")
-    _claim(name)
+    claim_name(name)
     negotiate(ps, Call(Kind.BROADCAST, inputs, root=root_rank, name=name))
     _drain(ps)
     works, backs = [], []
@@ -421,7 +354,7 @@ def _broadcast(inputs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor], 
         for back in backs:
             back()
         return tuple(targets) if grouped else targets[0]
-    return _register(works, finish, name, inputs)
+    return register(works, finish, name, inputs)
 
 
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
@@ -486,7 +419,7 @@ def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: Optional[str]
     received_splits), int32 on the splits' device."""
     ps = member(process_set)
     sent, where = _splits(tensor, splits, len(ps.ranks or ()))
-    _claim(name)
+    claim_name(name)
     agreed = negotiate(ps, Call(Kind.ALLTOALL, [tensor], name=name, first_dim_free=True,
                                 extra=sent))
     _drain(ps)
@@ -497,7 +430,7 @@ def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: Optional[str]
     work = dist.all_to_all_single(_rows(out), _rows(x), output_split_sizes=received,
                                   input_split_sizes=sent, group=ps.group, async_op=True)
     splits_out = torch.tensor(received, dtype=torch.int32, device=where)
-    return _register([work], lambda: (out, splits_out), name, [tensor])
+    return register([work], lambda: (out, splits_out), name, [tensor])
 
 
 # -------------------------------------------------------------------------- reducescatter
@@ -515,7 +448,7 @@ def _reducescatter(inputs: Sequence[torch.Tensor], name: Optional[str], op: Any,
     if any(t.dim() == 0 for t in inputs):
         raise ValueError("reducescatter splits dimension 0: a tensor needs at least one "
                          "dimension")
-    _claim(name)
+    claim_name(name)
     negotiate(ps, Call(Kind.REDUCESCATTER, inputs, op=op, name=name, prescale=prescale_factor,
                        postscale=postscale_factor))
     _drain(ps)
@@ -553,7 +486,7 @@ def _reducescatter(inputs: Sequence[torch.Tensor], name: Optional[str], op: Any,
             scale(out, post)
             outs.append(out)
         return tuple(outs) if grouped else outs[0]
-    return _register(works, finish, name, inputs)
+    return register(works, finish, name, inputs)
 
 
 def _first_rows(t: torch.Tensor, rows: int, dtype: torch.dtype) -> torch.Tensor:
