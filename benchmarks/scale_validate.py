@@ -51,6 +51,9 @@ def _extend(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ranks", default="2,3,4,6,8", help="2 (the traced run) and the others")
     p.add_argument("--compute", default="resnet50=600,bert_base=1200",
                    help="MODEL=MS: compute per iteration on the emulated accelerator")
+    p.add_argument("--only", default="",
+                   help="run exactly these setups MODEL:N:RATE:SCALE,... (a rerun; combine "
+                        "with the first run's JSON by --reuse FIRST,SECOND)")
     p.add_argument("--max-total", default="4gbit",
                    help="most traffic through the emulated switch (ranks x link rate)")
 
@@ -155,39 +158,46 @@ def run(args: argparse.Namespace, shaping: bool) -> list[dict[str, Any]]:
     if 2 not in ranks:
         raise SystemExit("--ranks must include 2: the traced run")
     reps: list[dict[str, Any]] = []
-    for model in args.models.split(","):
-        for link in args.links.split(","):
-            margs = copy.copy(args)
-            margs.compute_ms = float(compute[model])
-            for n, setup in plan(model, link, sorted(ranks), _rate(args.max_total)):
-                trace_dir = os.path.join(workdir, f"{model}-{link}")
-                traced = n == 2
-                try:
-                    rep = emulated_bench.run_setup(
-                        setup, margs, shaping,
-                        module="benchmarks.emulated_validate" if traced
-                        else "benchmarks.emulated_bench",
-                        worker_args=("--trace-dir", trace_dir, "--trace-warmup",
-                                     str(args.trace_warmup), "--trace-iters",
-                                     str(args.trace_iters)) if traced else ())
-                except SystemExit as exc:
-                    print(f"scale_validate: {setup} skipped: {exc}", file=sys.stderr,
-                          flush=True)
-                    continue
-                rep["link"] = link
-                reps.append(rep)
-                print(f"scale_validate: {setup}: " + ", ".join(
-                    f"{k} {v['median_s'] * 1e3:.0f} ms" for k, v in rep["methods"].items()),
-                    file=sys.stderr, flush=True)
-                with open(os.path.join(workdir, "reports.json"), "w") as fh:
-                    json.dump({"reports": reps, "shaping": shaping,
-                               "command": results.command(), "date": "(partial)"}, fh,
-                              default=str)
+    todo = [(model, link, plan(model, link, sorted(ranks), _rate(args.max_total)))
+            for model in args.models.split(",") for link in args.links.split(",")]
+    if args.only:
+        todo = []
+        for setup in args.only.split(","):
+            model, n, bw, scale = setup.split(":")
+            link = f"{_rate(bw) * int(scale) / 1e9:g}gbit"
+            todo.append((model, link, [(int(n), setup)]))
+    for model, link, setups in todo:
+        margs = copy.copy(args)
+        margs.compute_ms = float(compute[model])
+        for n, setup in setups:
+            trace_dir = os.path.join(workdir, f"{model}-{link}")
+            traced = n == 2
             try:
-                write(args, reps, shaping, workdir)
-            except Exception:                   # keep measuring: --reuse redoes predictions
-                import traceback
-                traceback.print_exc()
+                rep = emulated_bench.run_setup(
+                    setup, margs, shaping,
+                    module="benchmarks.emulated_validate" if traced
+                    else "benchmarks.emulated_bench",
+                    worker_args=("--trace-dir", trace_dir, "--trace-warmup",
+                                 str(args.trace_warmup), "--trace-iters",
+                                 str(args.trace_iters)) if traced else ())
+            except SystemExit as exc:
+                print(f"scale_validate: {setup} skipped: {exc}", file=sys.stderr,
+                      flush=True)
+                continue
+            rep["link"] = link
+            reps.append(rep)
+            print(f"scale_validate: {setup}: " + ", ".join(
+                f"{k} {v['median_s'] * 1e3:.0f} ms" for k, v in rep["methods"].items()),
+                file=sys.stderr, flush=True)
+            with open(os.path.join(workdir, "reports.json"), "w") as fh:
+                json.dump({"reports": reps, "shaping": shaping,
+                           "command": results.command(), "date": "(partial)"}, fh,
+                          default=str)
+        try:
+            write(args, reps, shaping, workdir)
+        except Exception:                   # keep measuring: --reuse redoes predictions
+            import traceback
+            traceback.print_exc()
     return reps
 
 
@@ -263,10 +273,21 @@ def write(args: argparse.Namespace, reps: list[dict[str, Any]], shaping: bool, w
                      f"baseline): replay {1e3 * sum(c[0] for c in cost) / len(cost):.1f} ms, "
                      f"queueing {1e3 * sum(c[1] for c in cost) / len(cost):.2f} ms (mean); "
                      "Pollux: a closed form once fitted.")
+    notes.append("Per run: the link as measured, the compute-only rounds (requested: "
+                 f"{args.compute}), for the traced runs the traced iteration and compute "
+                 "(slowest rank, dear in DeAR's order: the replay's input; a traced compute far "
+                 "above the compute-only rounds is a trace taken while the machine was "
+                 "overloaded), and the load average (1 min) before and after:")
+    drifts = {rep["setup"]: emulated_validate.drift(rep) for rep in reps if "extra" in rep}
     notes.append(results.markdown_table(
-        ["setup", "link measured (Gbit/s)", "compute-only (ms)", "load before", "load after"],
+        ["setup", "link measured (Gbit/s)", "compute-only (ms)", "traced iteration (ms)",
+         "traced compute (ms)", "load before", "load after"],
         [[rep["setup"], f"{(rep.get('bandwidth_measured_bps') or 0) / 1e9:.3f}",
-          round(rep["t_compute_s"] * 1e3), f"{rep['loadavg_before'][0]:.2f}",
+          round(rep["t_compute_s"] * 1e3),
+          round(drifts[rep["setup"]]["traced_iteration_s"] * 1e3) if rep["setup"] in drifts
+          else "-",
+          round(drifts[rep["setup"]]["traced_compute_s"] * 1e3) if rep["setup"] in drifts
+          else "-", f"{rep['loadavg_before'][0]:.2f}",
           f"{rep['loadavg_after'][0]:.2f}"] for rep in reps]))
     notes.append(
         "Replay and queueing: from the 2-rank trace only (its compute, its collectives' fitted "
@@ -296,11 +317,15 @@ def main(argv: Optional[list[str]] = None) -> int:
         args.methods = METHODS
     if args.name == "emulated":
         args.name = "scale_validation"
-    if args.reuse:
-        with open(args.reuse) as fh:
-            old = json.load(fh)
-        write(args, old["reports"], old["shaping"], "(reused)",
-              f"`{old['command']}` ({old['date']})")
+    if args.reuse:                       # results JSONs or reports.json, comma-separated
+        olds = []
+        for path in args.reuse.split(","):
+            with open(path) as fh:
+                olds.append(json.load(fh))
+        # A setup measured again in a later file replaces the earlier one.
+        latest = {rep["setup"]: rep for old in olds for rep in old["reports"]}
+        write(args, list(latest.values()), olds[0]["shaping"], "(reused)",
+              "; ".join(f"`{old['command']}` ({old['date']})" for old in olds))
         return 0
     from benchmarks.cluster import check_can_shape
     shaping = not args.no_shaping
