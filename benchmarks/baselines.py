@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from dear.comm.base import Work
 from dear.fusion.planner import plan_buckets
-from dear.runtime import communicator
+from dear.comm.runtime import communicator
 
 
 class AllReduceAfterBackward:

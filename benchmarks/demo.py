@@ -49,7 +49,7 @@ def data(step: int, rank: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def train(method: str, args: argparse.Namespace) -> tuple[list[float], list[float]]:
     rank = dear.rank()
-    dear.runtime.communicator().barrier()
+    dear.comm.runtime.communicator().barrier()
     model = build(args.hidden, args.layers)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     if method == "ddp":

@@ -109,7 +109,7 @@ def _plan_warmup(method: Method) -> int:
     if method.base != "dear":
         return 0
     import dear
-    cfg = dear.runtime.config()
+    cfg = dear.comm.runtime.config()
     if method.options.get("schedule", getattr(cfg, "schedule", "dear")) != "planned":
         return 0
     return 2 * int(method.options.get("plan_after", getattr(cfg, "plan_after", 0))) + 2

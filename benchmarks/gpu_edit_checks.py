@@ -3,7 +3,7 @@
     python -m benchmarks.gpu_edit_checks [--models resnet50,bert_base] [--iters 30]
         [--warmup 10] [--name gpu_edit_checks]
 
-dear reads every gradient and every parameter (two sums each on a GPU, dear/written.py) to
+dear reads every gradient and every parameter (two sums each on a GPU, dear/guards/written.py) to
 refuse writes it could not honour. On the CPU-emulated accelerator those reads are host work
 the emulated device waits for; here they are kernels beside a real forward, backward and
 update. Each variant runs in its own process (a world of one, torchrun's variables):
@@ -46,26 +46,26 @@ def _no_fingerprints() -> None:
     """The checks' floor: every fingerprint the same constant."""
     import dear.engine.engine
     import dear.engine.steps
-    import dear.sharded
-    import dear.written
+    import dear.sharding.state
+    import dear.guards.written
 
     def constant(tensors: Any) -> list[int]:
         return [0] * len(tensors)
-    for module in (dear.written, dear.engine.engine, dear.engine.steps, dear.sharded):
+    for module in (dear.guards.written, dear.engine.engine, dear.engine.steps, dear.sharding.state):
         module.fingerprints = constant         # type: ignore[attr-defined]
-    dear.written.fingerprint = dear.engine.engine.fingerprint = (  # type: ignore
+    dear.guards.written.fingerprint = dear.engine.engine.fingerprint = (  # type: ignore
         lambda tensor: 0)
 
 
 def _gpu_sums() -> None:
-    """dear/written.py as before the CUDA digest: an extension without digests_cuda."""
+    """dear/guards/written.py as before the CUDA digest: an extension without digests_cuda."""
     import types
 
-    import dear.written
+    import dear.guards.written
     ext = dear.native.extension()
     assert ext is not None
     stripped = types.SimpleNamespace(digests=ext.digests)
-    dear.written._native = types.SimpleNamespace(  # type: ignore[assignment]
+    dear.guards.written._native = types.SimpleNamespace(  # type: ignore[assignment]
         extension=lambda: stripped)
 
 

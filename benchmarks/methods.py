@@ -178,7 +178,7 @@ def _dear(model: torch.nn.Module, make_opt: OptFactory, opts: dict[str, Any],
         # also send by rows, travels whole here: its emulated gradient is dense.)
         setting = opts.pop("row_sparse", None)
         if setting is None:                        # dear's own default: DEAR_ROW_SPARSE
-            setting = dear.runtime.config().row_sparse
+            setting = dear.comm.runtime.config().row_sparse
         if setting in ("tables", "auto", True):
             opts["row_sparse"] = [f"{name}.weight" for name, m in model.named_modules()
                                   if getattr(m, "_tokens", 0)] or False
@@ -189,7 +189,7 @@ def _dear(model: torch.nn.Module, make_opt: OptFactory, opts: dict[str, Any],
     sizes = {k: opts.pop(k) for k in ("rs_threshold", "ag_threshold", "first_bucket") if k in opts}
     chunk = opts.pop("chunk_bytes", None)       # alone: dear's default layout, this chunk size
     if sizes or chunk:
-        cfg = dear.runtime.config()
+        cfg = dear.comm.runtime.config()
         default = (opts.pop("fusion_threshold", None) or cfg.fusion_threshold
                    or dear.config.auto_threshold(sum(p.numel() * p.element_size()
                                                      for p in model.parameters())))

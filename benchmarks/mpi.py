@@ -10,7 +10,7 @@ proxy is started in its rank's namespace (pinned to one core), so every MPI byte
 shaped link, as Gloo's do. MPI's transport: UCX over TCP on the rank's veth
 (UCX_TLS=tcp,self, UCX_NET_DEVICES; MPIR_CVAR_NOLOCAL=1: no shared memory between "hosts").
 torch.distributed's Gloo group for the pairwise exchange starts from mpiexec's variables
-(dear/launch.py), GLOO_SOCKET_IFNAME on the same veth.
+(dear/comm/launch.py), GLOO_SOCKET_IFNAME on the same veth.
 
 Collectives (one fp32 buffer per size, methods interleaved and rotated in every repeat, each
 figure the slowest rank's time from issue to wait() after a barrier; median of repeats):
@@ -253,7 +253,7 @@ def _train_once(args: argparse.Namespace, w: Any, backend: str, trace: int) -> d
         tracer.__exit__(None, None, None)
     t = torch.tensor(times[args.warmup:], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)                 # the slowest rank's iterations
-    entry: dict[str, Any] = {"name": dear.runtime.communicator().name,
+    entry: dict[str, Any] = {"name": dear.comm.runtime.communicator().name,
                              "median_s": statistics.median(t.tolist()), "times": t.tolist(),
                              "losses": losses}
     dist.barrier()

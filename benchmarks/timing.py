@@ -127,7 +127,7 @@ def slowest_median(times: list[float]) -> float:
 def measure_comm(numel: int, repeats: int) -> dict[str, float]:
     """Whole-gradient all-reduce: torch's all_reduce vs dear's reduce-scatter + all-gather
     (median of `repeats` after one dropped)."""
-    from dear.runtime import communicator
+    from dear.comm.runtime import communicator
 
     comm, n = communicator(), dist.get_world_size()
     padded = -(-numel // n) * n

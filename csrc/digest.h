@@ -4,7 +4,7 @@
 // The digest of n bytes is three CRC-32C, of the first, second and last third of the whole
 // 8-byte words (the 0-7 bytes left over go into the last), combined into 64 bits; three
 // streams so that the CPU's CRC instruction (SSE4.2, ARMv8 CRC) runs at memory speed: a digest
-// costs what one reduction of the tensor does (dear/written.py's two sums cost two). Without
+// costs what one reduction of the tensor does (dear/guards/written.py's two sums cost two). Without
 // that instruction, a vectorizable hash (MurmurHash3's finalizer of each
 // 32-bit word, keyed by its position, summed). Either way any one changed element of up to 4
 // bytes always changes the digest (a CRC sees every burst of up to 32 bits; the hash term of a

@@ -69,7 +69,7 @@ bool GradReady::record(int64_t j, const std::optional<at::Tensor>& grad) {
     versions_[j] = static_cast<int64_t>(grad->_version());
     at::Tensor g = *grad;
     if (digest_ && !g.is_sparse()) {
-      if (g.device().is_cpu() && g.layout() == at::kStrided) {  // dear/written.py's test
+      if (g.device().is_cpu() && g.layout() == at::kStrided) {  // dear/guards/written.py's test
         has_digest_[j] = 1;
         digests_[j] = digest(g);
       } else {

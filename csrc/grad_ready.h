@@ -41,7 +41,7 @@ struct BucketLayout {
   int64_t size() const { return static_cast<int64_t>(offsets.size()); }
 };
 
-// What moves when a device gradient's contents do (dear/written.py's fingerprint), as a tensor
+// What moves when a device gradient's contents do (dear/guards/written.py's fingerprint), as a tensor
 // there: on CUDA (built with it) its digest (cuda/digest_cuda.h, one kernel); else two sums,
 // the bit patterns as wrapping integers (any one changed element shows) and, for floating point,
 // the float sum's bits. CPU gradients get a digest (digest.h) instead.
@@ -82,7 +82,7 @@ class GradReady {
 
   // (j, fingerprint) of each device gradient record() fingerprinted: the caller compares
   // them with the gradients' fingerprints now on the device, where the answer can wait for a
-  // later step (dear/written.py's Verdict): comparing here would stop the host for the GPU.
+  // later step (dear/guards/written.py's Verdict): comparing here would stop the host for the GPU.
   std::vector<std::tuple<int64_t, at::Tensor>> device_fingerprints() const;
 
   // Forget this iteration's records (after the bucket's update was applied); clears pending.

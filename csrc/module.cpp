@@ -135,7 +135,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def(
       "digests",
       [](const std::vector<at::Tensor>& tensors, bool portable) {
-        // dear/written.py's fingerprint of each CPU tensor, in one call without the GIL
+        // dear/guards/written.py's fingerprint of each CPU tensor, in one call without the GIL
         // (digest() refuses any other tensor; the error crosses the release as any other).
         py::gil_scoped_release no_gil;
         std::vector<uint64_t> out;

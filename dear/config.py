@@ -99,7 +99,7 @@ class Config:
     #: ("" = no tracing) (DEAR_TRACE).
     trace: str = ""
     #: directory where, when a collective fails, each rank writes which rank did not issue it
-    #: and what every rank last issued (dear/hang.py); "" = the system's temporary
+    #: and what every rank last issued (dear/comm/hang.py); "" = the system's temporary
     #: directory's dear-hang/ (DEAR_HANG_REPORT).
     hang_report: str = ""
     #: iterations DEAR_TRACE records, START:STOP counted from the optimizer's creation
@@ -173,7 +173,7 @@ class Config:
     #: (DEAR_GRADIENT_AS_BUCKET_VIEW).
     gradient_as_bucket_view: bool = False
     #: each rank keeps and updates only its shards of the optimizer state (1/N of it); the
-    #: all-gathers carry updated parameters (dear/sharded.py) (DEAR_SHARD_OPTIMIZER_STATE).
+    #: all-gathers carry updated parameters (dear/sharding/state.py) (DEAR_SHARD_OPTIMIZER_STATE).
     shard_optimizer_state: bool = False
     #: compare the contents of the gradients and parameters (writes through `.data`,
     #: docs/contract.md) in every iteration of the first 8 of a layout, then in about one

@@ -1,6 +1,6 @@
 """Hugging Face Transformers' Trainer and Accelerate, with DeAR's schedule instead of DDP.
 
-    from dear.huggingface import DeARTrainer
+    from .huggingface import DeARTrainer
     trainer = DeARTrainer(model=model, args=training_args, train_dataset=train, eval_dataset=val)
     trainer.train()                                   # torchrun --nproc_per_node 2 train.py
 
@@ -25,7 +25,7 @@ Accelerate's `evaluation_mode`), `prepare_optimizer` wraps the optimizer in
 `dear.DistributedOptimizer` around the prepared model it trains, `clip_grad_norm_` on that
 optimizer's parameters goes to `optimizer.clip_grad_norm_` (the global norm of the averaged
 gradient, from the shards; `inf` only measures it), and GradScaler's unscale and step go to
-dear's shards (dear/amp.py). Accelerate scripts use it directly (`DeARAccelerator(...)`).
+dear's shards (dear/shardops/amp.py). Accelerate scripts use it directly (`DeARAccelerator(...)`).
 `DeARTrainer` is `transformers.Trainer` whose accelerator is converted to a `DeARAccelerator`
 with `backward_passes_per_step=args.gradient_accumulation_steps`; the optimizer and scheduler
 are still Trainer's own. Tested with transformers 5.24.0 and accelerate 1.15.0
@@ -38,8 +38,8 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Union
 
 import torch
 
-from . import runtime
-from .optimizer import DistributedOptimizer
+from .comm import runtime
+from .engine.optimizer import DistributedOptimizer
 
 try:
     from accelerate import Accelerator
@@ -266,7 +266,7 @@ class DeARAccelerator(Accelerator):
     def unscale_gradients(self, optimizer: Any = None) -> None:
         """Accelerate's, except for dear's optimizers: their .grad is local, so GradScaler's
         unscale_ would not reach what is averaged (dear unscales the reduced shards in
-        clip_grad_norm_ or step, dear/amp.py)."""
+        clip_grad_norm_ or step, dear/shardops/amp.py)."""
         chosen = (self._dear_prepared if optimizer is None else
                   list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer])
         rest = [opt for opt in chosen if not _is_dear(_inner(opt))]

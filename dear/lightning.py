@@ -17,7 +17,7 @@ barrier, broadcast and metric reduction are kept) with DDP's wrapper replaced by
   deferred update cannot take. The strategy runs the closure itself, then Lightning's
   `on_before_optimizer_step` hooks and gradient clipping, then `optimizer.step()` (or
   `scaler.step(optimizer)` with a GradScaler precision, without `scaler.unscale_`: dear unscales
-  the reduced shards itself, see dear/amp.py).
+  the reduced shards itself, see dear/shardops/amp.py).
 * `gradient_clip_val` (clipping by norm) goes to `optimizer.clip_grad_norm_`, which clips the
   AVERAGED gradient from its reduced shards, as DDP users' clip does; editing `.grad` would not
   reach dear's buckets. Clipping by value (`gradient_clip_algorithm="value"`) is refused.
@@ -43,10 +43,10 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
-from . import runtime
+from .comm import runtime
 from .comm.base import ReduceOp
-from .compression import Compression
-from .optimizer import DistributedOptimizer
+from .comm.compression import Compression
+from .engine.optimizer import DistributedOptimizer
 
 try:
     import lightning.pytorch as pl
@@ -55,11 +55,10 @@ try:
     from lightning.pytorch.utilities.exceptions import MisconfigurationException
 except ImportError:                                   # the standalone package
     try:
-        import pytorch_lightning as pl                # type: ignore[no-redef]
+        import pytorch_lightning as pl  # type: ignore[no-redef]
         from pytorch_lightning.core.optimizer import LightningOptimizer  # type: ignore
         from pytorch_lightning.strategies import DDPStrategy, StrategyRegistry  # type: ignore
-        from pytorch_lightning.utilities.exceptions import (  # type: ignore
-            MisconfigurationException)
+        from pytorch_lightning.utilities.exceptions import MisconfigurationException  # type: ignore
     except ImportError as exc:
         raise ImportError("dear.lightning needs PyTorch Lightning: pip install 'dear[lightning]' "
                           "(or pip install lightning)") from exc

@@ -31,7 +31,7 @@ def main() -> None:
                        for impl in ("horovod", "dear")}
     assert dear.rank() == hvd.rank() and dear.size() == hvd.size()
     plane = os.environ.get("DEAR_HOROVOD_DATA_PLANE", "gloo")
-    name = dear.runtime.communicator().name
+    name = dear.comm.runtime.communicator().name
     assert name == {"gloo": "horovod-gloo-pairwise", "horovod": "horovod"}[plane], name
     torch.save(out, sys.argv[1] + (f".{hvd.rank()}" if hvd.rank() else ""))
     dear.shutdown()

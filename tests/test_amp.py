@@ -19,7 +19,7 @@ import dear
 from tests.distributed import run_distributed
 from tests.workloads import batch, make_net, max_diff, state_of
 
-# dear/amp.py silences this warning (it addresses optimizer authors); pytest re-enables it.
+# dear/shardops/amp.py silences this warning (it addresses optimizer authors); pytest re-enables it.
 pytestmark = pytest.mark.filterwarnings("ignore:GradScaler is going to stop:FutureWarning")
 
 STEPS = 8

@@ -21,7 +21,7 @@ from dear.diagnose.graph import Model, Profile, Segment
 from dear.diagnose.simulate import Schedule, Simulator
 from dear.fusion import fusion_config
 from dear.fusion.fusion_config import FusionConfig
-from dear.fusion.offline import candidate_key, predict_config, tune_offline
+from dear.autotune.offline import candidate_key, predict_config, tune_offline
 from tests.distributed import run_distributed
 from tests.workloads import batch, make_net, train_autotuned
 

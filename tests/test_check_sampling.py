@@ -8,7 +8,7 @@ through .data: which iterations see them"), and the GPU's way of comparing them.
   version counter at once whatever the setting. The iterations in between trained as DDP would
   have without the edit (the documented miss).
 - Fingerprints on a GPU are compared on the device and the verdict read at a later step()
-  (dear/written.py's Verdict): run here on CPU tensors with the CPU added to the deferred
+  (dear/guards/written.py's Verdict): run here on CPU tensors with the CPU added to the deferred
   devices and the sums' fingerprints (no extension), the `.grad` edit is refused one step late
   and the parameter write at the next step(), as on a GPU.
 """
@@ -100,9 +100,9 @@ def _deferred(kind: str) -> dict:
     """Fingerprints as tensors (the sums: no extension, Python hooks) on a "deferred" device
     (the CPU here, a GPU in use): the comparison's answer is read at a later step()."""
     import dear.native
-    import dear.written
+    import dear.guards.written
     dear.native.extension = lambda: None        # type: ignore[assignment]
-    dear.written.DEFERRED_DEVICES.add("cpu")
+    dear.guards.written.DEFERRED_DEVICES.add("cpu")
     dear.init()
     rank, world = dear.rank(), dear.size()
     model = make_net()

@@ -282,7 +282,7 @@ def all_cases() -> dict[str, Any]:
     for mode in (first, *(m for m in MODES if m != first)):
         os.environ["DEAR_GLOO_COLLECTIVES"] = mode
         dear.init()
-        comm = dear.runtime.communicator()
+        comm = dear.comm.runtime.communicator()
         if comm.name != NAMES[mode]:
             chk.errors.append(f"DEAR_GLOO_COLLECTIVES={mode} gave communicator {comm.name!r}")
         check_shards(comm, chk, digests)
@@ -311,7 +311,7 @@ def test_torch_communicator_matches_torch(world_size: int) -> None:
 def test_local_communicator() -> None:
     dear.init(backend="local")
     try:
-        comm = dear.runtime.communicator()
+        comm = dear.comm.runtime.communicator()
         assert (comm.name, comm.rank, comm.size) == ("local", 0, 1)
         for dtype in DTYPES:
             x = make_input(dtype, 1001, 0, 1)
@@ -349,7 +349,7 @@ def device_mapped_backend() -> dict[str, Any]:
     dist.init_process_group("cpu:gloo", timeout=datetime.timedelta(seconds=60))
     chk, digests = Checker(), {}
     dear.init()
-    comm = dear.runtime.communicator()
+    comm = dear.comm.runtime.communicator()
     check_shards(comm, chk, digests)
     name = comm.name
     dear.shutdown()
@@ -365,7 +365,7 @@ def test_device_mapped_backend_runs_the_pairwise_exchange_on_cpu() -> None:
 
 def test_which_backends_carry_cpu_tensors_on_gloo() -> None:
     from dear.comm.torch_dist import carries_cpu_on_gloo
-    from dear.runtime import default_backend
+    from dear.comm.runtime import default_backend
     assert carries_cpu_on_gloo("gloo") and carries_cpu_on_gloo("cpu:gloo,cuda:nccl")
     assert carries_cpu_on_gloo("cuda:nccl, cpu:gloo")
     assert not carries_cpu_on_gloo("nccl") and not carries_cpu_on_gloo("cuda:gloo")

@@ -2,9 +2,9 @@
 
 dear's pre-forward phase waits for all-gathers and runs the wrapped optimizer's update, which
 dynamo cannot trace. Under compile the hook of the first module of each bucket emits an opaque
-custom op that does it (dear/compiled.py), so the graph does not break: the model trains as DDP +
-torch.compile does, to rounding, with about as many graphs as DDP's and no graph break, and the
-all-gathers still overlap the forward pass (after step() buckets are in flight, the forward
+custom op that does it (dear/engine/compiled.py), so the graph does not break: the model trains as
+DDP + torch.compile does, to rounding, with about as many graphs as DDP's and no graph break, and
+the all-gathers still overlap the forward pass (after step() buckets are in flight, the forward
 applies them). A compiled forward that reads a bucket before the module that waits for it stops
 with an error when it is compiled.
 

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 import dear
 from dear.comm.local import LocalCommunicator
-from dear.runtime import _state
+from dear.comm.runtime import _state
 from tests.workloads import batch, make_net
 
 

@@ -24,7 +24,7 @@ def torchrun_world_of_one(monkeypatch):
                         "MASTER_PORT": str(free_port())}.items():
         monkeypatch.setenv(name, value)
     dear.init()
-    yield dear.runtime.communicator()
+    yield dear.comm.runtime.communicator()
     dear.shutdown()
 
 

@@ -58,7 +58,7 @@ def _dear_run(out: str) -> dict:
     same = all(torch.equal(a, b) for a, b in zip(plain.parameters(), traced.parameters()))
     buckets = [b.buffer.numel() * b.buffer.element_size() for b in opt.dear_engine.buckets]
     comm = opt.dear_communicator
-    restored = comm is dear.runtime.communicator() and type(comm).__name__ != \
+    restored = comm is dear.comm.runtime.communicator() and type(comm).__name__ != \
         "TracingCommunicator"
     dear.shutdown()
     return {"same": same, "bucket_bytes": buckets, "path": tracer.path, "restored": restored}

@@ -309,7 +309,7 @@ def test_dear_smaller_first_all_gather_group_closed_form():
 def test_simulated_layout_is_the_optimizers():
     """The simulator plans with dear.fusion.layout's own function: same buckets, bytes and
     all-gather groups as the layout the optimizer builds, for every kind of config."""
-    from dear.compression import Compression
+    from dear.comm.compression import Compression
     from dear.fusion.layout import build_layout
     from tests.workloads import make_net
     params = list(make_net().parameters())

@@ -191,7 +191,7 @@ def test_a_frozen_peer_under_horovodrun_does_not_hold_the_survivor() -> None:
 
 
 def test_horovods_gloo_timeout_follows_dear_timeout() -> None:
-    from dear.launch import HOROVOD_GLOO_SLACK, align_horovod_timeout
+    from dear.comm.launch import HOROVOD_GLOO_SLACK, align_horovod_timeout
     env = {"HOROVOD_RANK": "0", "DEAR_TIMEOUT": "4.5"}
     align_horovod_timeout(environ=env)
     assert env["HOROVOD_GLOO_TIMEOUT_SECONDS"] == str(5 + HOROVOD_GLOO_SLACK)

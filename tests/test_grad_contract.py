@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import dear
-from dear.written import DEFERRED_DEVICES
+from dear.guards.written import DEFERRED_DEVICES
 from tests.distributed import run_distributed, wait_for_file
 from tests.test_sharded import force_plan
 from tests.workloads import (OPTIMIZERS, assert_float32_close, batch, init_in_issue_mode,
@@ -311,7 +311,7 @@ def _object_broadcast_nobody_joins(done: str) -> dict:
         return {}
     start = time.monotonic()
     try:
-        dear.runtime.communicator().broadcast_object({"plan": 1}, 0)
+        dear.comm.runtime.communicator().broadcast_object({"plan": 1}, 0)
         error = None
     except Exception as exc:                     # torch's "timed out" RuntimeError
         error = str(exc)

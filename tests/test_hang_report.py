@@ -1,5 +1,5 @@
-"""The hang report (dear/hang.py): when a collective fails, every surviving rank says which rank
-did not issue it and what each rank last issued, and writes it where `python -m dear.diagnose
+"""The hang report (dear/comm/hang.py): when a collective fails, every surviving rank says which
+rank did not issue it and what each rank last issued, and writes it where `python -m dear.diagnose
 hang` shows it. The reference is the fault each test causes itself: which rank stalls, dies or
 takes another branch, and where."""
 
@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 import dear
 from dear.comm.flight import FlightRecord, mark
-from dear.hang import HangReporter, compose
+from dear.comm.hang import HangReporter, compose
 from tests.distributed import run_distributed
 from tests.workloads import batch, make_net
 

@@ -93,7 +93,7 @@ def concurrent_collectives() -> dict:
     """Several large reduce-scatters and all-gathers in flight at once (Horovod's own
     reducescatter returns garbage on rank 0 here; dear's backend must not)."""
     import dear
-    from dear.runtime import communicator
+    from dear.comm.runtime import communicator
     dear.init()
     comm, n = communicator(), dear.size()
     sizes = [6_000_000, 5_000_000, 14_000_006, 2002]

@@ -543,7 +543,7 @@ def test_errors_are_clear_and_leave_the_group_usable(tmp_path):
 
 # -------------------------------------------------------------- launchers and import hygiene
 def _slurm_ranks() -> list:
-    """As under srun: only SLURM_* variables (dear.launch translates them)."""
+    """As under srun: only SLURM_* variables (dear.comm.launch translates them)."""
     env = os.environ
     rank, world, port = env["RANK"], env["WORLD_SIZE"], env["MASTER_PORT"]
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",

@@ -47,7 +47,7 @@ def collectives(plane: str) -> dict:
     import torch.distributed as dist
 
     import dear
-    from dear.runtime import communicator
+    from dear.comm.runtime import communicator
     os.environ["DEAR_HOROVOD_DATA_PLANE"] = plane
     dear.init()
     comm, n, me = communicator(), dear.size(), dear.rank()
@@ -149,7 +149,7 @@ def beside_user_ddp() -> dict:
                             world_size=hvd.size())
     groups_before = len(dist.distributed_c10d._world.pg_map)
     dear.init(backend="horovod")               # auto would pick the user's torch group
-    name = dear.runtime.communicator().name
+    name = dear.comm.runtime.communicator().name
     groups_after = len(dist.distributed_c10d._world.pg_map)
     params = {}
     for impl in ("ddp", "dear"):

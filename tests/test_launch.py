@@ -1,4 +1,4 @@
-"""dear.init() under srun and mpirun (dear/launch.py).
+"""dear.init() under srun and mpirun (dear/comm/launch.py).
 
 Slurm and Open MPI are not installed here, so their variables are set by hand as srun and
 mpirun set them, on two plain processes; MPICH's mpirun (the `mpich` wheel, installed by
@@ -29,7 +29,7 @@ import os, sys, torch, dear, torch.distributed as dist
 sys.modules.update({m: None for m in os.environ.get("HIDE_MODULES", "").split(",") if m})
 dear.init()
 x = torch.tensor([float(dear.rank() + 1)])
-dear.runtime.communicator().all_reduce(x).wait()
+dear.comm.runtime.communicator().all_reduce(x).wait()
 print(f"OK rank={dear.rank()} size={dear.size()} local={dear.local_rank()} sum={x.item():g} "
       f"pg={dist.is_initialized()} master={os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
       flush=True)
@@ -154,7 +154,7 @@ def test_every_backend_reads_srun_variables_through_launch(monkeypatch) -> None:
     """dear.init(backend=...) translates srun's variables before any backend reads its place
     (the NCCL backend used to read RANK/WORLD_SIZE itself: a world of one per process under
     srun), and launch.process_env is where every backend reads it."""
-    import dear.runtime as runtime
+    import dear.comm.runtime as runtime
     env = {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_LOCALID": "1",
            "SLURM_JOB_NODELIST": "node[07-08]", "SLURM_JOB_ID": "17", "MASTER_PORT": "4000"}
     # setup_env writes into os.environ itself: a private copy, restored after the test
@@ -187,7 +187,7 @@ def test_other_launcher_variables() -> None:
 
 
 def test_only_launch_and_config_read_the_environment() -> None:
-    """Launcher variables have one reader (dear/launch.py) and DEAR_* knobs one home
+    """Launcher variables have one reader (dear/comm/launch.py) and DEAR_* knobs one home
     (dear/config.py): a backend that read RANK or WORLD_SIZE itself saw a world of one under
     srun. dear/testing sets variables for the ranks it starts."""
     package = os.path.join(ROOT, "dear")

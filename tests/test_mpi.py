@@ -8,7 +8,7 @@ mpirun's whole process group.
 - conformance, on 2 and 3 ranks: test_comm's checks (every dtype, odd shard sizes, several
   collectives in flight waited out of order, non-zero roots, objects of different sizes per
   rank, refused bad sizes), whose references are torch.distributed's own collectives on a Gloo
-  group started from mpirun's variables (dear/launch.py); and the MPI communicator's results
+  group started from mpirun's variables (dear/comm/launch.py); and the MPI communicator's results
   against the torch backend's (TorchCommunicator, pairwise) on the same inputs: all-gathers
   bitwise, sums within test_comm's rounding bound.
 - training: the same model and data with dear.DistributedOptimizer on backend "mpi" and on
@@ -202,7 +202,7 @@ def _train(backend: str, steps: int = 6) -> dict[str, torch.Tensor]:
         opt.zero_grad()
         torch.nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
-    name = dear.runtime.communicator().name
+    name = dear.comm.runtime.communicator().name
     params = {k: v.detach().clone() for k, v in model.state_dict().items()}  # flushes
     dear.shutdown()
     params["__name__"] = name                                              # type: ignore
@@ -271,7 +271,7 @@ def _progress() -> None:
 def _fail(how: str) -> None:
     import dear
     dear.init(backend="mpi")
-    comm = dear.runtime.communicator()
+    comm = dear.comm.runtime.communicator()
     x = torch.ones(1000)
     comm.all_reduce(x).wait()
     if comm.rank == 1:

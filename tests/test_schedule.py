@@ -20,7 +20,7 @@ import torch.nn.functional as F
 import dear
 from dear.engine.layout import relayout
 from dear.comm.base import Communicator, DoneWork, Work, WrappedCommunicator
-from dear.compression import Compression
+from dear.comm.compression import Compression
 from dear.fusion.fusion_config import FusionConfig
 from dear.fusion.layout import build_layout
 from dear.fusion.plan import calibrate, replay_tail
@@ -230,8 +230,8 @@ def _planned_run(forced: bool, relayout_at: int, mode: str = "thread", device: s
         schedule.ScheduleDriver._factor = lambda *args: check_factor
     init_in_issue_mode(mode, device)
     rank, world = dear.rank(), dear.size()
-    recorder = RecordingCommunicator(dear.runtime._state.comm)
-    dear.runtime._state.comm = recorder
+    recorder = RecordingCommunicator(dear.comm.runtime._state.comm)
+    dear.comm.runtime._state.comm = recorder
     model = make_net().to(device)
     if rank == 1:
         _slow_in_backward(model.fc1, 0.02)

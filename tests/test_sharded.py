@@ -1,4 +1,4 @@
-"""shard_optimizer_state=True (dear/sharded.py): each rank updates only its shards and the
+"""shard_optimizer_state=True (dear/sharding/state.py): each rank updates only its shards and the
 all-gathers carry parameters. Elementwise optimizers give the same bits as dear without sharding
 (itself checked against single-process training elsewhere), on 2 and 3 ranks with uneven shards
 and padding; the whole state comes back from state_dict() in torch's form; the rest is refused
@@ -201,13 +201,13 @@ class _Rank:
 
 def emulated_ranks_match(make: Callable[[Any], torch.optim.Optimizer], world: int,
                          device: str, steps: int = 4) -> None:
-    """dear/sharded.py's update itself, without processes: `world` replicas each update their
+    """dear/sharding/state.py's update itself, without processes: `world` replicas each update their
     shard of one bucket (offsets that split parameters mid-way, padding), the shards put
     together must be the bits of the unsharded optimizer's step. On CUDA this covers the
     foreach and fused kernels on segments at arbitrary offsets."""
     from dear.fusion.bucket import Bucket
     from dear.fusion.planner import BucketSpec
-    from dear.sharded import ShardedState
+    from dear.sharding.state import ShardedState
     gen = torch.Generator().manual_seed(3)
     shapes = [(7, 5), (13,), (3, 4, 2), (1,), (11,)]
     base = [torch.randn(s, generator=gen).to(device) for s in shapes]

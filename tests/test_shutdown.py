@@ -34,7 +34,7 @@ def _run(schedule: str) -> dict:
         F.mse_loss(model(x), y).backward()
         opt.step()
     KEPT.append((model, opt))                  # the user keeps them past shutdown
-    world_group, twin = dist.group.WORLD, dear.runtime.communicator()._reverse
+    world_group, twin = dist.group.WORLD, dear.comm.runtime.communicator()._reverse
     assert isinstance(world_group, dist.ProcessGroup) and isinstance(twin, dist.ProcessGroup)
     dear.shutdown()
     gc.collect()

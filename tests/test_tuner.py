@@ -15,7 +15,7 @@ import torch.nn.functional as F
 import dear
 from dear.fusion import fusion_config
 from dear.fusion.fusion_config import FusionConfig
-from dear.fusion.tuner import FusionTuner
+from dear.autotune.online import FusionTuner
 from tests.distributed import run_distributed
 from tests.workloads import OPTIMIZERS, batch, make_net, train_autotuned
 
@@ -110,7 +110,7 @@ def test_tuner_searches_the_chunk_size_too() -> None:
 def test_chunk_size_is_searched_only_where_a_plan_runs() -> None:
     """256 KB-16 MB log-uniform, capped at the model's size; none without chunk_bytes (DeAR's
     order: the chunk size does nothing there, no trial is spent on it)."""
-    from dear.fusion.tuner import CHUNK_MAX_BYTES, CHUNK_MIN_BYTES
+    from dear.autotune.online import CHUNK_MAX_BYTES, CHUNK_MIN_BYTES
     for model_bytes, top in ((512 * MB, CHUNK_MAX_BYTES), (3 * MB, 3 * MB)):
         tuner = FusionTuner(model_bytes, budget=8, chunk_bytes=MB, initial=FusionConfig(MB, MB))
         seen = []
@@ -261,7 +261,7 @@ def _train_planned(out_dir: str) -> dict:
     gaps to fill; every collective each rank issues is recorded, in order."""
     import os
 
-    import dear.fusion.tuner as tuner_module
+    import dear.autotune.online as tuner_module
     from tests.test_schedule import RecordingCommunicator, _slow_in_backward
     from tests.workloads import state_of
     tuner_module.MIN_BYTES = 256
@@ -272,8 +272,8 @@ def _train_planned(out_dir: str) -> dict:
                       DEAR_AUTOTUNE_OUT=os.path.join(out_dir, "fusion.json"))
     dear.init()
     rank, world = dear.rank(), dear.size()
-    recorder = RecordingCommunicator(dear.runtime._state.comm)
-    dear.runtime._state.comm = recorder
+    recorder = RecordingCommunicator(dear.comm.runtime._state.comm)
+    dear.comm.runtime._state.comm = recorder
     model = make_net()
     for module in (model.fc1, model.fc2, model.branch, model.head):
         _slow_in_backward(module, 0.004)

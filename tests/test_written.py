@@ -1,4 +1,4 @@
-"""Content fingerprints (dear/written.py, csrc/digest.h): what dear compares to see a write
+"""Content fingerprints (dear/guards/written.py, csrc/digest.h): what dear compares to see a write
 through `.data`, which leaves autograd's version counter alone.
 
 The native digest is checked against the formula csrc/digest.h states, computed here in plain
@@ -15,7 +15,7 @@ import torch
 
 from dear import native
 from dear import written
-from dear.written import first_changed, fingerprints
+from dear.guards.written import first_changed, fingerprints
 
 needs_native = pytest.mark.skipif(not native.native_available(),
                                   reason=f"native extension not built: {native.load_error()}")

@@ -165,7 +165,7 @@ def train_autotuned(autotune: object, out_dir: str, world: int, steps: int,
     import os
 
     import dear
-    import dear.fusion.tuner as tuner_module
+    import dear.autotune.online as tuner_module
     tuner_module.MIN_BYTES = 256
     # The tuners' own counting (settle, window) is what these tests check: DeAR's order, so a
     # trial's settling is not stretched to the planned schedule's measuring (2 x plan_after + 1).

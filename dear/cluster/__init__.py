@@ -3,8 +3,15 @@ their throughput-vs-workers curves, a policy allocates, the simulation reports c
 `python -m dear.cluster simulate --help`; docs/sharing-a-cluster.md. No torch: numpy only (and
 matplotlib for the plot)."""
 
-from .curves import (CommModelCurve, LinearCurve, PolluxCurve, TableCurve, ThroughputCurve,
-                     as_curve, from_scaling_curve)
+from .curves import (
+                     CommModelCurve,
+                     LinearCurve,
+                     PolluxCurve,
+                     TableCurve,
+                     ThroughputCurve,
+                     as_curve,
+                     from_scaling_curve,
+)
 from .experiment import Comparison, compare
 from .metrics import summarize
 from .policies import FIFO, SRTF, Optimus, Pollux, Tiresias, make_policy

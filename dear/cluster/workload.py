@@ -15,7 +15,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from .curves import (CommModelCurve, ThroughputCurve, curve_from_dict, curve_to_dict)
+from .curves import CommModelCurve, ThroughputCurve, curve_from_dict, curve_to_dict
 
 
 @dataclass(frozen=True)

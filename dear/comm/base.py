@@ -98,7 +98,7 @@ class Communicator(abc.ABC):
     @property
     def rendezvous_store(self) -> Optional[Any]:
         """A key-value store (torch's Store interface) every rank of the group reaches outside
-        its collectives, for the hang report and out-of-band meetings (dear/hang.py); None
+        its collectives, for the hang report and out-of-band meetings (dear/comm/hang.py); None
         where the backend has none of its own (torch.distributed's default store serves)."""
         return None
 

@@ -1,5 +1,5 @@
 """A small record of the collectives this rank issued, kept beside every communicator dear.init()
-makes, so that a collective that fails can say which rank did not take part (dear/hang.py).
+makes, so that a collective that fails can say which rank did not take part (dear/comm/hang.py).
 
 PyTorch's Flight Recorder is the model: a ring of the last collectives (sequence number, kind,
 size, the iteration and phase that issued it, whether it completed), cheap enough to be always
@@ -155,7 +155,7 @@ class FlightChannel:
         self.name = name
         self.members = list(members)
         self.recorder = recorder or FlightRecorder()
-        #: builds the text a failed collective raises with (dear/hang.py)
+        #: builds the text a failed collective raises with (dear/comm/hang.py)
         self.on_failure: Optional[FailureHandler] = None
         self._failure: Optional[str] = None
         self._lock = threading.Lock()

@@ -24,7 +24,7 @@ from typing import Any, Callable, Optional
 
 import torch.distributed as dist
 
-from .. import launch
+from . import launch
 
 _PREFIX = "dear.gloo"
 
@@ -51,7 +51,7 @@ class GlooPair:
 def reachable_address(iface: Optional[str]) -> tuple[str, str]:
     """(address other ranks can reach this host at, where it came from)."""
     if iface:
-        import psutil                       # a dependency of Horovod
+        import psutil  # a dependency of Horovod
         addrs = psutil.net_if_addrs().get(iface)
         if addrs is None:
             raise RuntimeError(f"dear: network interface {iface!r} (GLOO_SOCKET_IFNAME / "

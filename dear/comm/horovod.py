@@ -34,10 +34,16 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
-from .. import launch
-from . import gloo_bootstrap
-from .base import (CallbackWork, Communicator, DoneWork, Work, all_gather_object_with,
-                   broadcast_object_with, check_shard_sizes)
+from . import gloo_bootstrap, launch
+from .base import (
+    CallbackWork,
+    Communicator,
+    DoneWork,
+    Work,
+    all_gather_object_with,
+    broadcast_object_with,
+    check_shard_sizes,
+)
 from .torch_dist import PairwiseExchange
 
 _UNSUPPORTED = (torch.bfloat16,)

@@ -144,7 +144,7 @@ class MPICommunicator(Communicator):
         launcher sets under mpirun: 127.0.0.1 on one host), for the hang report: MPI itself has
         no channel outside its collectives, and a stuck one is what the report must explain.
         All ranks keep it or none does (a collective: every rank calls it once)."""
-        from .. import launch
+        from . import launch
         from .gloo_bootstrap import open_store
         store, where, problems = open_store(
             self._rank, self._size, self.broadcast_object, self.all_gather_object, timeout,

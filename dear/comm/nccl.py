@@ -24,8 +24,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from .. import launch, native
-from . import wire
+from .. import native
+from . import launch, wire
 from .base import Communicator, Work, check_flat, check_shard_sizes
 
 _SUPPORTED = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8,

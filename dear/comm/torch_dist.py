@@ -38,8 +38,16 @@ import torch
 import torch.distributed as dist
 
 from . import wire
-from .base import (CallbackWork, Communicator, Work, all_gather_object_with,
-                   broadcast_object_with, check_shard_sizes, overlaps)
+from .base import (
+    CallbackWork,
+    Communicator,
+    Work,
+    all_gather_object_with,
+    broadcast_object_with,
+    check_shard_sizes,
+    overlaps,
+)
+
 
 class TorchCommunicator(Communicator):
     """Collectives over a torch.distributed process group.

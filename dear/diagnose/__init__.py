@@ -8,7 +8,7 @@
 - `Simulator(path).predict(...)` / `predict_iteration_time(path, ...)`: replay the traced
   iteration's dependency graph under another schedule, bandwidth, latency, world size,
   fusion threshold or DeAR fusion layout (`fusion=FusionConfig(...)`; the objective of
-  dear.fusion.offline's tuner). `Simulator(path, contention=fit_contention(overlapped,
+  dear.autotune.offline's tuner). `Simulator(path, contention=fit_contention(overlapped,
   clean))` also models compute slowed by communication on the same CPU.
 - `scaling_curve(path, workers, topology=Topology(...))`: throughput, speed-up and efficiency
   vs workers per schedule, by the replay and a closed-form queueing model (docs: "How many

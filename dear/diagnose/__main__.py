@@ -20,7 +20,7 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _hang(args: argparse.Namespace) -> int:
-    from ..hang import show
+    from ..comm.hang import show
     print(show(args.directory))
     return 0
 

@@ -36,8 +36,14 @@ from ..fusion.fusion_config import FusionConfig
 from .costmodel import CostModel
 from .dynamic import HOROVOD_CYCLE_S, horovod_buckets
 from .graph import Model, Profile
-from .programs import (DDP_FIRST_BUCKET, DEFAULT_THRESHOLD, DearLayout, ddp_buckets,
-                       dear_layout, wfbp_buckets)
+from .programs import (
+    DDP_FIRST_BUCKET,
+    DEFAULT_THRESHOLD,
+    DearLayout,
+    ddp_buckets,
+    dear_layout,
+    wfbp_buckets,
+)
 
 SCHEDULES = ("ddp", "wfbp", "horovod", "allreduce", "dear", "planned")
 

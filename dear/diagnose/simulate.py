@@ -37,9 +37,18 @@ from .dynamic import HOROVOD_CYCLE_S, horovod_buckets
 from .engine import Action, Replay, replay_contended
 from .graph import Model, Profile, build_model, collective_samples
 from .intervals import clip, subtract, total, union
-from .programs import (DDP_FIRST_BUCKET, DEFAULT_THRESHOLD, ITERATIONS, DearLayout,
-                       allreduce_program, ddp_buckets, dear_layout, dear_program,
-                       traced_fusion, wfbp_buckets)
+from .programs import (
+    DDP_FIRST_BUCKET,
+    DEFAULT_THRESHOLD,
+    ITERATIONS,
+    DearLayout,
+    allreduce_program,
+    ddp_buckets,
+    dear_layout,
+    dear_program,
+    traced_fusion,
+    wfbp_buckets,
+)
 
 #: collectives torch's Gloo process group runs at once (its 2 worker threads): DDP's and
 #: WFBP's all-reduces share the link two at a time there (engine.py's `slots`)
@@ -438,7 +447,7 @@ def predict_iteration_time(trace: "Trace | str | Simulator",
                            traced_bandwidth_bps: Optional[float] = None,
                            fusion: Optional[FusionConfig] = None) -> float:
     """Predicted seconds per iteration: a zero-cost objective for the fusion tuner
-    (dear.fusion.offline). Pass a `Simulator` to reuse its profiles and fitted cost model."""
+    (dear.autotune.offline). Pass a `Simulator` to reuse its profiles and fitted cost model."""
     sim = trace if isinstance(trace, Simulator) else Simulator(trace)
     return sim.predict(schedule, fusion_threshold=fusion_threshold, bandwidth_bps=bandwidth_bps,
                        latency_s=latency_s, world_size=world_size,

@@ -174,7 +174,7 @@ class Tracer:
         return self.path
 
     def _install_comm(self) -> Optional[TracingCommunicator]:
-        from .. import runtime
+        from ..comm import runtime
         dear_opt = hasattr(self.optimizer, "dear_communicator")
         opt_comm = self.optimizer.dear_communicator if dear_opt else None
         rt_comm = runtime.current_communicator()
@@ -195,7 +195,7 @@ class Tracer:
         return proxy
 
     def _uninstall_comm(self) -> None:
-        from .. import runtime
+        from ..comm import runtime
         proxy = self._proxy
         if proxy is None:
             return
@@ -222,9 +222,9 @@ class Tracer:
 
     # ------------------------------------------------------------------------------ hooks
     def _hook_model(self, model: torch.nn.Module) -> None:
-        self._modules = list(model.named_modules())
+        self._named_modules = list(model.named_modules())
         self._handles.append(model.register_forward_pre_hook(self._root_forward))
-        for idx, (_, module) in enumerate(self._modules):
+        for idx, (_, module) in enumerate(self._named_modules):
             leaf = next(module.children(), None) is None
             self._handles.append(module.register_forward_pre_hook(
                 functools.partial(self._forward_start, idx)))
@@ -377,7 +377,7 @@ class Tracer:
     # ------------------------------------------------------------------------------ output
     def describe(self) -> dict[str, Any]:
         return {**self.meta, **describe(self.model, self.optimizer, self._params,
-                                        getattr(self, "_modules", [])),
+                                        getattr(self, "_named_modules", [])),
                 "iterations": [self.iterations.start, self.iterations.stop]}
 
     def document(self) -> dict[str, Any]:
@@ -413,7 +413,7 @@ def trace(model: Optional[torch.nn.Module] = None, optimizer: Any = None, out: s
 
 def attach_from_config(optimizer: Any, model: Optional[torch.nn.Module]) -> Optional[Tracer]:
     """DEAR_TRACE: trace a dear.DistributedOptimizer from its creation; write after the range."""
-    from .. import runtime
+    from ..comm import runtime
     cfg = runtime.config()
     if not cfg.trace:
         return None

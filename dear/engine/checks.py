@@ -21,8 +21,8 @@ import torch
 
 from ..fusion.bucket import Stage
 from ..fusion.schedule import scope
-from ..validation import held_by_ddp
-from ..written import Fingerprint, Verdict, fingerprints
+from ..guards.validation import held_by_ddp
+from ..guards.written import Fingerprint, Verdict, fingerprints
 from .state import VIEW
 
 if TYPE_CHECKING:
@@ -45,7 +45,8 @@ def _mix(n: int) -> int:
 
 def contents_checked(since_layout: int, step: int, every: int) -> bool:
     """Whether the iteration that ends in step() number `step` (counted the same on every
-    rank: dear/stream.py checks it), the `since_layout`-th of its layout, compares contents."""
+    rank: dear/guards/stream.py checks it), the `since_layout`-th of its layout, compares
+    contents."""
     if every <= 0:
         return False
     if every == 1 or since_layout < CHECKED_FIRST:
@@ -96,7 +97,7 @@ def edited_grad_error(name: str, param: torch.nn.Parameter, views: bool) -> Runt
 
 def late_grad_error(name: Optional[str]) -> RuntimeError:
     """A `.grad` edit through `.data` seen at a later step (its contents were compared on the
-    device, without stopping the host: dear/written.py's Verdict)."""
+    device, without stopping the host: dear/guards/written.py's Verdict)."""
     return RuntimeError(
         f"dear: the gradient of {name or 'a parameter'} was changed through .data after "
         "backward handed it to dear.DistributedOptimizer in an earlier iteration (seen "
@@ -180,7 +181,7 @@ def _edited_contents(engine: "Engine") -> Optional[int]:
 
 def _compare_contents(engine: "Engine", taken: dict[int, Fingerprint]) -> Optional[int]:
     """The parameter (index) whose gradient's contents changed since `taken` recorded them,
-    or None. Fingerprints on a GPU are compared there (dear/written.py's Verdict) and the
+    or None. Fingerprints on a GPU are compared there (dear/guards/written.py's Verdict) and the
     answer read at a later step() (`_late_edit`), so the host never waits for the device."""
     grads = [engine.params[i].grad for i in taken]
     assert all(g is not None for g in grads), "the caller checked it is the gradient dear took"

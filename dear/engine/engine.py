@@ -9,10 +9,10 @@ an iteration as methods, each under a profiler scope `dear::<phase>`:
    schedule's collective thread: dear/fusion/schedule.py; the backend's collective:
    dear/comm/torch_dist.py for torch.distributed, wrapped by dear/comm/flight.py);
 3. `reduce` (step(), or clip_grad_norm_ earlier): the reduce-scatters finished, each shard
-   averaged, then the stream check (dear/stream.py);
+   averaged, then the stream check (dear/guards/stream.py);
 4. `gather` (step()): the all-gathers start in forward order; the update is now pending
    (`Pending`);
-5. `pre_forward` (next forward; dear/compiled.py under torch.compile): a module holding
+5. `pre_forward` (next forward; dear/engine/compiled.py under torch.compile): a module holding
    parameters applies the pending buckets holding them, and
 6. `apply` lends those parameters the averaged gradients and runs the wrapped optimizer's own
    update on them only, just before the module reads them (`updates`: dear/engine/updates.py;
@@ -33,22 +33,21 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from .. import runtime
-from ..buffers import BufferBroadcast, issue_pending
-from ..comm import flight
+from ..comm import flight, runtime
 from ..comm.base import Communicator
-from ..compression import Compressor
-from ..fusion.fusion_config import FusionConfig
+from ..comm.compression import Compressor
 from ..fusion.bucket import Bucket, Stage
+from ..fusion.fusion_config import FusionConfig
 from ..fusion.layout import GatherGroup, Layout
 from ..fusion.rows import RowSparseBucket
 from ..fusion.schedule import ScheduleDriver, scope
 from ..fusion.views import GradientViews
-from ..sparse import SparseGradients
-from ..stream import StreamCheck
-from ..written import fingerprint, fingerprints
+from ..guards.stream import StreamCheck
+from ..guards.written import fingerprint, fingerprints
 from . import checks, layout
+from .buffers import BufferBroadcast, issue_pending
 from .hooks import Hooks
+from .sparse import SparseGradients
 from .state import VIEW, Iteration, Pending, Phase, hyperparameters
 from .updates import Updates
 
@@ -72,7 +71,7 @@ class Engine:
     row_sparse_setting: Any                   # row_sparse= / DEAR_ROW_SPARSE, and what it chose
     row_sparse_explicit: bool
     row_sparse: Any
-    autotuner: Any                            # dear/fusion/autotune.py's, or None
+    autotuner: Any                            # dear/autotune/factory.py's, or None
     sparse_ids: set[int]                      # Embedding(sparse=True) weights: not in buckets
 
     def __init__(self, opt: torch.optim.Optimizer, comm: Communicator,
@@ -125,13 +124,13 @@ class Engine:
         self.groups_key: list[tuple[int, int]] = []
         self.untrained: list[torch.nn.Parameter] = []
         self.update_observers: list[Callable[[Bucket], Any]] = []   # dear_observe_updates
-        self.step_listeners: list[Callable[[Any], Any]] = []        # dear/amp.py's
-        self.read_warned = False            # dear/model_guard.py said it once
+        self.step_listeners: list[Callable[[Any], Any]] = []        # dear/shardops/amp.py's
+        self.read_warned = False            # dear/guards/model_guard.py said it once
         # .grad edits whose contents were compared on a GPU: read at a later step() (steps.py)
         self.late_edits: list[tuple[Any, list[int]]] = []
         self.hooks = Hooks()                # where dear is called from (dear/engine/hooks.py)
         # One tiny all-gather per iteration checks that the ranks' collectives still pair up
-        # (dear/stream.py); it also carries a digest of the trained parameters.
+        # (dear/guards/stream.py); it also carries a digest of the trained parameters.
         self.stream = StreamCheck(comm)
 
     # ------------------------------------------------------------------------------ hooks
@@ -271,7 +270,7 @@ class Engine:
                 self.verify_stream()
 
     def verify_stream(self) -> None:
-        """dear/stream.py's check, once per iteration, right after its reduce-scatters (the
+        """dear/guards/stream.py's check, once per iteration, right after its reduce-scatters (the
         same place in every rank's stream, whether the next collective is clipping's, a
         GradScaler's or step()'s)."""
         if self.iteration.stream_verified:
@@ -439,7 +438,7 @@ class Engine:
 
     def flush(self) -> int:
         """Apply every pending update now; returns how many buckets it applied. Issues no
-        collective, so it is safe on one rank alone (dear/model_guard.py, eval, shutdown)."""
+        collective, so it is safe on one rank alone (dear/guards/model_guard.py, eval, shutdown)."""
         if not self.pending.count or self.buckets is None:
             return 0
         applied = 0
@@ -456,7 +455,8 @@ class Engine:
             isinstance(b, RowSparseBucket) for b in self.buckets or ())
 
     def describe_buffer(self, ptr: int) -> Optional[str]:
-        """Which bucket a collective's tensor belongs to, for the hang report (dear/hang.py)."""
+        """Which bucket a collective's tensor belongs to, for the hang report
+        (dear/comm/hang.py)."""
         for bucket in self.buckets or ():
             if bucket.holds(ptr):
                 return f"bucket {bucket.spec.index} ({len(bucket.params)} parameters)"

@@ -1,7 +1,7 @@
 """Where dear's code is called from: a gradient hook on each trained parameter (C++ on the
 native path: it records the gradient in its bucket without a Python frame and calls Python only
 when the bucket is full or the iteration is unusual) and a forward pre-hook on each module that
-holds one (dear/compiled.py: an op of the graph under torch.compile).
+holds one (dear/engine/compiled.py: an op of the graph under torch.compile).
 
 Parameters' hooks live where the garbage collector cannot follow them: they hold the engine
 weakly, or a dropped optimizer would keep itself and the model alive forever. The model's hooks
@@ -14,8 +14,11 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import torch
 
-from .. import compiled, model_guard, native, runtime
-from ..compiled import PreForwardHook
+from .. import native
+from ..comm import runtime
+from ..guards import model_guard
+from . import compiled
+from .compiled import PreForwardHook
 
 if TYPE_CHECKING:
     from ..fusion.bucket import Bucket
@@ -57,7 +60,7 @@ class Hooks:
         for module in model.modules():
             if module is model or any(p in engine.index
                                       for p in module.parameters(recurse=False)):
-                # eager, or an op of the graph under torch.compile (dear/compiled.py)
+                # eager, or an op of the graph under torch.compile (dear/engine/compiled.py)
                 hook = PreForwardHook(module, pre_forward)
                 self.modules[module] = hook
                 self.handles.append(hook)
@@ -67,7 +70,7 @@ class Hooks:
             self.handles.append(model_guard.track(
                 model.register_forward_hook(eager(engine.after_forward))))
         # Loading into the model through a container that holds it (parent.load_state_dict)
-        # reaches it here, not through its own load_state_dict (dear/model_guard.py): a
+        # reaches it here, not through its own load_state_dict (dear/guards/model_guard.py): a
         # pending update applied after the load would overwrite what was loaded.
         flush = weak_method(engine.flush)
         self.handles.append(model_guard.track(model.register_load_state_dict_pre_hook(
@@ -91,7 +94,7 @@ class Hooks:
         engine's choice), or every module holding trained parameters (None). A pre-hook costs
         a module call the slow path of torch's Module.__call__, about 10 us here, for each of
         the ~100 modules of a ResNet-50 or BERT-Base; dynamo guards on the hooks, so once a
-        compiled graph ran dear's op (dear/compiled.py) they all stay."""
+        compiled graph ran dear's op (dear/engine/compiled.py) they all stay."""
         if keep is not None and compiled.compiled_seen:
             keep = None
         kept = None if keep is None else frozenset(keep)

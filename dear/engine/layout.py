@@ -11,12 +11,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .. import model_guard
 from ..fusion.fusion_config import FusionConfig
 from ..fusion.layout import build_layout
 from ..fusion.rows import resolve_row_sparse
 from ..fusion.views import GradientViews
-from ..stream import parameter_digest
+from ..guards import model_guard
+from ..guards.stream import parameter_digest
 from .state import VIEW, Iteration
 
 if TYPE_CHECKING:

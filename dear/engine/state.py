@@ -12,9 +12,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..written import Fingerprint, PendingWrites
-
-
+from ..guards.written import Fingerprint, PendingWrites
 
 VIEW = -2   # `Iteration.taken`'s version of a gradient view: its bucket's version is checked
 
@@ -43,13 +41,14 @@ class Iteration:
     # after dear took it would be silently ignored, so step() refuses it (native buckets keep
     # the same record in C++: GradReady.first_edited).
     taken: dict[int, tuple[Optional[weakref.ref], int]] = dataclasses.field(default_factory=dict)
-    # The contents of each dense gradient the Python hook took (dear/written.py's fingerprint):
-    # an edit through .data (p.grad.data.clamp_(...)) leaves the version counter where it was.
+    # The contents of each dense gradient the Python hook took (dear/guards/written.py's
+    # fingerprint): an edit through .data (p.grad.data.clamp_(...)) leaves the version counter
+    # where it was.
     fingerprints: dict[int, Fingerprint] = dataclasses.field(default_factory=dict)
     # Each bucket's parameters as step() found them (PendingWrites.note_step), by bucket index.
     param_prints: dict[int, list[Fingerprint]] = dataclasses.field(default_factory=dict)
     reduced: bool = False                   # reduce-scatters finished (clip_grad_norm_, step)
-    stream_verified: bool = False           # dear/stream.py's check issued
+    stream_verified: bool = False           # dear/guards/stream.py's check issued
     amp_found_inf: Optional[torch.Tensor] = None   # shards unscaled; the agreed found-inf
     clipped_scaled: bool = False            # clipped without knowing of a GradScaler
     synchronized: bool = False              # synchronize() put the averaged gradients in .grad

@@ -3,7 +3,7 @@
 The ordinary step() is `refuse_edited_grads` -> `engine.reduce` -> `engine.gather`. The other
 paths: a step() with no backward before it (Horovod's broadcast_optimizer_state), a step that
 finds the trained parameters changed (dear/engine/layout.py), Horovod's
-synchronize()/skip_synchronize() loop, and a step a GradScaler skips (dear/reduced.py).
+synchronize()/skip_synchronize() loop, and a step a GradScaler skips (dear/engine/amp_clip.py).
 """
 
 from __future__ import annotations
@@ -11,10 +11,9 @@ from __future__ import annotations
 import warnings
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-
-from .. import amp, reduced
 from ..comm import flight
-from . import checks, layout
+from ..shardops import amp
+from . import amp_clip, checks, layout
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -72,7 +71,7 @@ def step(engine: "Engine", closure: Optional[Callable[[], float]] = None,
         raise RuntimeError("step() inside skip_synchronize() needs optimizer.synchronize() "
                            "after backward, as in Horovod")
     communicate(engine, grad_scaler)
-    if engine.sparse is not None:              # their update is applied now (dear/sparse.py)
+    if engine.sparse is not None:              # their update is applied now (dear/engine/sparse.py)
         engine.stream.settle()
         engine.sparse.apply(engine.opt, grad_scaler)
     if not engine.overlap or engine.provisional:
@@ -93,11 +92,12 @@ def communicate(engine: "Engine", grad_scaler: Optional[Any] = None,
     carry parameters (`gradients`: the averaged gradients all the same, synchronize())."""
     engine.reduce(at_step=not gradients)
     engine.updates.settle(engine, grad_scaler, gradients)
-    if engine.buffer_sync is not None:         # dear/buffers.py: DDP's broadcast_buffers
+    if engine.buffer_sync is not None:         # dear/engine/buffers.py: DDP's broadcast_buffers
         engine.buffer_sync(rescan=engine.iteration.check_contents)
-    if engine.sparse is not None:              # dear/sparse.py: Embedding(sparse=True) weights
+    # dear/engine/sparse.py: Embedding(sparse=True) weights
+    if engine.sparse is not None:
         engine.sparse.reduce(engine.prescale, engine.postscale)
-    skip = grad_scaler is not None and reduced.amp_skips(engine, grad_scaler)
+    skip = grad_scaler is not None and amp_clip.amp_skips(engine, grad_scaler)
     engine.gather(skip=skip, gradients=gradients)
 
 

@@ -4,8 +4,8 @@
 all-gathers of the averaged gradients and the next forward runs the wrapped optimizer on each
 bucket's parameters just before their first module (`apply`).
 
-`ShardedUpdates` (shard_optimizer_state=True, dear/sharded.py): each rank holds and updates only
-its 1/N shard of each bucket; the update runs in step() on the averaged shard, right before the
+`ShardedUpdates` (shard_optimizer_state=True, dear/sharding/state.py): each rank holds and updates
+only its 1/N shard of each bucket; the update runs in step() on the averaged shard, right before the
 all-gather of its group, which then carries the new parameters; the next forward only copies
 them in (`apply`). Under the planned schedule a bucket whose chunks go in backward is updated
 before its first chunk (`before_gather`), undoably: step() keeps those updates only if nothing
@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import torch
 
-from .. import clip
 from ..fusion.bucket import Bucket, Stage
 from ..fusion.schedule import scope
-from ..sharded import KFAC_REFUSED, ShardedState, meet_every_rank, tensor_bytes
+from ..sharding.state import KFAC_REFUSED, ShardedState, meet_every_rank, tensor_bytes
+from ..shardops import clip
 from .state import hyperparameters, same_hyperparameters
 
 if TYPE_CHECKING:
@@ -32,7 +32,8 @@ class Updates:
     """The wrapped optimizer's update on whole buckets, in the next forward."""
 
     sharded = False
-    #: step() fingerprints the parameters for the write checks (dear/written.py's PendingWrites)
+    #: step() fingerprints the parameters for the write checks (dear/guards/written.py's
+    # PendingWrites)
     prints_at_step = True
 
     def launched(self, engine: "Engine", bucket: Bucket) -> None:

@@ -1,6 +1,6 @@
 """The class dear.DistributedOptimizer mixes into the wrapped optimizer's own class
-(dear/optimizer.py builds it): torch's and Horovod's optimizer API over the engine, which is the
-instance's one attribute of dear's (`dear_engine`), so dear's names cannot collide with those of
+(dear/engine/optimizer.py builds it): torch's and Horovod's optimizer API over the engine, which is
+the instance's one attribute of dear's (`dear_engine`), so dear's names cannot collide with those of
 the user's optimizer class."""
 
 from __future__ import annotations
@@ -13,21 +13,22 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from .. import reduced, runtime, sharded_checkpoint
+from ..autotune.factory import make_autotuner
+from ..comm import runtime
 from ..comm.base import Communicator, ReduceOp
-from ..compression import Compressor
+from ..comm.compression import Compressor
 from ..config import Autotune
-from ..extension import ExtensionPoints
-from ..fusion.autotune import make_autotuner
 from ..fusion.fusion_config import FusionConfig
 from ..fusion.rows import RowSparseBucket, resolve_row_sparse
 from ..fusion.schedule import ScheduleDriver, issue_mode, scope
 from ..fusion.views import GradientViews
-from ..sharded import ShardedState, tensor_bytes
-from ..stream import parameter_digest
-from ..validation import explicit_groups, refuse_construction
-from . import layout, steps
+from ..guards.stream import parameter_digest
+from ..guards.validation import explicit_groups, refuse_construction
+from ..sharding import checkpoint as sharded_checkpoint
+from ..sharding.state import ShardedState, tensor_bytes
+from . import amp_clip, layout, steps
 from .engine import Engine
+from .extension import ExtensionPoints
 from .hooks import remove_hooks, weak_method
 from .updates import ShardedUpdates, Updates
 
@@ -35,12 +36,12 @@ log = logging.getLogger("dear")
 
 
 class _DistributedOptimizer(ExtensionPoints, torch.optim.Optimizer):
-    """Mixed into the wrapped optimizer's own class (dear/optimizer.py's
+    """Mixed into the wrapped optimizer's own class (dear/engine/optimizer.py's
     `DistributedOptimizer`). One object on purpose, like Horovod's: whatever held the
     optimizer before the wrap (schedulers, GradScaler, resume code) holds dear's."""
 
     # GradScaler.step() then calls step(grad_scaler=scaler) and leaves the inf check to the
-    # optimizer: see dear/amp.py for why it must look at the reduced gradient.
+    # optimizer: see dear/shardops/amp.py for why it must look at the reduced gradient.
     _step_supports_amp_scaling = True
     dear_engine: Engine
 
@@ -51,14 +52,15 @@ class _DistributedOptimizer(ExtensionPoints, torch.optim.Optimizer):
     def step(self, closure: Optional[Callable[[], float]] = None,  # type: ignore[override]
              grad_scaler: Optional[Any] = None) -> None:
         """Finish averaging and start the all-gathers; the update lands in the next forward.
-        `scaler.step(optimizer)` passes its GradScaler as `grad_scaler` (see dear/amp.py)."""
+        `scaler.step(optimizer)` passes its GradScaler as `grad_scaler` (see
+        dear/shardops/amp.py)."""
         with scope("dear::step"):
             steps.step(self.dear_engine, closure, grad_scaler)
 
     def flush_updates(self) -> int:
         """Apply every pending update now; returns how many buckets it applied. Issues no
         collective, so it is safe on one rank alone (e.g. rank 0 saving a checkpoint); reads
-        through the model (dear/model_guard.py), eval forwards and shutdown call it."""
+        through the model (dear/guards/model_guard.py), eval forwards and shutdown call it."""
         return self.dear_engine.flush()
 
     def synchronize(self) -> None:
@@ -114,7 +116,7 @@ class _DistributedOptimizer(ExtensionPoints, torch.optim.Optimizer):
         computed from the reduced shards; returns the total norm. Call it on every rank after the
         last backward and before step(). With a GradScaler pass grad_scaler=scaler instead of
         calling scaler.unscale_(optimizer): the reduced gradient is unscaled first."""
-        return reduced.clip_grad_norm_(self.dear_engine, max_norm, norm_type,
+        return amp_clip.clip_grad_norm_(self.dear_engine, max_norm, norm_type,
                                        error_if_nonfinite, grad_scaler=grad_scaler)
 
     def grad_norm(self, norm_type: float = 2.0, *, grad_scaler: Optional[Any] = None
@@ -194,7 +196,7 @@ class _DistributedOptimizer(ExtensionPoints, torch.optim.Optimizer):
     def sharded_state_dict(self) -> dict[str, Any]:
         """With shard_optimizer_state: this rank's pieces of the state as ShardedTensors, for
         torch.distributed.checkpoint.save / .load on any world size
-        (dear/sharded_checkpoint.py). No collective."""
+        (dear/sharding/checkpoint.py). No collective."""
         engine = self.dear_engine
         engine.flush()
         if not engine.updates.sharded:
@@ -322,7 +324,7 @@ def attach(opt: Any, named: list[tuple[str, torch.nn.Parameter]],
                         if autotune else None)
     engine.relayout_wanted = False             # new ties: re-plan when nothing is in flight
     if model is not None:
-        from .. import model_guard
+        from ..guards import model_guard
         model_guard.guard(model, opt)
     engine.sparse_ids = {id(p) for p in (sparse.params if sparse else ())}
     engine.param_key = tuple(id(p) for p in params)

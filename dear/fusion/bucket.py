@@ -23,7 +23,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from .. import native as _native
-from .. import runtime as _runtime
+from ..comm import runtime as _runtime
 from ..comm.base import CallbackWork, Communicator, Work
 from .plan import chunk_columns
 from .planner import BucketSpec
@@ -91,7 +91,7 @@ class Bucket:
         self._work: Optional[Work] = None          # the reduce-scatter
         self._gathers: list[Work] = []              # all-gathers (whole, grouped or chunks)
         # What the all-gather sends in place of the averaged shard: with
-        # shard_optimizer_state, this rank's updated parameters (dear/sharded.py).
+        # shard_optimizer_state, this rank's updated parameters (dear/sharding/state.py).
         self.outgoing: Optional[torch.Tensor] = None
         self._averaged = False                      # finish_reduce_scatter ran
         # On a GPU the averaging may run on the planned schedule's side stream: a stream that

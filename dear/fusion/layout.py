@@ -7,7 +7,7 @@ from typing import Collection, Optional, Sequence
 
 import torch
 
-from ..compression import Compressor
+from ..comm.compression import Compressor
 from .bucket import Bucket
 from .fusion_config import FusionConfig
 from .gather import GatherGroup, make_groups

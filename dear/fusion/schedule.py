@@ -44,10 +44,18 @@ from typing import Any, Callable, ContextManager, Optional, Sequence
 
 import torch
 
-from .. import runtime
+from ..comm import runtime
 from ..comm.base import Communicator, Work
-from .plan import (BackwardClock, LinkCost, Plan, calibrate, chunk_columns, plan_gaps,
-                   probe_link, replay_tail)
+from .plan import (
+    BackwardClock,
+    LinkCost,
+    Plan,
+    calibrate,
+    chunk_columns,
+    plan_gaps,
+    probe_link,
+    replay_tail,
+)
 
 log = logging.getLogger("dear")
 

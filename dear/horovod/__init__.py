@@ -10,24 +10,80 @@ dear.DistributedOptimizer (decoupled reduce-scatter / all-gather) behind Horovod
 docs/horovod-api.md says what differs.
 """
 
-from .autograd import (allgather, allreduce, alltoall, broadcast, grouped_allgather,
-                       grouped_allreduce, grouped_reducescatter, reducescatter)
-from .basics import (ProcessSet, add_process_set, ccl_built, cross_rank,
-                     cross_size, cuda_built, ddl_built, global_process_set, gloo_built,
-                     gloo_enabled, init, is_homogeneous, is_initialized, local_rank, local_size,
-                     mpi_built, mpi_enabled, mpi_threads_supported, nccl_built, rank,
-                     remove_process_set, rocm_built, shutdown, size, start_timeline,
-                     stop_timeline)
+from .autograd import (
+                       allgather,
+                       allreduce,
+                       alltoall,
+                       broadcast,
+                       grouped_allgather,
+                       grouped_allreduce,
+                       grouped_reducescatter,
+                       reducescatter,
+)
+from .basics import (
+                       ProcessSet,
+                       add_process_set,
+                       ccl_built,
+                       cross_rank,
+                       cross_size,
+                       cuda_built,
+                       ddl_built,
+                       global_process_set,
+                       gloo_built,
+                       gloo_enabled,
+                       init,
+                       is_homogeneous,
+                       is_initialized,
+                       local_rank,
+                       local_size,
+                       mpi_built,
+                       mpi_enabled,
+                       mpi_threads_supported,
+                       nccl_built,
+                       rank,
+                       remove_process_set,
+                       rocm_built,
+                       shutdown,
+                       size,
+                       start_timeline,
+                       stop_timeline,
+)
 from .compression import Compression
 from .control import HorovodInternalError
-from .functions import (DistributedOptimizer, SyncBatchNorm, allgather_object, broadcast_object,
-                        broadcast_optimizer_state, broadcast_parameters)
-from .ops import (Adasum, Average, Max, Min, Product, Sum, allgather_async, allreduce_,
-                  allreduce_async, allreduce_async_, alltoall_async, barrier, broadcast_,
-                  broadcast_async, broadcast_async_, grouped_allgather_async, grouped_allreduce_,
-                  grouped_allreduce_async, grouped_allreduce_async_, grouped_reducescatter_async,
-                  join, reducescatter_async, sparse_allreduce_async)
+from .functions import (
+                       DistributedOptimizer,
+                       SyncBatchNorm,
+                       allgather_object,
+                       broadcast_object,
+                       broadcast_optimizer_state,
+                       broadcast_parameters,
+)
 from .handles import poll, synchronize
+from .ops import (
+                       Adasum,
+                       Average,
+                       Max,
+                       Min,
+                       Product,
+                       Sum,
+                       allgather_async,
+                       allreduce_,
+                       allreduce_async,
+                       allreduce_async_,
+                       alltoall_async,
+                       barrier,
+                       broadcast_,
+                       broadcast_async,
+                       broadcast_async_,
+                       grouped_allgather_async,
+                       grouped_allreduce_,
+                       grouped_allreduce_async,
+                       grouped_allreduce_async_,
+                       grouped_reducescatter_async,
+                       join,
+                       reducescatter_async,
+                       sparse_allreduce_async,
+)
 
 __all__ = [
     "Adasum", "Average", "Compression", "DistributedOptimizer", "HorovodInternalError", "Max",

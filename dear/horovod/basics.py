@@ -18,13 +18,11 @@ from typing import Iterable, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
-from .. import launch, runtime
-from ..runtime import default_backend
+from ..comm import launch, runtime
+from ..comm.runtime import default_backend
 from .control import allgather_bytes
 from .handles import forget_handles
 from .negotiate import Call, Kind, negotiate
-
-
 
 
 class ProcessSet:

@@ -15,12 +15,18 @@ from typing import Any, Iterable, Mapping, Optional, Union
 import torch
 import torch.distributed as dist
 
-from .. import runtime
-from ..comm import wire
-from ..optimizer import DistributedOptimizer as _dear_optimizer
-from ..validation import named_params_of
-from .basics import (ProcessSet, allgather_bytes, check_initialized, global_process_set, member,
-                     rank, size)
+from ..comm import runtime, wire
+from ..engine.optimizer import DistributedOptimizer as _dear_optimizer
+from ..guards.validation import named_params_of
+from .basics import (
+    ProcessSet,
+    allgather_bytes,
+    check_initialized,
+    global_process_set,
+    member,
+    rank,
+    size,
+)
 from .compression import Compression
 from .negotiate import Call, Kind, negotiate
 from .ops import ADASUM_REFUSED, Adasum, Average, Max, Min, Product, grouped_broadcast_

@@ -10,7 +10,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from .. import runtime
+from ..comm import runtime
 from .control import HorovodInternalError
 
 

@@ -22,13 +22,23 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .. import runtime
+from ..comm import runtime
 from ..comm.base import ReduceOp
 from .basics import ProcessSet, global_process_set, member
 from .control import HorovodInternalError, all_gather_flat, reduce_scatter_flat
 from .handles import claim_name, register, synchronize
-from .negotiate import (DEVICE, DTYPE, NUMEL, OP, Call, Kind, code_dtype, dtype_code,
-                        join_rounds, negotiate)
+from .negotiate import (
+    DEVICE,
+    DTYPE,
+    NUMEL,
+    OP,
+    Call,
+    Kind,
+    code_dtype,
+    dtype_code,
+    join_rounds,
+    negotiate,
+)
 
 # Horovod's reduction constants (horovod/common/message.h), so `op == hvd.Average` still holds.
 Average, Sum, Adasum, Min, Max, Product = 0, 1, 2, 3, 4, 5

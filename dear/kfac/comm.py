@@ -29,8 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .. import runtime
-from ..comm import wire
+from ..comm import runtime, wire
 from ..comm.base import CallbackWork, Communicator, DoneWork, Work
 from ..comm.flight import FlightChannel
 from ..comm.local import LocalCommunicator

@@ -6,13 +6,12 @@ dear's defaults; docs/kfac.md lists where they differ."""
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
-
-import warnings
 
 from .enums import AllreduceMethod, AssignmentStrategy, ComputeMethod, DistributedStrategy, parse
 from .preconditioner import KFAC
@@ -118,7 +117,7 @@ class KFACPreconditioner(KFAC):
 
 def _world() -> int:
     """The world K-FAC will run in, before its transport exists (kfac-pytorch's get_world_size)."""
-    from .. import runtime
+    from ..comm import runtime
     if runtime.is_initialized():
         return runtime.size()
     import torch.distributed as dist

@@ -29,10 +29,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .. import runtime
+from ..comm import runtime
 from ..fusion.bucket import Bucket
-from ..sharded import KFAC_REFUSED
-from ..shards import gather_small
+from ..sharding.state import KFAC_REFUSED
+from ..shardops.shards import gather_small
 from .state import LayerState
 
 log = logging.getLogger("dear")

@@ -19,8 +19,14 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from .assignment import (EVERYWHERE, contiguous_partition, kaisa_greedy, kaisa_groups,
-                         lpt_with_redundancy, max_load)
+from .assignment import (
+    EVERYWHERE,
+    contiguous_partition,
+    kaisa_greedy,
+    kaisa_groups,
+    lpt_with_redundancy,
+    max_load,
+)
 from .comm import packed_size
 from .costs import CostModel, NetworkModel
 from .enums import AssignmentStrategy, ComputeMethod, Strategy

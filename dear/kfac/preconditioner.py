@@ -37,8 +37,7 @@ from .costs import CostModel, NetworkModel, calibrate
 from .distribute import Distribution
 from .enums import ComputeMethod, Strategy
 from .exchange import FactorExchange
-from .options import (ALIASES, NAMES, Hyper, Hyperparameters, check, find_layers, resolve,
-                      value_at)
+from .options import ALIASES, NAMES, Hyper, Hyperparameters, check, find_layers, resolve, value_at
 from .overlap import DearLink
 from .planner import LayerShape, Plan, PlanInputs, describe, make_plan
 from .scaling import LossScale

@@ -5,10 +5,10 @@ too large. As kfac-pytorch does, the output gradient is divided by s before G is
 from `grad_scaler=` (a GradScaler, or a callable returning the current scale).
 
 With dear.DistributedOptimizer the scaler is also picked up when the optimizer is stepped
-through it: `scaler.step(optimizer)` calls `optimizer.step(grad_scaler=scaler)`, and dear/amp.py
-tells the listeners registered here. That comes AFTER precond.step() in the iteration, so:
-  * from the second step on, the scaler seen at the previous optimizer step gives the scale
-    (GradScaler.update() ran since, so its scale is the one this backward used);
+through it: `scaler.step(optimizer)` calls `optimizer.step(grad_scaler=scaler)`, and
+dear/shardops/amp.py tells the listeners registered here. That comes AFTER precond.step() in the
+  iteration, so: * from the second step on, the scaler seen at the previous optimizer step gives
+    the scale (GradScaler.update() ran since, so its scale is the one this backward used);
   * the first step cannot know whether the gradients are scaled. In dear's plain loop
     (backward(); precond.step(); optimizer.step()) nothing reads the gradients in between, so
     it is deferred: the hooks keep the raw factors, precond.step() returns, and the step runs
@@ -29,7 +29,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from .. import amp
+from ..shardops import amp
 
 
 def as_scale_source(grad_scaler: Any) -> Callable[[], float] | None:

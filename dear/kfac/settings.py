@@ -27,6 +27,7 @@ import torch
 
 from .enums import AssignmentStrategy, ComputeMethod, DistributedStrategy, Strategy, parse
 
+
 @dataclasses.dataclass(frozen=True)
 class Settings:
     """Everything dear.KFAC's constructor decides from its arguments (hyperparameters apart)."""

@@ -16,9 +16,9 @@ traceback or a 'hung' message.
 from __future__ import annotations
 
 import multiprocessing as mp
-import sys
 import os
 import socket
+import sys
 import tempfile
 import time
 import traceback

@@ -15,7 +15,7 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 
-from . import native as _native
+from .. import native as _native
 
 _BITS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 

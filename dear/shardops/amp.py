@@ -22,8 +22,8 @@ from typing import Any, Sequence
 import torch
 from torch.amp.grad_scaler import OptState
 
-from .comm.base import Communicator
-from .fusion.bucket import Bucket
+from ..comm.base import Communicator
+from ..fusion.bucket import Bucket
 from .shards import gather_small, gradient_slices
 
 # GradScaler warns, once per call site, that it will stop passing itself to such optimizers. The
@@ -103,5 +103,5 @@ def check_contract(optimizer: torch.optim.Optimizer, grad_scaler: Any) -> None:
     step() calls this first (after dear.KFAC's listeners, add_step_listener)."""
     if grad_scaler is None and getattr(optimizer, "found_inf", None) is not None:
         raise RuntimeError("this torch's GradScaler no longer passes itself to optimizer.step("
-                           "grad_scaler=...); dear's GradScaler support (dear/amp.py) must be "
-                           "updated for it")
+                           "grad_scaler=...); dear's GradScaler support "
+                           "(dear/shardops/amp.py) must be updated for it")

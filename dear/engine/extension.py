@@ -9,15 +9,15 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
-from .engine.state import Iteration
+from .state import Iteration
 
 if TYPE_CHECKING:
-    from .engine.engine import Engine
+    from ..fusion.bucket import Bucket
+    from ..fusion.fusion_config import FusionConfig
+    from ..fusion.layout import Layout
+    from ..fusion.schedule import ScheduleDriver
     from .buffers import BufferBroadcast
-    from .fusion.bucket import Bucket
-    from .fusion.fusion_config import FusionConfig
-    from .fusion.layout import Layout
-    from .fusion.schedule import ScheduleDriver
+    from .engine import Engine
 
 
 class ExtensionPoints:
@@ -77,7 +77,7 @@ class ExtensionPoints:
 
     @property
     def dear_buffer_sync(self) -> Optional[BufferBroadcast]:
-        """DDP's broadcast_buffers (dear/buffers.py); dear.join moves its root."""
+        """DDP's broadcast_buffers (dear/engine/buffers.py); dear.join moves its root."""
         return self.dear_engine.buffer_sync
 
     @property

@@ -16,7 +16,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .comm.base import Communicator, Work
+from ..comm.base import Communicator, Work
 
 _FIELDS = ("step", "backward passes before it", "trained parameters (digest)")
 

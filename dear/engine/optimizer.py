@@ -17,21 +17,31 @@ from typing import Any, Iterable, Optional, Sequence, Union
 
 import torch
 
-from . import runtime
+from ..comm import runtime
+from ..comm.base import ReduceOp, resolve_op
+from ..comm.compression import Compression
+from ..comm.compression import resolve as resolve_compression
+from ..config import Autotune, auto_threshold, parse_autotune
+from ..fusion import fusion_config as fusion_file
+from ..fusion.fusion_config import FusionConfig
+from ..guards.validation import (
+    autotune_output_problem,
+    broadcast_model,
+    check_not_wrapped,
+    check_optimizer,
+    check_same_across_ranks,
+    check_settings_match,
+    collective_knobs,
+    horovod_groups,
+    model_settings,
+    named_params_of,
+    process_set_communicator,
+    warn_if_ddp,
+)
+from ..sharding.state import check_shardable
 from .buffers import BufferBroadcast
-from .comm.base import ReduceOp, resolve_op
-from .compression import Compression
-from .compression import resolve as resolve_compression
-from .config import Autotune, auto_threshold, parse_autotune
-from .engine.wrapper import _DistributedOptimizer, attach
-from .fusion import fusion_config as fusion_file
-from .fusion.fusion_config import FusionConfig
-from .sharded import check_shardable
 from .sparse import SparseGradients, sparse_parameters
-from .validation import (autotune_output_problem, broadcast_model, check_not_wrapped,
-                         check_optimizer, process_set_communicator, check_same_across_ranks,
-                         check_settings_match, collective_knobs, horovod_groups, model_settings,
-                         named_params_of, warn_if_ddp)
+from .wrapper import _DistributedOptimizer, attach
 
 log = logging.getLogger("dear")
 
@@ -164,7 +174,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     Every setting that must match across ranks (these arguments, the DEAR_* knobs that change
     collectives, the model's buffers) is compared once here: a mismatch raises on every rank.
     `broadcast_buffers` (with model=): DDP's; rank 0's buffers go to every rank in each step()
-    (dear/buffers.py).
+    (dear/engine/buffers.py).
     `schedule`: "planned" (default, DEAR_SCHEDULE) also gathers in backward's idle link time
     by a plan made on rank 0 from the first iterations; "dear" keeps DeAR's order
     (dear/fusion/schedule.py).
@@ -286,7 +296,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     if instance_step is not None:              # an LR scheduler made before the wrap
         _count_steps(wrapped)
     if getattr(runtime.config(), "trace", ""):  # DEAR_TRACE=dir: dear.diagnose records the run
-        from .diagnose.trace import attach_from_config
+        from ..diagnose.trace import attach_from_config
         attach_from_config(wrapped, model)
     return wrapped
 

@@ -14,8 +14,8 @@ from typing import Sequence
 
 import torch
 
-from .comm.base import Communicator
-from .fusion.bucket import Bucket
+from ..comm.base import Communicator
+from ..fusion.bucket import Bucket
 
 
 def gradient_slices(buckets: Sequence[Bucket], rank: int) -> list[torch.Tensor]:

@@ -1,11 +1,11 @@
 """What a training loop does to the averaged gradient between backward and step(), under DeAR.
 
 Between the reduce-scatter and the all-gather the averaged gradient exists only as one shard per
-rank (dear/shards.py). GradScaler's unscale and inf check (dear/amp.py) and clipping by the global
-norm (dear/clip.py) are applied there, so they see exactly what DDP users see in the all-reduced
-`.grad`, cost no extra pass over the full gradient, and take effect before the deferred update.
-After `optimizer.synchronize()` (Horovod's loop) `.grad` holds the average itself and torch's own
-GradScaler.unscale_ and clip_grad_norm_ apply as they are.
+rank (dear/shardops/shards.py). GradScaler's unscale and inf check (dear/shardops/amp.py) and
+clipping by the global norm (dear/shardops/clip.py) are applied there, so they see exactly what DDP
+users see in the all-reduced `.grad`, cost no extra pass over the full gradient, and take effect
+before the deferred update. After `optimizer.synchronize()` (Horovod's loop) `.grad` holds the
+average itself and torch's own GradScaler.unscale_ and clip_grad_norm_ apply as they are.
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from . import amp, clip
+from ..shardops import amp, clip
 
 if TYPE_CHECKING:
-    from .engine.engine import Engine
+    from .engine import Engine
 
 
 def amp_skips(engine: "Engine", grad_scaler: Any) -> bool:
@@ -58,7 +58,7 @@ def clip_grad_norm_(engine: "Engine", max_norm: float, norm_type: float = 2.0,
         return torch.nn.utils.clip_grad_norm_(
             [p for p in engine.params if p.grad is not None], max_norm, norm_type,
             error_if_nonfinite)
-    from .engine.checks import refuse_edited_grads
+    from .checks import refuse_edited_grads
     refuse_edited_grads(engine)
     engine.reduce()
     it = engine.iteration                      # (a refused edit starts a new one)

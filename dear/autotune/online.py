@@ -32,8 +32,8 @@ import time
 from typing import Any, Callable, Optional
 
 from ..comm.base import Communicator
-from . import fusion_config
-from .fusion_config import FusionConfig
+from ..fusion import fusion_config
+from ..fusion.fusion_config import FusionConfig
 
 log = logging.getLogger("dear")
 

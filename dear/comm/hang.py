@@ -28,7 +28,7 @@ import time
 from typing import Any, Callable, Optional, Sequence
 
 from . import launch
-from .comm.flight import MAIN, FlightChannel, FlightRecord, RecordedCommunicator
+from .flight import MAIN, FlightChannel, FlightRecord, RecordedCommunicator
 
 _KEY = "dear/flight/rank{}"
 #: seconds between two publications of a rank's record (its heartbeat) while it issues nothing

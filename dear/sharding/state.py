@@ -1,8 +1,8 @@
 """shard_optimizer_state=True: each rank updates only its reduced shard (ZeRO-2 on DeAR's schedule).
 
 After a bucket's reduce-scatter this rank holds the averaged gradient of one slice of the bucket
-(dear/shards.py). With sharding the wrapped optimizer's own update runs in step() on that slice
-only, the parameters cut into flat segments where the shard's ends fall, and the all-gather
+(dear/shardops/shards.py). With sharding the wrapped optimizer's own update runs in step() on that
+slice only, the parameters cut into flat segments where the shard's ends fall, and the all-gather
 carries the updated parameters instead of the gradients; each bucket's parameters are copied from
 it just before its first module runs (`install`, from _finalize). So the optimizer state exists
 for 1/N of every parameter on each rank.
@@ -26,9 +26,9 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 
-from .comm.base import Communicator
-from .fusion.bucket import Bucket
-from .written import Fingerprint, fingerprints, first_changed
+from ..comm.base import Communicator
+from ..fusion.bucket import Bucket
+from ..guards.written import Fingerprint, fingerprints, first_changed
 
 #: torch optimizers whose update is elementwise: safe on flat segments, the same bits.
 ELEMENTWISE: tuple[type, ...] = (
@@ -38,7 +38,7 @@ ELEMENTWISE: tuple[type, ...] = (
 
 
 #: dear.KFAC with a sharded optimizer: said where dear.KFAC attaches (dear/kfac/overlap.py)
-#: and at the optimizer's extension point it would use (dear/extension.py).
+#: and at the optimizer's extension point it would use (dear/engine/extension.py).
 KFAC_REFUSED = (
     "dear.KFAC preconditions whole gradients, which a dear.DistributedOptimizer with "
     "shard_optimizer_state=True never holds (each rank updates only its slice of each "
@@ -410,7 +410,7 @@ def meet_every_rank(what: str, size: int) -> None:
     The meeting is dear's whole world's: an optimizer on a Horovod process set of fewer ranks
     gathers unchecked, as does a backend without a rendezvous store."""
     global _meetings
-    from . import runtime
+    from ..comm import runtime
     if size != runtime.size():
         return
     _meetings += 1

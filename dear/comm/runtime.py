@@ -11,12 +11,12 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Union
 import torch
 import torch.distributed as dist
 
+from ..config import Config
 from . import launch
-from .comm.base import Communicator, ReduceOp, resolve_op
-from .comm.flight import FlightChannel, RecordedCommunicator, mark_phase
-from .comm.local import LocalCommunicator
-from .config import Config
+from .base import Communicator, ReduceOp, resolve_op
+from .flight import FlightChannel, RecordedCommunicator, mark_phase
 from .hang import HangReporter, out_of_band_store
+from .local import LocalCommunicator
 
 log = logging.getLogger("dear")
 
@@ -37,7 +37,7 @@ class _State:
     comm: Optional[Communicator] = None
     config: Config = Config()
     owns_group: bool = False
-    reporter: Optional[HangReporter] = None       # dear/hang.py
+    reporter: Optional[HangReporter] = None       # dear/comm/hang.py
     optimizers: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
 
@@ -47,7 +47,7 @@ _state = _State()
 def init(backend: str = "auto", **config: Any) -> None:
     """Start dear. `auto`: Horovod when launched by horovodrun (HOROVOD_RANK set); else reuse
     torch.distributed's default group, or start one from the launcher's variables (torchrun,
-    srun, mpirun: dear/launch.py; NCCL with CUDA, Gloo otherwise); else run alone as a world of
+    srun, mpirun: dear/comm/launch.py; NCCL with CUDA, Gloo otherwise); else run alone as a world of
     size 1. `nccl`: NCCL directly, without torch.distributed's process group
     (dear/comm/nccl.py; needs CUDA). `mpi`: MPI non-blocking collectives through mpi4py on CPU
     tensors (dear/comm/mpi.py; launch with mpirun)."""
@@ -76,18 +76,18 @@ def _make_communicator(backend: str, cfg: Config) -> tuple[Communicator, bool]:
             and not launch.launched():
         launch.setup_env()                 # srun / mpirun: their variables as torchrun's
     if backend == "horovod":
-        from .comm.horovod import HorovodCommunicator
+        from .horovod import HorovodCommunicator
         return HorovodCommunicator(timeout=cfg.timeout, data_plane=cfg.horovod_data_plane), False
     if backend == "local":
         return LocalCommunicator(), False
     if backend == "nccl":                  # direct NCCL: csrc/ communicator or nccl4py
-        from .comm import nccl
+        from . import nccl
         return nccl.create(cfg.timeout), False
     if backend == "mpi":
-        from .comm.mpi import MPICommunicator
+        from .mpi import MPICommunicator
         return MPICommunicator(timeout=cfg.timeout, progress=cfg.mpi_progress,
                                interval=cfg.mpi_progress_interval), False
-    from .comm.torch_dist import TorchCommunicator
+    from .torch_dist import TorchCommunicator
     owns = False
     if not dist.is_initialized() and launch.launched():
         init_process_group_from_env(cfg.timeout)
@@ -205,7 +205,7 @@ def config() -> Config:
 
 def meet(name: str) -> list[int]:
     """Every rank reaches the point `name` before any collective that follows it is issued,
-    agreed out of band (dear/hang.py's store client): [] when all came, else the ranks that
+    agreed out of band (dear/comm/hang.py's store client): [] when all came, else the ranks that
     went on without it. Unchecked ([]) where there is no store."""
     reporter = _state.reporter
     if reporter is None:
@@ -215,7 +215,7 @@ def meet(name: str) -> list[int]:
 
 def flight_channel(name: str, members: list[int]) -> Optional[FlightChannel]:
     """The flight record of another stream of collectives (dear.KFAC's own process groups:
-    dear/hang.py reports on it when one fails), or None outside dear.init()."""
+    dear/comm/hang.py reports on it when one fails), or None outside dear.init()."""
     reporter = _state.reporter
     return reporter.channel(name, members) if reporter is not None else None
 

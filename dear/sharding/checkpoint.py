@@ -22,7 +22,7 @@ from typing import Any, Optional
 
 import torch
 
-from .sharded import ShardedState, flat, pieces
+from .state import ShardedState, flat, pieces
 
 _STATE, _GROUPS = "state", "param_groups"
 
@@ -32,8 +32,10 @@ def _sharded_tensor(pieces: list[tuple[int, int, int]], local: Optional[torch.Te
     """A 1-D ShardedTensor of `numel` elements: `pieces` (rank, lo, hi) are every rank's."""
     from torch.distributed._shard.metadata import ShardMetadata
     from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
-    from torch.distributed._shard.sharded_tensor.metadata import (ShardedTensorMetadata,
-                                                                  TensorProperties)
+    from torch.distributed._shard.sharded_tensor.metadata import (
+        ShardedTensorMetadata,
+        TensorProperties,
+    )
     kind = device.type if device.type == "cpu" else f"{device.type}:{device.index or 0}"
     metas = [ShardMetadata(shard_offsets=[lo], shard_sizes=[hi - lo],
                            placement=f"rank:{r}/{kind}") for r, lo, hi in pieces]

@@ -32,8 +32,8 @@ from typing import Any, Optional
 
 import torch
 
+from ..comm.base import Communicator
 from .buffers import issue_pending
-from .comm.base import Communicator
 
 _SPARSE_MODULES = (torch.nn.Embedding, torch.nn.EmbeddingBag)
 

@@ -36,11 +36,11 @@ import time
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from .. import runtime
+from ..comm import runtime
 from ..comm.base import Communicator
-from . import fusion_config
-from .fusion_config import FusionConfig
-from .tuner import FusionTuner, TrialDriver, sizes_mb
+from ..fusion import fusion_config
+from ..fusion.fusion_config import FusionConfig
+from .online import FusionTuner, TrialDriver, sizes_mb
 
 if TYPE_CHECKING:
     from ..diagnose.simulate import Simulator

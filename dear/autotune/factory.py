@@ -1,8 +1,8 @@
 """Which autotuner an optimizer runs (`autotune=` / DEAR_AUTOTUNE), built from the config.
 
 Both kinds are driven by step() through `on_step()` and switch every rank at the same step:
-`OnlineAutotuner` (dear/fusion/tuner.py) times real iterations, `OfflineAutotuner`
-(dear/fusion/offline.py) ranks layouts by the simulator's predictions from a traced window.
+`OnlineAutotuner` (dear/autotune/online.py) times real iterations, `OfflineAutotuner`
+(dear/autotune/offline.py) ranks layouts by the simulator's predictions from a traced window.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import torch
 
 from ..comm.base import Communicator
 from ..config import Autotune
-from . import fusion_config
-from .fusion_config import FusionConfig
-from .tuner import FusionTuner, OnlineAutotuner, TrialDriver
+from ..fusion import fusion_config
+from ..fusion.fusion_config import FusionConfig
+from .online import FusionTuner, OnlineAutotuner, TrialDriver
 
 
 def make_autotuner(optimizer: torch.optim.Optimizer,

@@ -48,9 +48,9 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 
-from . import model_guard
+from ..guards import model_guard
+from ..guards.validation import broadcast_model
 from .buffers import issue_pending
-from .validation import broadcast_model
 
 
 class join:  # noqa: N801 (used like a function: `with dear.join(optimizer):`)

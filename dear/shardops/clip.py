@@ -16,8 +16,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from .comm.base import Communicator
-from .fusion.bucket import Bucket
+from ..comm.base import Communicator
+from ..fusion.bucket import Bucket
 from .shards import agreement_dtype, gather_small, gradient_slices
 
 _EPS = 1e-6                                      # torch.nn.utils.clip_grad_norm_'s

@@ -29,7 +29,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from . import model_guard
+from ..guards import model_guard
 
 Eager = Callable[[torch.nn.Module, tuple[Any, ...]], None]
 

@@ -10,7 +10,7 @@ from typing import Any, Iterable, Optional
 
 import torch
 
-from .comm.base import Communicator
+from ..comm.base import Communicator
 
 
 def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
@@ -178,9 +178,9 @@ def process_set_communicator(process_set: object, timeout: float) -> Optional[An
                          "[...])) on every rank first")
     if not process_set.included():  # type: ignore[attr-defined]
         # Horovod's optimizer on a rank outside its set reduces nothing: a local optimizer.
-        from .comm.local import LocalCommunicator
+        from ..comm.local import LocalCommunicator
         return LocalCommunicator()
-    from .comm.horovod import HorovodCommunicator
+    from ..comm.horovod import HorovodCommunicator
     return HorovodCommunicator(timeout=timeout, process_set=process_set)
 
 

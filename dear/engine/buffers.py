@@ -24,8 +24,9 @@ from typing import Any, Optional
 
 import torch
 
-from . import model_guard, runtime
-from .comm.base import Communicator
+from ..comm import runtime
+from ..comm.base import Communicator
+from ..guards import model_guard
 
 
 def issue_pending() -> None:
