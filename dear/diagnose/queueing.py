@@ -19,8 +19,9 @@ and the iteration time of each schedule is a sum of phases and such maxima:
   issued at once, group g is in by A_g = s_1 + ... + s_g, and forward (with each bucket's update
   before its first use) ends at max(P, max_b (A_g(b) + P - n_b)), P its compute:
       T = step_extra + forward_end + loss + max(backward + tail_b, D_rs)
-- PLANNED (all-gathers moved into backward's idle link): min(T_dear, max(T_dear with only the
-  first needed group's all-gather exposed, sum of every reduce-scatter and all-gather)).
+- PLANNED (all-gather chunks moved into backward's idle link): T_dear less the all-gathers'
+  exposed time beyond the first group's, at most the link's idle time in backward after the
+  first reduce-scatter could start (`rs_gap`).
 The slowest traced rank's T is the prediction. It ignores what the replay models beyond
 one server: torch's Gloo running two all-reduces at once (DDP, WFBP), per-iteration link
 variation, the planned schedule's actual chunking and compute slowed by the transport.
@@ -123,17 +124,34 @@ def dear_time(prof: Profile, layout: DearLayout, numel: Sequence[int], cost: Cos
     return prof.step_extra + forward_end + prof.loss + rs
 
 
+def rs_gap(prof: Profile, layout: DearLayout, cost: CostModel) -> float:
+    """Seconds the link idles in backward once the first reduce-scatter could start: from
+    the first bucket's arrival to the later of backward's end and the queue's drain, less
+    the reduce-scatters' service. The planned schedule fills it with all-gather chunks."""
+    buckets = layout.buckets
+    order = list(reversed(range(len(buckets))))
+    busy = sum(s.duration for s in prof.backward) + prof.backward_tail
+    ready = [min(r, busy) for r in _ready(prof, buckets)]
+    issued = [ready[b] for b in order]
+    service = [cost.time("reduce_scatter", buckets[b][1]) for b in order]
+    if not issued:
+        return 0.0
+    end = max(busy, drain(issued, service))
+    return max(0.0, end - min(issued) - sum(service))
+
+
 def planned_time(prof: Profile, layout: DearLayout, numel: Sequence[int],
                  cost: CostModel) -> float:
+    """DeAR's time less what the planned schedule can take off it: the all-gathers' exposed
+    time beyond the first group's (it is needed before any compute), at most the link's idle
+    time in backward (where the plan moves all-gather chunks)."""
     dear = dear_time(prof, layout, numel, cost)
     owner = {p: b for b, (ps, _) in enumerate(layout.buckets) for p in ps}
     gather = {b: g for g, members in enumerate(layout.groups) for b in members}
     firsts = [gather[owner[p]] for s in prof.forward for p in s.needs]
     first = firsts[0] if firsts else 0
     low = dear_time(prof, layout, numel, cost, exposed=lambda g: g == first)
-    link = (sum(cost.time("reduce_scatter", b) for _, b in layout.buckets)
-            + sum(cost.time("all_gather", b) for b in layout.group_bytes()))
-    return min(dear, max(low, link))
+    return dear - min(dear - low, rs_gap(prof, layout, cost))
 
 
 @dataclasses.dataclass
