@@ -124,6 +124,30 @@ def test_queueing_model_matches_hand_closed_forms():
         F0 + F1 + G1 + 2 * ar_slow + UPDATE, rel=1e-9)
 
 
+def test_queueing_planned_fills_backwards_gap_closed_form():
+    # A 1 ms forward per layer: DeAR's order leaves both all-gathers (2 x `one`) exposed at
+    # the next forward; the plan moves all but the first group's into backward's 40 ms gap
+    # (bucket 1 reduced at 30 ms, bucket 0 ready at 70 ms). On a link with no gap, the plan
+    # is DeAR's order.
+    import dataclasses as dc
+
+    from dear.diagnose.graph import Segment
+    model = _model()
+    fast = [dc.replace(p, forward=[Segment(0.0), Segment(0.001, (0,)), Segment(0.001, (1,))],
+                       update=0.001) for p in model.profiles]
+    queue = QueueModel(dc.replace(model, profiles=fast))
+    cost = CostModel.ideal(2e9, 0.0, world_size=2)
+    one = cost.time("all_gather", _bucket_bytes(1))
+    backward = G1 + G0
+    assert queue.iteration_time("dear", cost) == pytest.approx(
+        0.0005 + 2 * one + 0.001 + backward + one, rel=1e-9)
+    assert queue.iteration_time("planned", cost) == pytest.approx(
+        one + 0.003 + backward + one, rel=1e-9)
+    slow = CostModel.ideal(1e8, 0.0, world_size=2)
+    assert queue.iteration_time("planned", slow) == pytest.approx(
+        queue.iteration_time("dear", slow), rel=1e-12)
+
+
 def test_drain_is_the_fifo_queue():
     # Jobs at 0, 1 and 5 needing 2, 2, 1: 0-2, 2-4, 5-6. A job issued before its predecessor
     # waits for it to be issued (issue order is service order).
