@@ -1,59 +1,22 @@
-"""Alpha-beta cost of a collective for a world size, fitted from a trace or given.
-
-Ring algorithms over N ranks, S bytes (the full buffer), per-step latency a, link rate B:
-    reduce-scatter, all-gather:  (N-1) a + (N-1)/N S / B
-    all-reduce:                 2(N-1) a + 2(N-1)/N S / B
-    broadcast:                  (N-1) a + S / B
-Each kind has its own (a, B): backends differ per kind (Gloo's all-reduce vs dear's pairwise
-reduce-scatter). Fitted by least squares on the traced service times; a kind the trace lacks is
-derived from the others (all-reduce = reduce-scatter + all-gather, and back). A what-if bandwidth
-keeps each kind's measured efficiency (fitted rate / traced link rate) when the traced link rate
-is known, else assumes the ideal rate.
+"""The link model fitted to a trace: `CostModel` is dear/comm/link.py's `LinkModel` (the one
+alpha-beta model, ring costs per kind) with `fit`, its parameters from a trace's collectives: per
+kind, least squares on the traced service times; a kind the trace lacks is derived from the
+others (all-reduce = reduce-scatter + all-gather, and back). A what-if bandwidth keeps each
+kind's measured efficiency (fitted rate / traced link rate) when the traced link rate is known,
+else assumes the ideal rate.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import statistics
-from typing import Optional
 
-KINDS = ("reduce_scatter", "all_gather", "all_reduce", "broadcast")
+from ..comm.link import KINDS, LinkModel, latency_steps, volume
 
-
-def latency_steps(kind: str, n: int) -> float:
-    return (2 if kind == "all_reduce" else 1) * (n - 1)
+__all__ = ["CostModel", "KINDS", "iteration_rates", "latency_steps", "volume"]
 
 
-def volume(kind: str, nbytes: float, n: int) -> float:
-    """Bytes each rank sends for a collective of `nbytes` on `n` ranks."""
-    if n <= 1:
-        return 0.0
-    if kind == "broadcast":
-        return float(nbytes)
-    return (2 if kind == "all_reduce" else 1) * (n - 1) / n * nbytes
-
-
-@dataclasses.dataclass(frozen=True)
-class CostModel:
+class CostModel(LinkModel):
     """Per kind: `alpha` seconds per latency step, `rate` bytes/s sent per rank."""
-
-    alpha: dict[str, float]
-    rate: dict[str, float]
-    world_size: int
-
-    def time(self, kind: str, nbytes: float, world_size: Optional[int] = None) -> float:
-        n = self.world_size if world_size is None else world_size
-        if n <= 1:
-            return 0.0
-        return latency_steps(kind, n) * self.alpha[kind] + volume(kind, nbytes, n) / self.rate[kind]
-
-    @classmethod
-    def ideal(cls, bandwidth_bps: float, latency_s: float = 0.0, world_size: int = 2
-              ) -> "CostModel":
-        """Every kind at the link rate (bits/s) with per-step latency `latency_s`."""
-        _check_positive(bandwidth_bps, "bandwidth")
-        return cls({k: latency_s for k in KINDS}, {k: bandwidth_bps / 8 for k in KINDS},
-                   world_size)
 
     @classmethod
     def fit(cls, samples: list[dict], world_size: int) -> "CostModel":
@@ -83,29 +46,6 @@ class CostModel:
                              "give --bandwidth (and --latency)")
         _derive_missing(alpha, rate)
         return cls(alpha, rate, world_size)
-
-    def what_if(self, bandwidth_bps: Optional[float] = None, latency_s: Optional[float] = None,
-                world_size: Optional[int] = None, traced_bandwidth_bps: Optional[float] = None
-                ) -> "CostModel":
-        """This model at another link rate / latency / world size."""
-        rate = dict(self.rate)
-        if bandwidth_bps is not None:
-            _check_positive(bandwidth_bps, "bandwidth")
-            if traced_bandwidth_bps:
-                rate = {k: r * bandwidth_bps / traced_bandwidth_bps for k, r in rate.items()}
-            else:
-                rate = {k: bandwidth_bps / 8 for k in rate}
-        alpha = dict(self.alpha) if latency_s is None else {k: latency_s for k in self.alpha}
-        if latency_s is not None and latency_s < 0:
-            raise ValueError(f"latency must be >= 0 seconds, got {latency_s}")
-        n = self.world_size if world_size is None else world_size
-        if n < 1:
-            raise ValueError(f"world size must be >= 1, got {n}")
-        return CostModel(alpha, rate, n)
-
-    def describe(self) -> str:
-        return ", ".join(f"{k} {self.rate[k] * 8 / 1e9:.2f} Gbit/s + {self.alpha[k] * 1e6:.0f} us"
-                         f"/step" for k in ("reduce_scatter", "all_gather", "all_reduce"))
 
 
 def iteration_rates(samples: list[dict], cost: "CostModel") -> dict[int, dict[str, float]]:
@@ -142,11 +82,6 @@ def _rates_per_iteration(samples: list[dict], kind: str, n: int, latency: float
         acc[0] += volume(kind, s["bytes"], n)
         acc[1] += s["seconds"] - latency
     return [sent / busy for sent, busy in by_it.values() if busy > 0 and sent > 0]
-
-
-def _check_positive(value: float, what: str) -> None:
-    if not value > 0:
-        raise ValueError(f"{what} must be > 0, got {value}")
 
 
 def _intercept(pts: list[tuple[float, float]]) -> float:

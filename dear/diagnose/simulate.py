@@ -327,7 +327,7 @@ class Simulator:
         seconds on the link (_row_sparse_seconds): planned with that time, as dear plans with
         Bucket.reduce_bytes, and never chunked."""
         from ..config import Config
-        from ..fusion.schedule import LinkCost, plan_gaps
+        from ..fusion.schedule import plan_gaps
         buckets, group_bytes = layout.buckets, layout.group_bytes()
         base = replay_contended(programs, lambda key: cost.time(
             {"rs": "reduce_scatter", "ag": "all_gather"}[key[0]],
@@ -337,15 +337,13 @@ class Simulator:
         issued = base.issued[0]
         origin = min(issued[("rs", last, b)] for b in range(n))
         ready = [issued[("rs", last, b)] - origin for b in range(n)]
-        small, large = 1 << 16, 4 << 20
-        link = LinkCost(*_alpha_rate(cost, "reduce_scatter", small, large),
-                        *_alpha_rate(cost, "all_gather", small, large))
+        link = cost                            # the planner's link model is the same one
         itemsize = [max(1, b // max(1, sum(self.model.param_numel[p] for p in ps) + len(ps)))
                     for ps, b in buckets]
         shard = [b // itemsize[k] // world for k, (_, b) in enumerate(buckets)]
         chunk = Config().chunk_bytes if chunk is None else chunk
         tables = tables or {}
-        reduced = [b if k not in tables else (tables[k] - link.alpha_rs) * link.rate_rs
+        reduced = [b if k not in tables else link.bytes_in("reduce_scatter", tables[k])
                    for k, (_, b) in enumerate(buckets)]
         plan = plan_gaps(ready, reduced,
                          [0 if k in tables else n for k, n in enumerate(shard)],
@@ -388,12 +386,6 @@ def _row_sparse_seconds(buckets: list[tuple[list[int], int]],
             out[b] = (cost.time("all_reduce", table_rows * item)
                       + cost.time("all_reduce", sent * row_bytes + item))
     return out
-
-
-def _alpha_rate(cost: CostModel, kind: str, small: int, large: int) -> tuple[float, float]:
-    t1, t2 = cost.time(kind, small), cost.time(kind, large)
-    rate = (large - small) / max(t2 - t1, 1e-12)
-    return max(t1 - small / rate, 0.0), rate
 
 
 def _scaled(p: Profile, k: float) -> Profile:

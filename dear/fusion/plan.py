@@ -15,67 +15,41 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from ..comm.base import Communicator
+from ..comm.link import LinkModel, measure_link
 
 
 # --------------------------------------------------------------------------- measurement
-@dataclasses.dataclass(frozen=True)
-class LinkCost:
-    """Seconds for a collective of `nbytes` (the full buffer): alpha + nbytes / rate."""
-
-    alpha_rs: float
-    rate_rs: float
-    alpha_ag: float
-    rate_ag: float
-
-    def reduce_scatter(self, nbytes: float) -> float:
-        return self.alpha_rs + nbytes / self.rate_rs
-
-    def all_gather(self, nbytes: float) -> float:
-        return self.alpha_ag + nbytes / self.rate_ag
-
-    def slower(self, factor: float) -> "LinkCost":
-        """Every collective `factor` times as long."""
-        return LinkCost(self.alpha_rs * factor, self.rate_rs / factor,
-                        self.alpha_ag * factor, self.rate_ag / factor)
-
-
-def _fit(small: tuple[int, float], large: tuple[int, float]) -> tuple[float, float]:
-    (b1, t1), (b2, t2) = small, large
-    rate = (b2 - b1) / max(t2 - t1, 1e-9)
-    return max(t1 - b1 / rate, 0.0), rate
-
-
 def probe_link(comm: Communicator, sizes: Sequence[int] = (2 << 20, 12 << 20),
-               repeats: int = 3, device: torch.device | str = "cpu") -> LinkCost:
+               repeats: int = 3, device: torch.device | str = "cpu") -> LinkModel:
     """Time a reduce-scatter and an all-gather of two sizes (float32, on `device`), on every
-    rank at once (a collective: call it at the same step everywhere); the best of `repeats`.
-    Both sizes exceed what a shaped link lets through at once (tbf's burst: 256 KB-0.5 MB
-    here): with 64 KB and 4 MB, the burst made a 2 Gbit/s link look 25-30% faster."""
+    rank at once (a collective: call it at the same step everywhere); the best of `repeats`
+    (dear/comm/link.py's `measure_link`). Both sizes exceed what a shaped link lets through at
+    once (tbf's burst: 256 KB-0.5 MB here): with 64 KB and 4 MB, the burst made a 2 Gbit/s
+    link look 25-30% faster."""
     n = comm.size
     cuda = torch.device(device).type == "cuda"
-    points: dict[str, list[tuple[int, float]]] = {"rs": [], "ag": []}
+    buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     for nbytes in sizes:
         numel = max(n, nbytes // 4 // n * n)
-        full = torch.zeros(numel, device=device)
-        shard = torch.zeros(numel // n, device=device)
-        for kind in ("rs", "ag"):
-            best = float("inf")
-            for _ in range(repeats):
-                if cuda:
-                    torch.cuda.synchronize(device)
-                comm.barrier()
-                start = time.perf_counter()
-                if kind == "rs":
-                    comm.reduce_scatter(full, shard).wait()
-                else:
-                    comm.all_gather(shard, full).wait()
-                if cuda:                         # wait() only ordered the stream
-                    torch.cuda.synchronize(device)
-                best = min(best, time.perf_counter() - start)
-            points[kind].append((numel * 4, best))
-    alpha_rs, rate_rs = _fit(*points["rs"])
-    alpha_ag, rate_ag = _fit(*points["ag"])
-    return LinkCost(alpha_rs, rate_rs, alpha_ag, rate_ag)
+        buffers[nbytes] = (torch.zeros(numel, device=device),
+                           torch.zeros(numel // n, device=device))
+
+    def settle() -> None:
+        if cuda:
+            torch.cuda.synchronize(device)
+        comm.barrier()
+
+    def run(kind: str, nbytes: int) -> None:
+        full, shard = buffers[nbytes]
+        if kind == "reduce_scatter":
+            comm.reduce_scatter(full, shard).wait()
+        else:
+            comm.all_gather(shard, full).wait()
+        if cuda:                                 # wait() only ordered the stream
+            torch.cuda.synchronize(device)
+
+    return measure_link(run, ("reduce_scatter", "all_gather"),
+                        [buffers[b][0].numel() * 4 for b in sizes], n, repeats, settle)
 
 
 class BackwardClock:
@@ -163,7 +137,7 @@ def chunk_columns(shard_numel: int, chunk: int) -> list[tuple[int, int]]:
 
 def plan_gaps(ready: Sequence[float], rs_bytes: Sequence[float],
               shard_numels: Sequence[int], itemsizes: Sequence[int], world: int,
-              cost: LinkCost, chunk_bytes: int, slack: float = 0.1) -> Plan:
+              cost: LinkModel, chunk_bytes: int, slack: float = 0.1) -> Plan:
     """Replay one backward on a FIFO link: reduce-scatters in reduce order (last bucket first)
     at their ready times; after each, the all-gather chunks that fit before the next bucket is
     ready (with `slack` of the gap kept free), needed-first (lowest bucket, lowest column)
@@ -196,7 +170,7 @@ def plan_gaps(ready: Sequence[float], rs_bytes: Sequence[float],
             last = chosen[-1] if chosen else (-1, 0, 0)     # (bucket -1: joins nothing)
             joins = last[0] == c[0] and last[1] + last[2] == c[1]
             took = (cost.all_gather(world * c[2] * itemsizes[c[0]])
-                    - (cost.alpha_ag if joins else 0.0))
+                    - (cost.latency("all_gather") if joins else 0.0))
             end = max(link_free, done[c[0]]) + took
             if end > budget:
                 break
@@ -213,7 +187,7 @@ def plan_gaps(ready: Sequence[float], rs_bytes: Sequence[float],
 
 
 def replay_tail(plan: Plan, ready: Sequence[float], rs_bytes: Sequence[int],
-                itemsizes: Sequence[int], world: int, cost: LinkCost) -> float:
+                itemsizes: Sequence[int], world: int, cost: LinkModel) -> float:
     """Seconds from bucket 0's readiness (the end of backward) until its reduce-scatter is
     done, when the plan's collectives run in its order on a FIFO link of `cost`."""
     link_free, done = 0.0, {}

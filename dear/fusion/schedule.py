@@ -46,9 +46,9 @@ import torch
 
 from ..comm import runtime
 from ..comm.base import Communicator, Work
+from ..comm.link import LinkModel
 from .plan import (
     BackwardClock,
-    LinkCost,
     Plan,
     calibrate,
     chunk_columns,
@@ -63,7 +63,7 @@ log = logging.getLogger("dear")
 # beyond a shaped link's burst, see probe_link; a small model needs no 12 MB probe.
 _PROBE_BYTES, _PROBE_MIN_BYTES = 12 << 20, 256 << 10
 
-__all__ = ["BackwardClock", "CommExecutor", "FutureWork", "LinkCost", "Plan", "chunk_columns",
+__all__ = ["BackwardClock", "CommExecutor", "FutureWork", "Plan", "chunk_columns",
            "close_shared", "issue_mode", "plan_gaps", "probe_link"]
 
 
@@ -251,7 +251,7 @@ class ScheduleDriver:
                                                  else None)
         self._side: Optional[torch.cuda.Stream] = None   # "stream": the chunks' stream
         self.plan: Optional[Plan] = None
-        self.cost: Optional[LinkCost] = None
+        self.cost: Optional[LinkModel] = None
         self._clock: Optional[BackwardClock] = None   # None: nothing (more) to measure
         self._checking = False                  # a plan runs; its tail is being measured
         self._ready: list[float] = []           # rank 0: the measured backward planned from
@@ -404,9 +404,9 @@ class ScheduleDriver:
             self._ready, _ = self._clock.medians()
             plan = self._plan_for(cost, itemsizes)
             log.info("dear: planned schedule: %d all-gather chunks in backward's idle link "
-                     "time (%.1f ms predicted); link rs %.2f Gbit/s, ag %.2f Gbit/s",
-                     plan.num_chunks, 1e3 * plan.predicted_gap_fill_s, 8e-9 * cost.rate_rs,
-                     8e-9 * cost.rate_ag)
+                     "time (%.1f ms predicted); link rs %.2f Gbit/s, ag %.2f Gbit/s per rank",
+                     plan.num_chunks, 1e3 * plan.predicted_gap_fill_s,
+                     8e-9 * cost.rate["reduce_scatter"], 8e-9 * cost.rate["all_gather"])
         self.plan = self._comm.broadcast_object(plan, 0)
         if self.plan is not None:               # from now on every optimizer's backward
             mark_planned()                       # collectives share the executor's order
@@ -419,12 +419,12 @@ class ScheduleDriver:
     def _reduce_bytes(self) -> list[int]:
         return [b.reduce_bytes for b in self._buckets]
 
-    def _plan_for(self, cost: LinkCost, itemsizes: Sequence[int]) -> Plan:
+    def _plan_for(self, cost: LinkModel, itemsizes: Sequence[int]) -> Plan:
         return plan_gaps(self._ready, self._reduce_bytes(),
                          [b.spec.shard_numel if b.chunkable else 0 for b in self._buckets],
                          itemsizes, self._comm.size, cost, self._chunk_bytes, self._slack)
 
-    def _factor(self, plan: Plan, cost: LinkCost, measured_tail: float,
+    def _factor(self, plan: Plan, cost: LinkModel, measured_tail: float,
                 itemsizes: Sequence[int]) -> float:
         """How much slower than `cost` the link was, for `plan`'s replay to take as long as
         the measured tail (1: close enough, see calibrate)."""

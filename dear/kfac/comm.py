@@ -19,9 +19,7 @@ from __future__ import annotations
 import datetime
 import functools
 import logging
-import statistics
 import sys
-import time
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
@@ -32,6 +30,7 @@ from torch import Tensor
 from ..comm import runtime, wire
 from ..comm.base import CallbackWork, Communicator, DoneWork, Work
 from ..comm.flight import FlightChannel
+from ..comm.link import measure_link, median
 from ..comm.local import LocalCommunicator
 from ..comm.torch_dist import carries_cpu_on_gloo
 from .costs import NetworkModel
@@ -313,26 +312,24 @@ def split_into_buckets(items: Sequence[tuple[Hashable, int, Any]], cap_numel: in
 def measure_network(transport: Transport, large_numel: int = 1 << 18, repeats: int = 3,
                     device: torch.device | str = "cpu") -> NetworkModel:
     """alpha and beta from timed all-reduces of 1 and `large_numel` floats on `device`, where
-    the factors live (an NCCL group takes CUDA tensors only); a collective: rank 0's figures are
-    returned on every rank so all ranks plan alike."""
+    the factors live (an NCCL group takes CUDA tensors only), by dear/comm/link.py's
+    `measure_link` (the median of `repeats`); a collective: rank 0's figures are returned on
+    every rank so all ranks plan alike."""
     n = transport.size
     if n == 1:
         return NetworkModel()
     cuda = torch.device(device).type == "cuda"
+    buffers = {4: torch.zeros(1, device=device), 4 * large_numel: torch.zeros(large_numel,
+                                                                            device=device)}
 
-    def timed(numel: int) -> float:
-        buf = torch.zeros(numel, device=device)
-        transport.all_reduce(buf).wait()                 # warm-up, and a loose barrier
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            transport.all_reduce(buf).wait()
-            if cuda:                                     # wait() only orders the stream
-                torch.cuda.synchronize(device)
-            times.append(time.perf_counter() - start)
-        return statistics.median(times)
+    def run(kind: str, nbytes: int) -> None:
+        transport.all_reduce(buffers[nbytes]).wait()
+        if cuda:                                         # wait() only orders the stream
+            torch.cuda.synchronize(device)
 
-    small, large = timed(1), timed(large_numel)
-    alpha = small / (2 * (n - 1))
-    beta = max(large - small, 1e-9) / (2 * (n - 1) / n * large_numel * 4)
-    return transport.broadcast_object(NetworkModel(alpha, beta), 0)
+    for nbytes in buffers:                               # warm-up, and a loose barrier
+        run("all_reduce", nbytes)
+    link = measure_link(run, ("all_reduce",), sorted(buffers), n, repeats, pick=median)
+    rate = link.rate["all_reduce"]
+    model = NetworkModel(link.alpha["all_reduce"], 1.0 / rate if rate > 0 else 1e-9)
+    return transport.broadcast_object(model, 0)

@@ -4,7 +4,8 @@ alpha-beta network model (measured on the group), from which the plan and `auto`
 Decomposing a d x d factor costs c0 + c3 d^3 (eigh and inverse are both cubic; their constants
 differ and are fitted separately by least squares on a few sizes). Preconditioning a (g, a)
 gradient costs its matrix products' flops at the measured matmul rate. A message of b bytes
-costs alpha + beta b; collectives are costed as ring / direct-send schedules move bytes.
+costs alpha + beta b; collectives are costed as ring / direct-send schedules move bytes
+(dear/comm/link.py, the one link model).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ..comm.link import LinkModel
 from .enums import ComputeMethod
 
 _CALIBRATION_DIMS = (32, 96, 192, 256)
@@ -44,15 +46,21 @@ class CostModel:
 
 @dataclasses.dataclass(frozen=True)
 class NetworkModel:
-    """alpha: seconds per message; beta: seconds per byte on one link direction."""
+    """dear.KFAC's figures of the link: `alpha` seconds per message, `beta` seconds per byte on
+    one link direction. The collectives are costed by dear/comm/link.py's `LinkModel` (the
+    model the planned schedule and dear.diagnose use) with this one latency and rate."""
 
     alpha: float = 5e-5
     beta: float = 8e-9 / 10      # 10 Gbit/s
 
+    @property
+    def link(self) -> LinkModel:
+        return LinkModel.uniform(self.alpha, self.beta)
+
     def all_reduce(self, nbytes: float, ranks: int) -> float:
         if ranks == 1 or nbytes == 0:
             return 0.0
-        return 2 * (ranks - 1) * self.alpha + 2 * (ranks - 1) / ranks * nbytes * self.beta
+        return self.link.time("all_reduce", nbytes, ranks)
 
     def owners_exchange(self, bytes_by_owner: Sequence[float], messages: int = 1) -> float:
         """Reduce to owners or broadcast from owners by direct sends: owner r sends (or
@@ -62,7 +70,7 @@ class NetworkModel:
         if ranks == 1 or total == 0:
             return 0.0
         busiest = max(max((ranks - 1) * b, total - b) for b in bytes_by_owner)
-        return messages * self.alpha + busiest * self.beta
+        return (messages - 1) * self.alpha + self.link.time("send", busiest)
 
 
 _calibrated: CostModel | None = None

@@ -102,7 +102,7 @@ def _comm_opt(p: PlanInputs) -> tuple[Plan, float]:
     items = [(s.a_dim, s.diagonal_a) for s in p.shapes] + [(s.g_dim, False) for s in p.shapes]
     secs = [cost.decompose(p.method, d, diag) for d, diag in items]
     sizes = [flat_size(p.method, d, diag) * es for d, diag in items]
-    redundant = [p.redundancy and c <= net.alpha + b * net.beta * (n - 1)
+    redundant = [p.redundancy and c <= net.link.time("send", b * (n - 1))
                  for c, b in zip(secs, sizes)]
     owners = lpt_with_redundancy(secs, n, redundant)
     by_owner = [sum(b for b, o in zip(sizes, owners) if o == r) for r in range(n)]
@@ -143,7 +143,7 @@ def _owned(p: PlanInputs, strategy: Strategy, owners: list[int], costs: list[flo
 def _mem_opt(p: PlanInputs) -> tuple[Plan, float]:
     costs = _layer_costs(p)
     net, n, es = p.network, p.ranks, p.element_size
-    redundant = [p.redundancy and c <= net.alpha + s.a_dim * s.g_dim * es * net.beta * (n - 1)
+    redundant = [p.redundancy and c <= net.link.time("send", s.a_dim * s.g_dim * es * (n - 1))
                  for c, s in zip(costs, p.shapes)]
     return _owned(p, Strategy.MEM_OPT, lpt_with_redundancy(costs, n, redundant), costs)
 
