@@ -22,7 +22,7 @@ import torch
 from ..fusion.bucket import Stage
 from ..fusion.schedule import scope
 from ..guards.validation import held_by_ddp
-from ..guards.written import Fingerprint, Verdict, fingerprints
+from ..guards.written import Fingerprint, Verdict, fingerprints, first_settled
 from .state import VIEW
 
 if TYPE_CHECKING:
@@ -189,20 +189,12 @@ def _compare_contents(engine: "Engine", taken: dict[int, Fingerprint]) -> Option
     if not verdict.on_device:
         k = verdict.first()
         return None if k is None else list(taken)[k]
-    engine.late_edits.append((verdict, list(taken)))
+    engine.late_edits.append((list(taken), verdict))
     return None
 
 
 def _late_edit(engine: "Engine") -> Optional[int]:
     """A gradient edit of an earlier iteration whose verdict came back from the device since
     (or, at a flush, all of them), or None."""
-    found, kept = None, []
-    for verdict, indices in engine.late_edits:
-        if not verdict.ready:
-            kept.append((verdict, indices))
-            continue
-        k = verdict.first()
-        if k is not None and found is None:
-            found = indices[k]
-    engine.late_edits = kept
+    found, engine.late_edits = first_settled(engine.late_edits)
     return found

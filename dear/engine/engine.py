@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import weakref
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
@@ -43,7 +43,7 @@ from ..fusion.rows import RowSparseBucket
 from ..fusion.schedule import ScheduleDriver, scope
 from ..fusion.views import GradientViews
 from ..guards.stream import StreamCheck
-from ..guards.written import fingerprint, fingerprints
+from ..guards.written import Verdict, fingerprint, fingerprints
 from . import checks, layout
 from .buffers import BufferBroadcast, issue_pending
 from .hooks import Hooks
@@ -127,7 +127,7 @@ class Engine:
         self.step_listeners: list[Callable[[Any], Any]] = []        # dear/shardops/amp.py's
         self.read_warned = False            # dear/guards/model_guard.py said it once
         # .grad edits whose contents were compared on a GPU: read at a later step() (steps.py)
-        self.late_edits: list[tuple[Any, list[int]]] = []
+        self.late_edits: list[tuple[Sequence[int], Verdict]] = []
         self.hooks = Hooks()                # where dear is called from (dear/engine/hooks.py)
         # One tiny all-gather per iteration checks that the ranks' collectives still pair up
         # (dear/guards/stream.py); it also carries a digest of the trained parameters.

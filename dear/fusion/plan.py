@@ -28,11 +28,11 @@ def probe_link(comm: Communicator, sizes: Sequence[int] = (2 << 20, 12 << 20),
     link look 25-30% faster."""
     n = comm.size
     cuda = torch.device(device).type == "cuda"
-    buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}   # by the full buffer's bytes
     for nbytes in sizes:
         numel = max(n, nbytes // 4 // n * n)
-        buffers[nbytes] = (torch.zeros(numel, device=device),
-                           torch.zeros(numel // n, device=device))
+        buffers[numel * 4] = (torch.zeros(numel, device=device),
+                              torch.zeros(numel // n, device=device))
 
     def settle() -> None:
         if cuda:
@@ -48,8 +48,8 @@ def probe_link(comm: Communicator, sizes: Sequence[int] = (2 << 20, 12 << 20),
         if cuda:                                 # wait() only ordered the stream
             torch.cuda.synchronize(device)
 
-    return measure_link(run, ("reduce_scatter", "all_gather"),
-                        [buffers[b][0].numel() * 4 for b in sizes], n, repeats, settle)
+    return measure_link(run, ("reduce_scatter", "all_gather"), sorted(buffers), n, repeats,
+                        settle)
 
 
 class BackwardClock:

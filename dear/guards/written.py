@@ -11,7 +11,7 @@ the contents are compared too, by `fingerprint`.
 from __future__ import annotations
 
 import operator
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Optional, Sequence, TypeVar, Union
 
 import torch
 
@@ -185,6 +185,25 @@ def _on(b: Fingerprint, a: Fingerprint, device: torch.device) -> bool:
 _VERSION = operator.attrgetter("_version")
 
 
+
+_Item = TypeVar("_Item")
+
+
+def first_settled(queued: list[tuple[Sequence[_Item], Verdict]], wait: bool = False
+                  ) -> tuple[Optional[_Item], list[tuple[Sequence[_Item], Verdict]]]:
+    """The first item found changed among the queued verdicts that are in (`wait`: all of
+    them), and the queue of those still out."""
+    kept, found = [], None
+    for items, verdict in queued:
+        if not (wait or verdict.ready):
+            kept.append((items, verdict))           # the device has not got there yet
+            continue
+        k = verdict.first()
+        if k is not None and found is None:
+            found = items[k]
+    return found, kept
+
+
 class PendingWrites:
     """The parameters of each bucket as step() left them, checked when its update runs.
 
@@ -223,16 +242,7 @@ class PendingWrites:
     def written_since_step(self, wait: bool = False) -> Optional[torch.nn.Parameter]:
         """A parameter whose contents changed between a step() and its update (through
         `.data`), among the updates whose verdict is in (`wait`: all of them), or None."""
-        kept = []
-        found = None
-        for params, verdict in self._applied:
-            if not (wait or verdict.ready):
-                kept.append((params, verdict))      # the device has not got there yet
-                continue
-            k = verdict.first()
-            if k is not None and found is None:
-                found = params[k]
-        self._applied = kept
+        found, self._applied = first_settled(self._applied, wait)
         return found
 
     def forget(self) -> None:
