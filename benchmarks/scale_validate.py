@@ -54,6 +54,10 @@ def _extend(p: argparse.ArgumentParser) -> None:
     p.add_argument("--only", default="",
                    help="run exactly these setups MODEL:N:RATE:SCALE,... (a rerun; combine "
                         "with the first run's JSON by --reuse FIRST,SECOND)")
+    p.add_argument("--exclude", default="",
+                   help="setups left out of the main table (listed apart), e.g. runs the "
+                        "machine's load spoiled; a traced one is then not the group's trace")
+    p.add_argument("--exclude-why", default="", help="why, for the notes")
     p.add_argument("--max-total", default="4gbit",
                    help="most traffic through the emulated switch (ranks x link rate)")
 
@@ -133,7 +137,8 @@ def predict_group(trace_rep: dict[str, Any], reps: list[dict[str, Any]]) -> list
                    "measured_s": res["median_s"], "q1_s": res["q1_s"], "q3_s": res["q3_s"],
                    "measured_samples_s": measured, "traced": n == trace_rep["ranks"],
                    "pollux_params": dataclasses.asdict(pollux),
-                   "cost_s": curve.cost_s}
+                   "cost_s": curve.cost_s,
+                   "switch_bps": n * (rep.get("bandwidth_measured_bps") or 0.0)}
             for name, pred_s in (("replay", curve.seconds["replay"][schedule][0]),
                                  ("queueing", curve.seconds["queueing"][schedule][0]),
                                  ("pollux", pollux.step_s(n, n)),
@@ -201,11 +206,15 @@ def run(args: argparse.Namespace, shaping: bool) -> list[dict[str, Any]]:
     return reps
 
 
-def groups(reps: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def groups(reps: list[dict[str, Any]], excluded: frozenset = frozenset()
+           ) -> list[dict[str, Any]]:
+    """Each (model, link)'s runs predicted from its traced 2-rank run (the first one not
+    `excluded`)."""
     rows = []
     for key in dict.fromkeys((r["model"], r["link"]) for r in reps):
         mine = [r for r in reps if (r["model"], r["link"]) == key]
-        base = next((r for r in mine if r["ranks"] == 2 and "extra" in r), None)
+        base = next((r for r in mine if r["ranks"] == 2 and "extra" in r
+                     and r["setup"] not in excluded), None)
         if base is not None:
             rows += predict_group(base, mine)
     return rows
@@ -241,20 +250,30 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
 
 def write(args: argparse.Namespace, reps: list[dict[str, Any]], shaping: bool, workdir: str,
           measured: Optional[str] = None) -> None:
-    rows = groups(reps)
+    excluded = frozenset(filter(None, args.exclude.split(",")))
+    every = groups(reps, excluded)
+    rows = [r for r in every if r["setup"] not in excluded]
     pct = lambda x: f"{x:+.1%}"  # noqa: E731
-    table = results.markdown_table(
-        ["model", "link", "workers", "setup", "method", "measured samples/s", "replay",
-         "error", "queueing", "error", "Pollux", "error", "replay within 5%",
-         "replay, run's compute", "error"],
-        [[r["model"], r["link"], r["ranks"] if not r["traced"] else f"{r['ranks']} (traced)",
-          r["setup"], r["method"], round(r["measured_samples_s"], 2),
-          round(r["replay_samples_s"], 2), pct(r["replay_error"]),
-          round(r["queueing_samples_s"], 2), pct(r["queueing_error"]),
-          round(r["pollux_samples_s"], 2), pct(r["pollux_error"]),
-          "yes" if abs(r["replay_error"]) <= TOLERANCE else "NO",
-          round(r["replay_cpu_samples_s"], 2), pct(r["replay_cpu_error"])] for r in rows])
+
+    def listing(rows: list[dict[str, Any]]) -> str:
+        return results.markdown_table(
+            ["model", "link", "workers", "setup", "switch (Gbit/s)", "method",
+             "measured samples/s", "replay", "error", "queueing", "error", "Pollux", "error",
+             "replay within 5%", "replay, run's compute", "error"],
+            [[r["model"], r["link"],
+              r["ranks"] if not r["traced"] else f"{r['ranks']} (traced)", r["setup"],
+              f"{r['switch_bps'] / 1e9:.1f}", r["method"], round(r["measured_samples_s"], 2),
+              round(r["replay_samples_s"], 2), pct(r["replay_error"]),
+              round(r["queueing_samples_s"], 2), pct(r["queueing_error"]),
+              round(r["pollux_samples_s"], 2), pct(r["pollux_error"]),
+              "yes" if abs(r["replay_error"]) <= TOLERANCE else "NO",
+              round(r["replay_cpu_samples_s"], 2), pct(r["replay_cpu_error"])] for r in rows])
+    table = listing(rows)
     notes = []
+    if excluded:
+        notes.append("Runs left out of the table above (--exclude), predicted the same way: "
+                     f"{args.exclude_why or 'see the command'}")
+        notes.append(listing([r for r in every if r["setup"] in excluded]))
     if measured:
         notes.append(f"Predictions recomputed (--reuse) from the runs of: {measured}")
     summary = []
