@@ -278,7 +278,7 @@ def rank_main(args: argparse.Namespace) -> int:
     torch.set_num_threads(1)
     from mpi4py import MPI  # noqa: F401  (starts MPI with this rank's interface)
 
-    from dear import launch
+    from dear.comm import launch
     from dear.comm.mpi import MPICommunicator
     from dear.comm.torch_dist import TorchCommunicator
     launch.setup_env()

@@ -31,7 +31,8 @@ import dear
 from benchmarks import cli, results
 from benchmarks.launch import free_port, run_ranks
 from benchmarks.overhead import build
-from dear import native, runtime
+from dear import native
+from dear.comm import runtime
 
 METHODS = ("none", "ddp", "dear-python", "dear-native")
 

@@ -295,7 +295,7 @@ def test_bad_autotune_arguments(local_dear) -> None:
 
 
 def _slow_search(out_dir: str, world: int) -> bool:
-    from dear.fusion import offline
+    from dear.autotune import offline
     original = offline.OfflineAutotuner._plan
 
     def slow(self, *args, **kwargs):           # a search longer than DEAR_TIMEOUT (README:

@@ -146,7 +146,7 @@ def test_non_finite_settings_are_refused_with_their_name(var: str, value: str) -
 
 def test_unwritable_autotune_log_is_refused_at_the_wrap(local_dear, monkeypatch, tmp_path) -> None:
     """Checked when the optimizer is wrapped, not after the first trial."""
-    from dear import runtime
+    from dear.comm import runtime
     monkeypatch.setattr(runtime._state, "config", runtime.config().__class__.from_env(
         {"DEAR_AUTOTUNE_LOG": str(tmp_path / "missing" / "trials.jsonl")}))
     model = make_net()

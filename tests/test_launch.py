@@ -20,7 +20,7 @@ import time
 
 import pytest
 
-from dear import launch
+from dear.comm import launch
 from tests.subprocesses import BIN, ROOT, run
 
 # What each rank runs: dear.init() alone must find its place; prints one line to check.
@@ -287,7 +287,7 @@ def test_mpirun_launcher_process_names_one_launch() -> None:
     shell here), and two launches get different ports."""
     if not os.path.exists("/proc/self/stat"):
         pytest.skip("no /proc")
-    probe = ("import sys; sys.path.insert(0, %r); from dear import launch; "
+    probe = ("import sys; sys.path.insert(0, %r); from dear.comm import launch; "
              "p = launch.mpi_launcher_process(); print('L', p, launch.mpirun_port(p))" % ROOT)
     ports = []
     for _ in range(2):

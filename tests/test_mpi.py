@@ -148,7 +148,7 @@ def _report(**fields: Any) -> None:
 def _conformance() -> None:
     import torch.distributed as dist
 
-    from dear import launch
+    from dear.comm import launch
     from dear.comm.mpi import MPICommunicator
     from dear.comm.torch_dist import TorchCommunicator
     from tests import test_comm as tc
@@ -212,7 +212,7 @@ def _train(backend: str, steps: int = 6) -> dict[str, torch.Tensor]:
 def _training() -> None:
     import torch.distributed as dist
 
-    from dear import launch
+    from dear.comm import launch
     mpi = _train("mpi")
     name = mpi.pop("__name__")
     launch.setup_env()

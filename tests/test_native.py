@@ -133,7 +133,7 @@ def test_bucket_pack_unpack_bit_identical(dtype, world, compress, threshold) -> 
         for p, g in zip(params, grads):      # pack_missing reads .grad (None: zeros, flag 0)
             p.grad = g
         for native_b, python_b in bucket_pair(params, world, threshold, wire):
-            assert native_b._ready is not None and python_b._ready is None
+            assert native_b.ready is not None and python_b.ready is None
             local = [grads[i] for i in native_b.spec.params]
             # Hooks deliver these (last layer first); the last one and the missing ones come
             # in through pack_missing at step().
@@ -179,7 +179,7 @@ def test_pack_writes_the_gradient_bytes_flags_and_zero_padding() -> None:
 def test_bookkeeping_states() -> None:
     params = make_params(torch.float32)
     (bucket, _), = bucket_pair(params, 2, 1 << 20)
-    ready = bucket._ready
+    ready = bucket.ready
     assert ready.size() == len(params) and ready.num_recorded() == 0
     assert not ready.record(2, torch.ones(SHAPES[2]))
     assert ready.recorded(2) and not ready.recorded(1)
@@ -224,13 +224,13 @@ def test_dear_native_knob() -> None:
     try:
         params = make_params(torch.float32)
         bucket = Bucket(plan_buckets(params, list(range(len(params))), 1 << 20, 1)[0], params)
-        assert bucket._ready is None                  # DEAR_NATIVE=0: the Python path
+        assert bucket.ready is None                  # DEAR_NATIVE=0: the Python path
     finally:
         dear.shutdown()
     dear.init(backend="local")
     try:
         bucket = Bucket(plan_buckets(params, list(range(len(params))), 1 << 20, 1)[0], params)
-        assert (bucket._ready is not None) == native.native_available()
+        assert (bucket.ready is not None) == native.native_available()
     finally:
         dear.shutdown()
 
@@ -297,7 +297,7 @@ opt = dear.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), mod
 model(torch.ones(3, 4)).sum().backward()
 opt.step()
 opt.synchronize()
-assert opt.dear_engine.buckets[0]._ready is None
+assert opt.dear_engine.buckets[0].ready is None
 dear.shutdown()
 print("fallback ok")
 """

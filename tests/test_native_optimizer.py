@@ -50,7 +50,7 @@ def train(opt_name: str, label: str, kwargs: dict) -> tuple[dict, bool, int]:
         cxx_steps += bool(switch is not None and switch.any)
         opt.step()
     state = state_of(model)                  # state_dict applies the pending update
-    return state, opt.dear_engine.buckets[0]._ready is not None, cxx_steps
+    return state, opt.dear_engine.buckets[0].ready is not None, cxx_steps
 
 
 def both_paths() -> dict:

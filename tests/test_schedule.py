@@ -24,7 +24,8 @@ from dear.comm.compression import Compression
 from dear.fusion.fusion_config import FusionConfig
 from dear.fusion.layout import build_layout
 from dear.fusion.plan import calibrate, replay_tail
-from dear.fusion.schedule import CommExecutor, LinkCost, Plan, chunk_columns, plan_gaps
+from dear.comm.link import LinkModel
+from dear.fusion.schedule import CommExecutor, Plan, chunk_columns, plan_gaps
 from tests.distributed import run_distributed
 from tests.workloads import (OPTIMIZERS, batch, branch_used, init_in_issue_mode, make_net, max_diff,
                              reference, state_of)
@@ -33,8 +34,16 @@ STEPS = 7
 
 
 # ------------------------------------------------------------------------------ the planner
+
+def _link(alpha_rs: float, rate_rs: float, alpha_ag: float, rate_ag: float) -> LinkModel:
+    """A 2-rank link on which a collective of S bytes takes alpha + S / rate (the ring sends
+    S/2 at rate/2 in one step)."""
+    return LinkModel({"reduce_scatter": alpha_rs, "all_gather": alpha_ag},
+                     {"reduce_scatter": rate_rs / 2, "all_gather": rate_ag / 2}, 2)
+
+
 def test_plan_fills_idle_gaps_and_leaves_a_busy_link_alone() -> None:
-    cost = LinkCost(alpha_rs=0.0, rate_rs=1e6, alpha_ag=0.0, rate_ag=1e6)   # 1 MB/s
+    cost = _link(alpha_rs=0.0, rate_rs=1e6, alpha_ag=0.0, rate_ag=1e6)   # 1 MB/s
     # 3 buckets of 1000 bytes, 2 ranks, float32 shards of 125 elements; chunks of <= 63 columns
     shard, item, world = [125] * 3, [4] * 3, 2
     # Buckets 2, 1, 0 ready at 0, 10 ms, 20 ms: each reduce-scatter takes 1 ms, so after
@@ -53,7 +62,7 @@ def test_plan_fills_idle_gaps_and_leaves_a_busy_link_alone() -> None:
 def test_plan_pays_one_alpha_for_consecutive_pieces() -> None:
     """With a per-collective cost (alpha: a message per ring step), two pieces of one bucket
     sent as one collective fit a gap that two collectives would overrun."""
-    cost = LinkCost(alpha_rs=0.0, rate_rs=1e6, alpha_ag=1e-3, rate_ag=1e6)
+    cost = _link(alpha_rs=0.0, rate_rs=1e6, alpha_ag=1e-3, rate_ag=1e6)
     shard, item, world = [125] * 2, [4] * 2, 2
     # Bucket 1's reduce-scatter 0-1 ms, bucket 0 ready at 3.6 ms: 2.6 ms for its pieces
     # (504 and 496 B): 1 + 0.504 + 0.496 = 2.0 ms as one collective, 3.0 ms as two.
@@ -66,7 +75,7 @@ def test_plan_pays_one_alpha_for_consecutive_pieces() -> None:
 
 
 def test_replay_tail_is_a_fifo_link_in_the_plans_order() -> None:
-    cost = LinkCost(alpha_rs=0.0, rate_rs=1e6, alpha_ag=0.0, rate_ag=1e6)   # 1000 B: 1 ms
+    cost = _link(alpha_rs=0.0, rate_rs=1e6, alpha_ag=0.0, rate_ag=1e6)   # 1000 B: 1 ms
     # Buckets 1 and 0 (1000 bytes each) ready at 0 and 2 ms. Alone: bucket 0's reduce-scatter
     # runs from its ready time, 1 ms. With a chunk of bucket 1 after bucket 1's reduce-scatter
     # (2 ranks x 250 float32 columns = 2000 B, 1-3 ms), bucket 0's waits for it: 3-4 ms.
@@ -79,7 +88,7 @@ def test_replay_tail_is_a_fifo_link_in_the_plans_order() -> None:
 
 
 def test_calibrate_finds_how_much_slower_the_link_was() -> None:
-    cost = LinkCost(alpha_rs=1e-4, rate_rs=1e6, alpha_ag=2e-4, rate_ag=2e6)
+    cost = _link(alpha_rs=1e-4, rate_rs=1e6, alpha_ag=2e-4, rate_ag=2e6)
     ready, rs, items = [0.004, 0.002, 0.0], [1000, 3000, 2000], [4, 4, 4]
     plan = Plan(after={2: ((2, 0, 100), (2, 100, 150)), 1: ((1, 0, 375),)})
 
@@ -128,7 +137,7 @@ def test_plan_leaves_a_bucket_without_all_gather_alone() -> None:
     """A row-sparse table (dear/fusion/rows.py) has no all-gather: the optimizer gives it a
     shard of 0 columns, and no chunk of it may be planned (the CPU benchmark's BERT-Base, whose
     table is bucket 1, failed with one)."""
-    cost = LinkCost(alpha_rs=0.0, rate_rs=1e6, alpha_ag=0.0, rate_ag=1e6)
+    cost = _link(alpha_rs=0.0, rate_rs=1e6, alpha_ag=0.0, rate_ag=1e6)
     plan = plan_gaps([0.030, 0.020, 0.010, 0.0], [1000] * 4, [125, 0, 125, 125], [4] * 4, 2,
                      cost, 504)
     planned = [c for chunks in plan.after.values() for c in chunks]
@@ -226,12 +235,13 @@ def _planned_run(forced: bool, relayout_at: int, mode: str = "thread", device: s
     finds a link of 1 byte/s (no chunk fits) and the check a link `check_factor` x as slow."""
     if check_factor:
         schedule = dear.fusion.schedule
-        schedule.probe_link = lambda *args, **kwargs: LinkCost(0.0, 1.0, 0.0, 1.0)
+        schedule.probe_link = lambda *args, **kwargs: _link(0.0, 1.0, 0.0, 1.0)
         schedule.ScheduleDriver._factor = lambda *args: check_factor
     init_in_issue_mode(mode, device)
     rank, world = dear.rank(), dear.size()
-    recorder = RecordingCommunicator(dear.comm.runtime._state.comm)
-    dear.comm.runtime._state.comm = recorder
+    inner = dear.comm.runtime.current_communicator()
+    recorder = RecordingCommunicator(inner)
+    assert dear.comm.runtime.replace_communicator(inner, recorder)
     model = make_net().to(device)
     if rank == 1:
         _slow_in_backward(model.fc1, 0.02)

@@ -272,8 +272,9 @@ def _train_planned(out_dir: str) -> dict:
                       DEAR_AUTOTUNE_OUT=os.path.join(out_dir, "fusion.json"))
     dear.init()
     rank, world = dear.rank(), dear.size()
-    recorder = RecordingCommunicator(dear.comm.runtime._state.comm)
-    dear.comm.runtime._state.comm = recorder
+    inner = dear.comm.runtime.current_communicator()
+    recorder = RecordingCommunicator(inner)
+    assert dear.comm.runtime.replace_communicator(inner, recorder)
     model = make_net()
     for module in (model.fc1, model.fc2, model.branch, model.head):
         _slow_in_backward(module, 0.004)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from dear import native
-from dear import written
+from dear.guards import written
 from dear.guards.written import first_changed, fingerprints
 
 needs_native = pytest.mark.skipif(not native.native_available(),
