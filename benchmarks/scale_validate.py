@@ -17,7 +17,9 @@ timed); 3, 4, 6 and 8 ranks run the methods only (benchmarks.emulated_bench's wo
   measured time), each worker its own node (every rank has its own shaped link).
 Scaled parameters (benchmarks/emulated.py `scale`): a run of N ranks at rate L/s with every
 parameter 1/s the size is the full model at rate L (same seconds of transfer per byte), so 8
-ranks fit on 2 cores: s is the smallest power of two keeping N x L / s <= --max-total.
+ranks fit on 2 cores: s is the smallest power of two keeping N x L / s <= --max-total (2 Gbit/s:
+at 4 Gbit/s through the switch, 6-8 ranks slowed the emulated compute itself by 40-75% on
+this 2-core machine).
 Error = predicted samples/s / measured - 1.
 """
 
@@ -58,7 +60,7 @@ def _extend(p: argparse.ArgumentParser) -> None:
                    help="setups left out of the main table (listed apart), e.g. runs the "
                         "machine's load spoiled; a traced one is then not the group's trace")
     p.add_argument("--exclude-why", default="", help="why, for the notes")
-    p.add_argument("--max-total", default="4gbit",
+    p.add_argument("--max-total", default="2gbit",
                    help="most traffic through the emulated switch (ranks x link rate)")
 
 
