@@ -146,9 +146,13 @@ def _reassigned(how: str) -> dict:
     return {"seen": seen}
 
 
+@pytest.mark.parametrize("check_every", ["1", "0"])
 @pytest.mark.parametrize("how", ["tensor", "data"])
-def test_a_reassigned_buffer_is_the_one_broadcast(how: str) -> None:
-    ranks = run_distributed(_reassigned, 2, how, timeout=120)
+def test_a_reassigned_buffer_is_the_one_broadcast(how: str, check_every: str) -> None:
+    """DEAR_CHECK_EVERY=1: every iteration re-walks the buffers; 0: none does, and the cheap
+    comparison of the cached buffers with the modules' own must see the replacement."""
+    ranks = run_distributed(_reassigned, 2, how, timeout=120,
+                            env={"DEAR_CHECK_EVERY": check_every})
     # In the forwards after the replacement's step every rank holds rank 0's values of the
     # new buffer (the old tensor's would be the statistics rank 0 had before).
     for k in (3, 4):

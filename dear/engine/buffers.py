@@ -20,7 +20,8 @@ Under dear.join() the root is the highest rank that has not joined, as DDP's Joi
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import operator
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -56,6 +57,10 @@ class BufferBroadcast:
         self._staged: list[tuple[_Group, list[int]]] = []
         self._slots: Optional[list[tuple[dict[str, Any], str, torch.Tensor, int]]] = None
         self._groups: list[_Group] = []
+        self._dicts: list[dict[str, Any]] = []     # _slots as columns, for _current's map()s
+        self._names: list[str] = []
+        self._bufs: list[torch.Tensor] = []
+        self._ptrs: list[int] = []
         mine = [(n, tuple(b.shape), str(b.dtype)) for n, b in model.named_buffers()]
         comm.check_dtype(torch.uint8)
         for dtype in {b.dtype for b in model.buffers()}:
@@ -103,13 +108,21 @@ class BufferBroadcast:
                                  [_bytes_of(b) if b.is_contiguous() else None for b in bufs]))
         self._slots = slots
         self._groups = groups
+        self._dicts = [d for d, _, _, _ in slots]
+        self._names = [n for _, n, _, _ in slots]
+        self._bufs = [b for _, _, b, _ in slots]
+        self._ptrs = [ptr for _, _, _, ptr in slots]
 
     def _current(self, rescan: bool) -> None:
         """The cached buffers are the modules' own, in the same memory (else re-walked: a
-        module reassigned one, or set its `.data`)."""
-        slots = self._slots
-        if rescan or slots is None or any(d.get(n) is not b or b.data_ptr() != ptr
-                                          for d, n, b, ptr in slots):
+        module reassigned one, or set its `.data`). Compared by C-level map()s over the
+        cached lists, so a steady iteration runs no Python frame per buffer."""
+        if rescan or self._slots is None:
+            self._scan()
+            return
+        now = list(map(dict.get, self._dicts, self._names))
+        if not all(map(operator.is_, now, self._bufs)) \
+                or list(map(_DATA_PTR, now)) != self._ptrs:
             self._scan()
 
     def __call__(self, rescan: bool = True) -> None:
@@ -124,15 +137,15 @@ class BufferBroadcast:
         with torch.no_grad():
             for group in self._groups:
                 if root:
-                    torch._foreach_copy_(group.bytes, [_bytes_of(b) if s is None else s
-                                                       for b, s in zip(group.bufs,
-                                                                       group.sources)])
+                    torch._foreach_copy_(group.bytes, group.own_bytes or
+                                         [_bytes_of(b) if s is None else s
+                                          for b, s in zip(group.bufs, group.sources)])
                 pending.append((group, self._comm.broadcast(group.flat, self.root)))
             staged = []
             for group, work in pending:
                 work.wait()
                 if not root:
-                    staged.append((group, [b._version for b in group.bufs]))
+                    staged.append((group, list(map(_VERSION, group.bufs))))
         self._staged = staged
 
     def apply_staged(self) -> None:
@@ -146,6 +159,10 @@ class BufferBroadcast:
         staged, self._staged = self._staged, []
         with torch.no_grad():                  # on the forward's critical path: few kernels
             for group, versions in staged:
+                if list(map(_VERSION, group.bufs)) == versions:   # none changed since: one
+                    for dst, src in group.by_dtype:               # copy per dtype, no loop
+                        torch._foreach_copy_(dst, src)
+                    continue
                 by_dtype: dict[torch.dtype, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
                 for buf, version, value in zip(group.bufs, versions, group.values):
                     if buf._version == version:
@@ -154,6 +171,10 @@ class BufferBroadcast:
                         src.append(value)
                 for dst, src in by_dtype.values():
                     torch._foreach_copy_(dst, src)
+
+
+_VERSION = operator.attrgetter("_version")
+_DATA_PTR: Callable[[Any], int] = torch.Tensor.data_ptr
 
 
 class _Group:
@@ -165,6 +186,16 @@ class _Group:
         self.flat, self.bufs, self.bytes, self.values = flat, bufs, byte_views, values
         # each buffer's own memory as bytes (None: not contiguous, copied at each call)
         self.sources = sources
+        # all of them (every buffer contiguous), or None
+        self.own_bytes = [s for s in sources if s is not None] \
+            if all(s is not None for s in sources) else None
+        # (buffers, their staged values) per dtype: apply_staged's copies when none changed
+        grouped: dict[torch.dtype, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        for buf, value in zip(bufs, values):
+            dst, src = grouped.setdefault(buf.dtype, ([], []))
+            dst.append(buf)
+            src.append(value)
+        self.by_dtype = list(grouped.values())
 
 
 def _bytes_of(t: torch.Tensor) -> torch.Tensor:
