@@ -196,7 +196,7 @@ def test_only_launch_and_config_read_the_environment() -> None:
         for name in files:
             path = os.path.join(folder, name)
             rel = os.path.relpath(path, package)
-            if not name.endswith(".py") or rel in ("launch.py", "config.py") \
+            if not name.endswith(".py") or rel in ("comm/launch.py", "config.py") \
                     or rel.startswith("testing"):
                 continue
             with open(path) as f:
