@@ -59,10 +59,9 @@ class _Alias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def exec_module(self, module: ModuleType) -> None:
         # The import system set the alias's spec on the real module: give it its own back.
-        for alias, target in MOVED.items():
-            if target == module.__name__ and alias in self._specs:
-                module.__spec__ = self._specs.pop(alias)
-                return
+        alias = module.__spec__.name if module.__spec__ is not None else ""
+        if alias in self._specs:
+            module.__spec__ = self._specs.pop(alias)
 
 
 def install() -> None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import statistics
 import time
 from typing import Callable, Mapping, Optional, Sequence, TypeVar
 
@@ -159,10 +158,6 @@ def measure_link(run: Callable[[str, int], None], kinds: Sequence[str], sizes: S
         alpha.setdefault(kind, alpha[kinds[0]])
         rate.setdefault(kind, rate[kinds[0]])
     return LinkModel(alpha, rate, world_size)
-
-
-def median(times: list[float]) -> float:
-    return statistics.median(times)
 
 
 def _check_positive(value: float, what: str) -> None:

@@ -21,7 +21,7 @@ Under dear.join() the root is the highest rank that has not joined, as DDP's Joi
 from __future__ import annotations
 
 import operator
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 
@@ -55,9 +55,11 @@ class BufferBroadcast:
         self._comm = comm
         self.root = 0                          # dear.join() moves it to an active rank
         self._staged: list[tuple[_Group, list[int]]] = []
-        self._slots: Optional[list[tuple[dict[str, Any], str, torch.Tensor, int]]] = None
         self._groups: list[_Group] = []
-        self._dicts: list[dict[str, Any]] = []     # _slots as columns, for _current's map()s
+        self._scanned = False
+        # Each buffer as the walk found it: its module's `_buffers` dict, its name there, the
+        # tensor and its memory (columns, for _current's map()s).
+        self._dicts: list[dict[str, Any]] = []
         self._names: list[str] = []
         self._bufs: list[torch.Tensor] = []
         self._ptrs: list[int] = []
@@ -83,16 +85,20 @@ class BufferBroadcast:
         per device, one flat byte tensor with each buffer's slice in it, viewed both as bytes
         (what the root packs into) and as the buffer's dtype and shape (what the others put in
         place): built once, reused by every call until a buffer is reassigned."""
-        slots: list[tuple[dict[str, Any], str, torch.Tensor, int]] = []
+        dicts: list[dict[str, Any]] = []
+        names: list[str] = []
+        found: list[torch.Tensor] = []
         seen: set[int] = set()
         with model_guard.quiet():
             for module in self._model.modules():
                 for name, buf in module._buffers.items():
                     if buf is not None and id(buf) not in seen:
                         seen.add(id(buf))
-                        slots.append((module._buffers, name, buf, buf.data_ptr()))
+                        dicts.append(module._buffers)
+                        names.append(name)
+                        found.append(buf)
         by_device: dict[torch.device, list[torch.Tensor]] = {}
-        for _, _, buf, _ in slots:
+        for buf in found:
             by_device.setdefault(buf.device, []).append(buf)
         groups = []
         for device, bufs in by_device.items():
@@ -106,18 +112,16 @@ class BufferBroadcast:
                                  [flat[a:b].view(buf.dtype).view(buf.shape)
                                   for buf, (a, b) in zip(bufs, ranges)],
                                  [_bytes_of(b) if b.is_contiguous() else None for b in bufs]))
-        self._slots = slots
         self._groups = groups
-        self._dicts = [d for d, _, _, _ in slots]
-        self._names = [n for _, n, _, _ in slots]
-        self._bufs = [b for _, _, b, _ in slots]
-        self._ptrs = [ptr for _, _, _, ptr in slots]
+        self._dicts, self._names, self._bufs = dicts, names, found
+        self._ptrs = list(map(_DATA_PTR, found))
+        self._scanned = True
 
     def _current(self, rescan: bool) -> None:
         """The cached buffers are the modules' own, in the same memory (else re-walked: a
         module reassigned one, or set its `.data`). Compared by C-level map()s over the
         cached lists, so a steady iteration runs no Python frame per buffer."""
-        if rescan or self._slots is None:
+        if rescan or not self._scanned:
             self._scan()
             return
         now = list(map(dict.get, self._dicts, self._names))
@@ -163,13 +167,9 @@ class BufferBroadcast:
                     for dst, src in group.by_dtype:               # copy per dtype, no loop
                         torch._foreach_copy_(dst, src)
                     continue
-                by_dtype: dict[torch.dtype, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
-                for buf, version, value in zip(group.bufs, versions, group.values):
-                    if buf._version == version:
-                        dst, src = by_dtype.setdefault(buf.dtype, ([], []))
-                        dst.append(buf)
-                        src.append(value)
-                for dst, src in by_dtype.values():
+                kept = [(buf, value) for buf, version, value
+                        in zip(group.bufs, versions, group.values) if buf._version == version]
+                for dst, src in _by_dtype(kept):
                     torch._foreach_copy_(dst, src)
 
 
@@ -189,13 +189,19 @@ class _Group:
         # all of them (every buffer contiguous), or None
         self.own_bytes = [s for s in sources if s is not None] \
             if all(s is not None for s in sources) else None
-        # (buffers, their staged values) per dtype: apply_staged's copies when none changed
-        grouped: dict[torch.dtype, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
-        for buf, value in zip(bufs, values):
-            dst, src = grouped.setdefault(buf.dtype, ([], []))
-            dst.append(buf)
-            src.append(value)
-        self.by_dtype = list(grouped.values())
+        # apply_staged's copies when no buffer changed since step()
+        self.by_dtype = _by_dtype(zip(bufs, values))
+
+
+def _by_dtype(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]
+              ) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
+    """(buffers, the values to copy into them) grouped by dtype: one _foreach_copy_ each."""
+    grouped: dict[torch.dtype, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+    for buf, value in pairs:
+        dst, src = grouped.setdefault(buf.dtype, ([], []))
+        dst.append(buf)
+        src.append(value)
+    return list(grouped.values())
 
 
 def _bytes_of(t: torch.Tensor) -> torch.Tensor:

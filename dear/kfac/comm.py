@@ -19,6 +19,7 @@ from __future__ import annotations
 import datetime
 import functools
 import logging
+import statistics
 import sys
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
@@ -30,7 +31,7 @@ from torch import Tensor
 from ..comm import runtime, wire
 from ..comm.base import CallbackWork, Communicator, DoneWork, Work
 from ..comm.flight import FlightChannel
-from ..comm.link import measure_link, median
+from ..comm.link import measure_link
 from ..comm.local import LocalCommunicator
 from ..comm.torch_dist import carries_cpu_on_gloo
 from .costs import NetworkModel
@@ -329,7 +330,7 @@ def measure_network(transport: Transport, large_numel: int = 1 << 18, repeats: i
 
     for nbytes in buffers:                               # warm-up, and a loose barrier
         run("all_reduce", nbytes)
-    link = measure_link(run, ("all_reduce",), sorted(buffers), n, repeats, pick=median)
+    link = measure_link(run, ("all_reduce",), sorted(buffers), n, repeats, pick=statistics.median)
     rate = link.rate["all_reduce"]
     model = NetworkModel(link.alpha["all_reduce"], 1.0 / rate if rate > 0 else 1e-9)
     return transport.broadcast_object(model, 0)

@@ -11,6 +11,7 @@ costs alpha + beta b; collectives are costed as ring / direct-send schedules mov
 from __future__ import annotations
 
 import dataclasses
+import functools
 import statistics
 import time
 from collections.abc import Sequence
@@ -53,7 +54,7 @@ class NetworkModel:
     alpha: float = 5e-5
     beta: float = 8e-9 / 10      # 10 Gbit/s
 
-    @property
+    @functools.cached_property
     def link(self) -> LinkModel:
         return LinkModel.uniform(self.alpha, self.beta)
 
