@@ -162,6 +162,17 @@ class Communicator(abc.ABC):
                 staging.record_stream(torch.cuda.current_stream(staging.device))
         return CallbackWork([work], place)
 
+    def all_to_all(self, input: torch.Tensor, output: torch.Tensor) -> Work:
+        """Block r of `input` (size equal blocks) goes to rank r; block r of `output` comes
+        from rank r: the one-hop exchange of a quantized reduce-scatter, where every value is
+        quantized once and summed in full precision by its owner (dear/fusion/quantized.py).
+        Backends without one say so: `supports_all_to_all`."""
+        raise NotImplementedError(f"the {self.name} backend has no all-to-all")
+
+    @property
+    def supports_all_to_all(self) -> bool:
+        return type(self).all_to_all is not Communicator.all_to_all
+
     @abc.abstractmethod
     def all_reduce(self, tensor: torch.Tensor) -> Work:
         """Sum `tensor` over ranks, in place."""
@@ -217,6 +228,10 @@ class WrappedCommunicator(Communicator):
     def check_dtype(self, dtype: torch.dtype) -> None:
         self.inner.check_dtype(dtype)
 
+    @property
+    def supports_all_to_all(self) -> bool:
+        return self.inner.supports_all_to_all
+
     def shutdown(self) -> None:
         self.inner.shutdown()
 
@@ -263,6 +278,17 @@ def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether the memory of two (contiguous) tensors overlaps."""
     a0, b0 = a.data_ptr(), b.data_ptr()
     return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+
+
+def check_all_to_all(input: torch.Tensor, output: torch.Tensor, size: int) -> None:
+    check_flat(input, "all_to_all input")
+    check_flat(output, "all_to_all output")
+    if input.numel() != output.numel() or input.numel() % size or input.dtype != output.dtype:
+        raise ValueError(f"all_to_all: input and output must be {size} equal blocks of one "
+                         f"dtype, got {input.numel()} {input.dtype} and {output.numel()} "
+                         f"{output.dtype} elements")
+    if overlaps(input, output):
+        raise ValueError("all_to_all: the output overlaps the input; pass separate buffers")
 
 
 def check_shard_sizes(full: torch.Tensor, shard: torch.Tensor, size: int) -> None:

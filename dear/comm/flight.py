@@ -236,6 +236,9 @@ class RecordedCommunicator(WrappedCommunicator):
         return self._recorded("all_gather", output, lambda: self.inner.all_gather_columns(
             input, output, start, length))
 
+    def all_to_all(self, input: torch.Tensor, output: torch.Tensor) -> Work:
+        return self._recorded("all_to_all", input, lambda: self.inner.all_to_all(input, output))
+
     def all_reduce(self, tensor: torch.Tensor) -> Work:
         return self._recorded("all_reduce", tensor, lambda: self.inner.all_reduce(tensor))
 

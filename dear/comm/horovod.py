@@ -42,6 +42,7 @@ from .base import (
     Work,
     all_gather_object_with,
     broadcast_object_with,
+    check_all_to_all,
     check_shard_sizes,
 )
 from .torch_dist import PairwiseExchange
@@ -206,6 +207,15 @@ class HorovodCommunicator(Communicator):
             return self._exchange.all_gather_columns(  # type: ignore[union-attr]
                 input, output, start, length)
         return super().all_gather_columns(input, output, start, length)
+
+    def all_to_all(self, input: torch.Tensor, output: torch.Tensor) -> Work:
+        if self._on_gloo(input):
+            return self._exchange.all_to_all(input, output)       # type: ignore[union-attr]
+        check_all_to_all(input, output, self.size)
+        self._check_dtype(input)
+        handle = self._hvd.alltoall_async(input, name=self._name("a2a"), **self._in_set)
+        return HorovodWork(handle, lambda res: output.copy_(
+            (res[0] if isinstance(res, tuple) else res).view(-1)), self._timeout)
 
     def _gloo_only(self, tensor: torch.Tensor) -> bool:
         """A dtype Horovod lacks (bfloat16), on CPU: the Gloo groups carry it instead."""

@@ -44,6 +44,7 @@ from .base import (
     Work,
     all_gather_object_with,
     broadcast_object_with,
+    check_all_to_all,
     check_shard_sizes,
     overlaps,
 )
@@ -149,6 +150,18 @@ class TorchCommunicator(Communicator):
         if exchange is not None:
             return exchange.all_gather_columns(input, output, start, length)
         return super().all_gather_columns(input, output, start, length)
+
+    def all_to_all(self, input: torch.Tensor, output: torch.Tensor) -> Work:
+        exchange = self._exchange_for(input)
+        if exchange is not None:
+            return exchange.all_to_all(input, output)
+        check_all_to_all(input, output, self._size)
+        if self._size == 1:
+            output.copy_(input)
+            return CallbackWork([])
+        return CallbackWork([dist.all_to_all_single(output, input, group=self._group,
+                                                    async_op=True)],
+                            timeout=self._wait_timeout(input))
 
     @property
     def _process_group(self) -> dist.ProcessGroup:
@@ -460,3 +473,30 @@ class PairwiseExchange:
     def all_gather(self, input: torch.Tensor, output: torch.Tensor) -> Work:
         """Every rank's `input` into `output`, in rank order (`input` may be our own slice)."""
         return self.all_gather_columns(input, output, 0, input.numel())
+
+    def all_to_all(self, input: torch.Tensor, output: torch.Tensor) -> Work:
+        """Block r of `input` to rank r, block r of `output` from rank r. Step s sends to
+        rank me+s and receives from me-s, so every rank receives from one peer at a time
+        (the ring's one flow into every port); the steps are independent, so with 2 ranks
+        the one step is posted at issue and otherwise they run on the step thread."""
+        check_all_to_all(input, output, self.size)
+        n, me = self.size, self.rank
+        ins, outs = input.view(n, -1), output.view(n, -1)
+        outs[me].copy_(ins[me])
+        if n == 1:
+            return CallbackWork([])
+        tag = self._next_tag()
+        if n == 2:
+            peer = 1 - me
+            return CallbackWork(self._post(tag, peer, outs[peer], peer, ins[peer]),
+                                timeout=self._timeout)
+
+        def steps() -> None:
+            for step in range(1, n):
+                src, dst = (me - step) % n, (me + step) % n
+                for work in self._post(tag, src, outs[src], dst, ins[dst]):
+                    if self._wait_for is not None:
+                        work.wait(self._wait_for)
+                    else:
+                        work.wait()
+        return self._steps.submit(steps)

@@ -193,6 +193,12 @@ class TracingCommunicator(WrappedCommunicator):
         return self._traced(CollectiveKind.ALL_GATHER, output,
                             lambda: self.inner.all_gather(input, output))
 
+    def all_to_all(self, input: torch.Tensor, output: torch.Tensor) -> Work:
+        # A quantized bucket's reduce phase: the same link volume as a ring reduce-scatter of
+        # its bytes, which is how the replay costs it (Bucket.reduce_bytes).
+        return self._traced(CollectiveKind.REDUCE_SCATTER, input,
+                            lambda: self.inner.all_to_all(input, output))
+
     def all_reduce(self, tensor: torch.Tensor) -> Work:
         return self._traced(CollectiveKind.ALL_REDUCE, tensor,
                             lambda: self.inner.all_reduce(tensor))

@@ -46,6 +46,7 @@ from ..guards.stream import StreamCheck
 from ..guards.written import Verdict, fingerprint, fingerprints
 from . import checks, layout
 from .buffers import BufferBroadcast, issue_pending
+from .feedback import ErrorFeedback
 from .hooks import Hooks
 from .sparse import SparseGradients
 from .state import VIEW, Iteration, Pending, Phase, hyperparameters
@@ -112,6 +113,8 @@ class Engine:
         self.order_varies = False           # a module ran before its bucket's first module
         self.grad_order: list[int] = []     # parameters in first-gradient order
         self.skip_sync = False
+        # Quantized compression's warm-up count and residuals (dear/engine/feedback.py)
+        self.feedback: Optional[ErrorFeedback] = None
         # dear.KFAC's eigenbasis path (dear/kfac/overlap.py): it edits buckets before the
         # reduce-scatter and after the all-gather, and needs `ties` kept in one bucket each.
         self.transform: Any = None

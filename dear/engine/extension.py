@@ -112,6 +112,12 @@ class ExtensionPoints:
         engine = self.dear_engine
         assert engine.views is None, "dear.KFAC preconditions after synchronize() with views"
         engine.updates.check_transform()
+        if engine.compression.quantizes:
+            raise ValueError(
+                f"dear.KFAC's eigenbasis path rotates the gradients before the reduce-scatter, "
+                f"and {engine.compression!r}'s error feedback would carry residuals from one "
+                "basis into the next: wrap the optimizer with compression=dear.Compression."
+                "none or .fp16 for dear.KFAC")
         engine.transform, engine.ties = transform, ties
         engine.schedule.paused = True          # it edits the shards between the collectives
         engine.relayout_wanted = engine.buckets is not None and not transform.layout_fits()

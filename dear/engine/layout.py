@@ -60,14 +60,20 @@ def relayout(engine: "Engine", fusion: FusionConfig) -> None:
         explicit = [order[k:k + size] for k in range(0, len(order), size)]
     engine.updates.unshard(engine)         # the state follows the new shards (absorb)
     row_sparse = engine.row_sparse if engine.transform is None else ()  # K-FAC rotates rows
+    feedback = engine.feedback             # quantized: residuals follow their parameters
+    if feedback is not None:
+        feedback.collect(engine)
+    compression = engine.compression if feedback is None else feedback.wire_compression()
     layout = build_layout(engine.params, order, fusion, engine.comm.size, explicit,
-                          engine.compression, engine.sparse_as_dense, engine.ties,
+                          compression, engine.sparse_as_dense, engine.ties,
                           row_sparse, engine.comm.rank, views=engine.views is not None)
     engine.fusion = fusion
     engine.layout = layout
     engine.buckets, engine.where = layout.buckets, layout.where
     engine.pending.writes.forget()         # keyed by bucket: nothing is pending now
     engine.gather_groups = layout.gather_groups
+    if feedback is not None:
+        feedback.restore(engine)
     engine.layout_steps = 0                # the checks compare contents again for a while
     engine.iteration.check_contents = True
     views = engine.views

@@ -109,9 +109,10 @@ def _refuse_with_sharding(compressor: Any, views: bool, sparse_named: list[Any],
                           row_sparse: Any) -> None:
     """What shard_optimizer_state=True cannot do, said before anything is converted."""
     if compressor.name != "none":
-        raise ValueError("shard_optimizer_state=True all-gathers updated parameters, which a "
-                         "gradient compression would round: pass compression=dear.Compression."
-                         "none, or wrap without shard_optimizer_state")
+        raise ValueError(f"shard_optimizer_state=True all-gathers updated parameters, which "
+                         f"{compressor!r} would round (a quantized reduce-scatter with exact "
+                         "parameters is not built): pass compression=dear.Compression.none, "
+                         "or wrap without shard_optimizer_state")
     if views:
         raise ValueError("gradient_as_bucket_view=True with shard_optimizer_state=True: the "
                          "buckets carry parameters after the all-gather, not gradients; drop "
@@ -220,6 +221,11 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         comm = set_comm
     for dtype in {p.dtype for _, p in named}:
         comm.check_dtype(compressor.wire_dtype(dtype))
+    if compressor.quantizes and comm.size > 1 and not comm.supports_all_to_all:
+        raise ValueError(f"{compressor!r} needs an all-to-all, which dear's {comm.name} backend "
+                         "does not have: use the torch.distributed backend (dear.init("
+                         "backend='torch'), NCCL or Gloo) or Horovod's, or compression="
+                         "dear.Compression.fp16")
     check_same_across_ranks(named, comm)
     views = bool(runtime.config().gradient_as_bucket_view
                  if gradient_as_bucket_view is None else gradient_as_bucket_view)
@@ -247,7 +253,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         **collective_knobs(runtime.config()), **model_settings(model),
         "autotune output (written by rank 0)": output_problem or "writable",
         "op": op.name, "gradient_predivide_factor": repr(float(gradient_predivide_factor)),
-        "compression": type(compressor).__name__,
+        "compression": repr(compressor),
         "backward_passes_per_step": str(backward_passes_per_step),
         "fusion layout": (repr(fusion) if fusion_error is None
                           else f"<not loaded: {fusion_error}>"),

@@ -63,7 +63,8 @@ def step(engine: "Engine", closure: Optional[Callable[[], float]] = None,
         engine.updates.unshard(engine)         # the step reads whole tensors (every rank)
         if grad_scaler is None or not amp.unscale_averaged_grads(grad_scaler, engine.opt):
             engine.inner_step(engine.opt)
-        if engine.relayout_wanted:             # nothing is in flight after a synchronized step
+        warmed = engine.feedback is not None and engine.feedback.after_step(engine)
+        if engine.relayout_wanted or warmed:   # nothing is in flight after a synchronized step
             engine.relayout_wanted = False
             layout.relayout(engine, engine.fusion)
         return
@@ -82,6 +83,9 @@ def step(engine: "Engine", closure: Optional[Callable[[], float]] = None,
         if switch is not None:                 # same step() on every rank
             engine.flush()                     # no bucket may be in flight while re-planned
             layout.relayout(engine, switch)
+    if engine.feedback is not None and engine.feedback.after_step(engine):
+        engine.flush()                         # the warm-up is over: quantized buckets now
+        layout.relayout(engine, engine.fusion)
 
 
 def communicate(engine: "Engine", grad_scaler: Optional[Any] = None,

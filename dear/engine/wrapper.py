@@ -26,7 +26,7 @@ from ..guards.stream import parameter_digest
 from ..guards.validation import explicit_groups, refuse_construction
 from ..sharding import checkpoint as sharded_checkpoint
 from ..sharding.state import ShardedState, tensor_bytes
-from . import amp_clip, layout, steps
+from . import amp_clip, feedback, layout, steps
 from .engine import Engine
 from .extension import ExtensionPoints
 from .hooks import remove_hooks, weak_method
@@ -169,7 +169,10 @@ class _DistributedOptimizer(ExtensionPoints, torch.optim.Optimizer):
         engine.flush()
         updates = engine.updates
         if not isinstance(updates, ShardedUpdates) or not updates.state.buckets:
-            return super().state_dict()
+            state = super().state_dict()
+            if engine.feedback is not None:    # quantized compression: this rank's residuals
+                state[feedback.STATE_KEY] = engine.feedback.state(engine)
+            return state
         full = updates.gather_full(engine, "optimizer.state_dict()")
         kept = self.state
         merged: Any = collections.defaultdict(dict, kept)
@@ -185,7 +188,15 @@ class _DistributedOptimizer(ExtensionPoints, torch.optim.Optimizer):
         engine = self.dear_engine
         engine.flush()
         engine.updates.undo_early(engine)
+        saved = state_dict.get(feedback.STATE_KEY)
+        if saved is not None:
+            state_dict = {k: v for k, v in state_dict.items() if k != feedback.STATE_KEY}
         super().load_state_dict(state_dict)
+        if engine.feedback is not None:
+            warm = engine.feedback.warm
+            engine.feedback.load(engine, saved)
+            if engine.buckets is not None and engine.feedback.warm != warm:
+                layout.relayout(engine, engine.fusion)    # into or out of the warm-up
         for bucket in engine.buckets or ():
             bucket.group_members = None  # type: ignore[attr-defined]
         updates = engine.updates
@@ -289,6 +300,8 @@ def attach(opt: Any, named: list[tuple[str, torch.nn.Parameter]],
         recorder.describers.append(weak_method(engine.describe_buffer))
     engine.fusion = fusion
     engine.compression = compression
+    if compression.quantizes:
+        engine.feedback = feedback.ErrorFeedback(compression)
     engine.sparse_as_dense = sparse_as_dense
     engine.groups = explicit_groups(groups, engine.index)
     engine.overlap = overlap_allgather and model is not None

@@ -245,8 +245,6 @@ class Bucket:
             self.fill()
             if prescale != 1.0:
                 self.buffer.mul_(prescale)
-            if self.wire is not self.buffer:
-                self.wire.copy_(self.buffer)
             return self._reduce(comm)
         self._work = issue() if submit is None else submit(issue)
         self._averaged = False
@@ -256,6 +254,8 @@ class Bucket:
         """The collective(s) of the filled, prescaled buffer (a row-sparse table sends its
         rows). In pieces only where the backend reads them in place: elsewhere each piece
         would first be copied, memory spent for nothing measured (ab_rs_pieces.md)."""
+        if self.wire is not self.buffer:
+            self.wire.copy_(self.buffer)
         if len(self.rs_pieces) == 1 or not comm.pieces_in_place(self.wire):
             return comm.reduce_scatter(self.wire, self.wire_shard)
         return CallbackWork([comm.reduce_scatter_columns(self.wire, self.wire_shard, start, n)
@@ -282,14 +282,18 @@ class Bucket:
                 return
             assert self.stage in (Stage.REDUCING, Stage.GATHERING)
             self._wait("reduce-scatter")
-            if self.wire_shard is not self.shard:
-                self.shard.copy_(self.wire_shard)
+            self._sum_into_shard(postscale)
             if postscale != 1.0:
                 self.shard.mul_(postscale)
             if self.shard.is_cuda:
                 self._averaged_event = torch.cuda.Event()
                 self._averaged_event.record(torch.cuda.current_stream(self.shard.device))
             self._averaged = True
+
+    def _sum_into_shard(self, postscale: float) -> None:
+        """The reduce-scatter's result into `shard` (not yet scaled by `postscale`)."""
+        if self.wire_shard is not self.shard:
+            self.shard.copy_(self.wire_shard)
 
     def outgoing_shard(self) -> torch.Tensor:
         """This rank's averaged shard, in the wire dtype, ready to be all-gathered (or what

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Collection, Optional, Sequence
+from typing import Any, Collection, Optional, Sequence
 
 import torch
 
@@ -12,6 +12,7 @@ from .bucket import Bucket
 from .fusion_config import FusionConfig
 from .gather import GatherGroup, make_groups
 from .planner import BucketSpec, first_bucket_index, plan_buckets, plan_gather_groups
+from .quantized import Codec, QuantizedBucket
 from .rows import RowSparseBucket
 
 
@@ -60,16 +61,26 @@ def build_layout(params: Sequence[torch.nn.Parameter], order: Sequence[int],
     """`row_sparse`: parameters (2-D, no wire compression) sent as their used rows
     (dear/fusion/rows.py); `rank`: this process's, for their shards; `views`: .grad may be a
     view of the dense buckets' buffers (gradient_as_bucket_view, dear/fusion/views.py)."""
-    row_sparse = {i for i in row_sparse if params[i].dim() == 2
+    row_sparse = {i for i in row_sparse if params[i].dim() == 2 and not compression.quantizes
                   and compression.wire_dtype(params[i].dtype) in (None, params[i].dtype)}
     specs, plan = plan_layout(params, order, fusion, world_size, explicit, tied, row_sparse)
-    buckets = [RowSparseBucket(s, [params[s.params[0]]], rank, sparse_as_dense)
-               if len(s.params) == 1 and s.params[0] in row_sparse
-               else Bucket(s, [params[i] for i in s.params], compression.wire_dtype(s.dtype),
-                           sparse_as_dense, views=views, piece_bytes=fusion.rs_threshold)
-               for s in specs]
+    buckets = [_bucket(s, [params[i] for i in s.params], row_sparse, compression, fusion,
+                       sparse_as_dense, rank, views) for s in specs]
     where: list[tuple[Bucket, int]] = [None] * len(params)  # type: ignore[list-item]
     for bucket in buckets:
         for j, i in enumerate(bucket.spec.params):
             where[i] = (bucket, j)
     return Layout(buckets, where, make_groups(buckets, plan, world_size))
+
+
+def _bucket(spec: BucketSpec, params: list[torch.nn.Parameter], row_sparse: Collection[int],
+            compression: Compressor, fusion: FusionConfig, sparse_as_dense: bool, rank: int,
+            views: bool) -> Bucket:
+    if len(spec.params) == 1 and spec.params[0] in row_sparse:
+        return RowSparseBucket(spec, params, rank, sparse_as_dense)
+    if compression.quantizes and spec.dtype == torch.float32:
+        c: Any = compression
+        return QuantizedBucket(spec, params, Codec(c.bits, c.block_size, c.error_feedback),
+                               rank, sparse_as_dense, views=views)
+    return Bucket(spec, params, compression.wire_dtype(spec.dtype), sparse_as_dense,
+                  views=views, piece_bytes=fusion.rs_threshold)

@@ -1,0 +1,186 @@
+"""A bucket whose reduce-scatter and all-gather carry block-quantized gradients (int8, int4).
+
+    pack -> (+ residual) quantize each rank's chunk -> all-to-all -> dequantize and sum in fp32
+         -> scale -> quantize the averaged shard -> all-gather -> dequantize -> update
+
+Each value is quantized once per hop, as ZeRO++'s qgZ does: a ring reduce-scatter would
+quantize partial sums again at every step, so its error would grow with the ranks. Instead
+chunk r of every rank goes straight to rank r (Communicator.all_to_all), which sums the
+dequantized chunks and its own chunk, unquantized, in rank order. Its averaged shard is
+quantized once more for the all-gather, and every rank, the owner included, takes the
+dequantized values, so all ranks apply the same gradient bit for bit.
+
+Error feedback (dear/fusion/quantize.py): `residual` holds, per element of this rank's buffer,
+what quantization dropped: for the chunks it sent, their rounding; for its own chunk, the
+all-gather's rounding of the average, in the sum's units. Both are added to the next
+iteration's gradient, so the average the ranks apply over time is the fp32 one.
+
+The usage flags and the padding after them travel as fp32, unquantized: a flag must stay
+exactly zero or not. Only fp32 buckets are quantized (dear/fusion/layout.py). Each chunk's
+message is a fixed-size slot of bytes: the codes, the block scales (fp32), the raw tail.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from ..comm.base import Communicator, Work
+from .bucket import Bucket
+from .planner import BucketSpec
+from .quantize import code_bytes, dequantize, num_blocks, quantize
+
+
+class Codec:
+    """How one bucket's chunks are quantized: bits, block size, whether residuals are kept."""
+
+    def __init__(self, bits: int, block: int, error_feedback: bool) -> None:
+        self.bits, self.block, self.error_feedback = bits, block, error_feedback
+
+
+class _Slot:
+    """Typed views of one chunk's message in a byte buffer: codes, scales, raw fp32 tail."""
+
+    def __init__(self, raw_bytes: torch.Tensor, quantized: int, tail: int, codec: Codec) -> None:
+        codes = code_bytes(quantized, codec.bits)
+        at = -(-codes // 4) * 4
+        blocks = num_blocks(quantized, codec.block)
+        self.codes = raw_bytes[:codes]
+        if codec.bits == 8:
+            self.codes = self.codes.view(torch.int8)
+        self.scales = raw_bytes[at:at + 4 * blocks].view(torch.float32)
+        self.raw = raw_bytes[at + 4 * blocks:at + 4 * (blocks + tail)].view(torch.float32)
+
+    @staticmethod
+    def nbytes(quantized: int, tail: int, codec: Codec) -> int:
+        codes = -(-code_bytes(quantized, codec.bits) // 4) * 4
+        return codes + 4 * (num_blocks(quantized, codec.block) + tail)
+
+
+class QuantizedBucket(Bucket):
+    chunkable = False            # one all-gather message per bucket (its slots are bytes)
+
+    def __init__(self, spec: BucketSpec, params: Sequence[torch.nn.Parameter], codec: Codec,
+                 rank: int, sparse_as_dense: bool = False, native: Optional[bool] = None,
+                 views: bool = False) -> None:
+        super().__init__(spec, params, None, sparse_as_dense, native, views)
+        assert spec.dtype == torch.float32
+        n, width = spec.world_size, spec.shard_numel
+        self.codec, self.rank = codec, rank
+        # Chunk c: its first `quantized[c]` elements are gradients, the rest flags or padding.
+        self.quantized = [min(max(spec.flags_offset - c * width, 0), width) for c in range(n)]
+        slot = max(_Slot.nbytes(q, width - q, codec) for q in self.quantized)
+        self.slot_bytes = slot
+        dev = spec.device
+        self.send = torch.empty(n * slot, dtype=torch.uint8, device=dev)
+        self.recv = torch.empty(n * slot, dtype=torch.uint8, device=dev)
+        self.wire = torch.empty(n * slot, dtype=torch.uint8, device=dev)
+        self.wire_shard = torch.empty(slot, dtype=torch.uint8, device=dev)
+        self.residual = (torch.zeros(spec.padded_numel, dtype=torch.float32, device=dev)
+                         if codec.error_feedback else None)
+
+        def slots(buf: torch.Tensor, chunk: Optional[int] = None) -> list[_Slot]:
+            """Slot c holds chunk c (or, what every rank sends us, our `chunk`)."""
+            q = [self.quantized[c if chunk is None else chunk] for c in range(n)]
+            return [_Slot(buf[c * slot:(c + 1) * slot], q[c], width - q[c], codec)
+                    for c in range(n)]
+        self._send, self._wire = slots(self.send), slots(self.wire)
+        self._recv = slots(self.recv, chunk=rank)
+        mine = self.quantized[rank]
+        self._own = _Slot(self.wire_shard, mine, width - mine, codec)
+        chunks = self.buffer.view(n, width)
+        self._grads = [(chunks[c, :q], chunks[c, q:]) for c, q in enumerate(self.quantized)]
+        q = self.quantized[rank]
+        self._shard = (self.shard[:q], self.shard[q:])
+        self._residuals: list[Optional[torch.Tensor]] = [None] * n
+        if self.residual is not None:
+            res = self.residual.view(n, width)
+            self._residuals = [res[c, :q] for c, q in enumerate(self.quantized)]
+        self._postscale = 1.0
+
+    @property
+    def reduce_bytes(self) -> int:
+        return self.send.numel()
+
+    def _reduce(self, comm: Communicator) -> Work:
+        """Quantize every other rank's chunk (its residual added and renewed), add our own
+        residual to our own chunk (summed unquantized), and send the slots."""
+        block, bits = self.codec.block, self.codec.bits
+        for c, ((values, tail), residual) in enumerate(zip(self._grads, self._residuals)):
+            if c == self.rank:
+                if residual is not None:
+                    values.add_(residual)
+                continue
+            out = self._send[c]
+            quantize(values, residual, out.codes, out.scales, block, bits)
+            out.raw.copy_(tail)
+        return comm.all_to_all(self.send, self.recv)
+
+    def _sum_into_shard(self, postscale: float) -> None:
+        values, tail = self._shard
+        own_values, own_tail = self._grads[self.rank]
+        block, bits = self.codec.block, self.codec.bits
+        for c, got in enumerate(self._recv):
+            if c == 0:
+                values.zero_()
+                tail.zero_()
+            if c == self.rank:
+                values.add_(own_values)
+                tail.add_(own_tail)
+            else:
+                dequantize(got.codes, got.scales, values, block, bits, accumulate=True)
+                tail.add_(got.raw)
+        self._postscale = postscale
+
+    def outgoing_shard(self) -> torch.Tensor:
+        """Our averaged shard quantized into our slot; its rounding, in the sum's units, is our
+        own chunk's residual for the next iteration."""
+        assert self.outgoing is None, "quantized buckets carry gradients, not parameters"
+        values, tail = self._shard
+        residual = self._residuals[self.rank]
+        if residual is not None:
+            residual.zero_()
+        quantize(values, residual, self._own.codes, self._own.scales, self.codec.block,
+                 self.codec.bits)
+        if residual is not None and self._postscale != 1.0:
+            residual.div_(self._postscale)
+        self._own.raw.copy_(tail)
+        return self.wire_shard
+
+    def gather_columns(self, comm: Communicator, start: int, length: int) -> Work:
+        raise AssertionError("a quantized bucket is gathered whole (chunkable = False)")
+
+    def finish_all_gather(self) -> list[bool]:
+        """Wait for every rank's slot and dequantize it into the buffer (our own too: every
+        rank applies the same values)."""
+        from .bucket import Stage
+        assert self.stage is Stage.GATHERING
+        for work in self._gathers:
+            self._wait("all-gather", work)
+        self._gathers = []
+        self._work = None
+        block, bits = self.codec.block, self.codec.bits
+        for got, (values, tail) in zip(self._wire, self._grads):
+            dequantize(got.codes, got.scales, values, block, bits, accumulate=False)
+            tail.copy_(got.raw)
+        if self._all_used_here:
+            return [True] * len(self.params)
+        return (self.flags != 0).tolist()
+
+    def drop(self) -> None:
+        """A skipped or refused step: its gradient is discarded, and with it what quantizing
+        it left over (the residuals were renewed at issue; our own chunk's was consumed)."""
+        try:
+            super().drop()
+        finally:
+            if self.residual is not None:
+                self.residual.zero_()
+
+    # -------------------------------------------------------- residuals across layouts
+    def residual_of(self, j: int) -> Optional[torch.Tensor]:
+        """Parameter j's residual, a view (None without error feedback)."""
+        if self.residual is None:
+            return None
+        o, n = self.spec.offsets[j], self.spec.numels[j]
+        return self.residual[o:o + n]
