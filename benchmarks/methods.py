@@ -4,7 +4,8 @@ A method is `NAME[:KEY=VALUE[:KEY=VALUE...]]`; values: 2MB / 512KB / 1GB (bytes)
 none, numbers, else strings. The names (BUILDERS):
 
 - `none`: every rank trains alone, no communication (T_compute);
-- `ddp`: torch DistributedDataParallel (options go to it; default 25 MB buckets);
+- `ddp`: torch DistributedDataParallel (options go to it; default 25 MB buckets; `hook=fp16`
+  or `hook=powersgd` (`rank=2`, `start=2`): torch's compression hooks);
 - `fsdp2`: fully_shard(reshard_after_forward=False) per block (benchmarks/baselines.py);
 - `horovod`: hvd.DistributedOptimizer (options go to it);
 - `zero`: torch's ZeroRedundancyOptimizer (optimizer state sharded) under DDP;
@@ -16,6 +17,7 @@ none, numbers, else strings. The names (BUILDERS):
   dear on Horovod's collectives). On the emulated model (benchmarks/emulated.py), whose layers
   are not nn.Embedding, `row_sparse` true / "auto" / "tables" (and dear's own default) names
   the word embeddings that --tokens made row-sparse; `row_sparse=off` sends them whole.
+  `compression=fp16|int8|int4` (dear.Compression's; `int8-noef`: without error feedback).
 
 Any method takes `clip=NORM`: the averaged gradient clipped to that global norm each step (dear:
 optimizer.clip_grad_norm_, the others torch's clip_grad_norm_). The CPU table's short names are
@@ -118,7 +120,22 @@ def _none(model: torch.nn.Module, make_opt: OptFactory, opts: dict[str, Any],
 
 def _ddp(model: torch.nn.Module, make_opt: OptFactory, opts: dict[str, Any],
          blocks: Blocks) -> tuple:
+    """`hook=fp16` (torch's fp16_compress_hook) or `hook=powersgd` (torch's PowerSGD hook with
+    error feedback; `rank=` its matrix rank, default 2, `start=` the first compressed
+    iteration, default 2: torch's minimum with error feedback) as DDP communication hooks."""
+    opts = dict(opts)
+    hook, rank, start = opts.pop("hook", None), opts.pop("rank", 2), opts.pop("start", 2)
     net = torch.nn.parallel.DistributedDataParallel(model, **opts)
+    if hook == "fp16":
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+        net.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif hook == "powersgd":
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=rank,
+                                            start_powerSGD_iter=start)
+        net.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    elif hook is not None:
+        raise ValueError(f"ddp: unknown hook={hook!r}; expected fp16 or powersgd")
     return net, make_opt(model.parameters())
 
 
@@ -186,6 +203,13 @@ def _dear(model: torch.nn.Module, make_opt: OptFactory, opts: dict[str, Any],
             opts["row_sparse"] = setting
         else:
             opts["row_sparse"] = False
+    if isinstance(opts.get("compression"), str):   # compression=fp16 / int8 / int4[-noef]
+        name = opts["compression"]
+        base = getattr(dear.Compression, name.removesuffix("-noef"))
+        opts["compression"] = (dear.Compression.quantized(bits=base.bits,
+                                                          block_size=base.block_size,
+                                                          error_feedback=False)
+                               if name.endswith("-noef") else base)
     sizes = {k: opts.pop(k) for k in ("rs_threshold", "ag_threshold", "first_bucket") if k in opts}
     chunk = opts.pop("chunk_bytes", None)       # alone: dear's default layout, this chunk size
     if sizes or chunk:

@@ -32,15 +32,17 @@ def _data(step: int, world: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]
     return x, y
 
 
-def _train_linear(compression, steps: int = STEPS) -> torch.Tensor:
+def _train_linear(compression, steps: int = STEPS, passes: int = 1, **kwargs) -> torch.Tensor:
     dear.init()
     model = _linear()
     opt = dear.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR), model=model,
-                                    compression=compression)
+                                    compression=compression, backward_passes_per_step=passes,
+                                    **kwargs)
     for step in range(steps):
         opt.zero_grad()
         x, y = _data(step, dear.size(), dear.rank())
-        F.mse_loss(model(x), y).backward()
+        for xs, ys in zip(x.chunk(passes), y.chunk(passes)):
+            F.mse_loss(model(xs), ys).backward()
         opt.step()
     opt.flush_updates()
     return model.weight.detach().clone()
@@ -58,7 +60,7 @@ def _q(x: torch.Tensor, residual, bits: int, block: int) -> torch.Tensor:
 
 
 def _reference(world: int, bits: int, block: int, steps: int = STEPS,
-               feedback: bool = True) -> torch.Tensor:
+               feedback: bool = True, passes: int = 1) -> torch.Tensor:
     """The algebra of docs/compression.md written out for one weight (one bucket: the gradient,
     one usage flag, zero padding), every rank in this process: chunk c of rank r is quantized
     with r's residual and summed in rank order by rank c, unquantized for r == c; the average
@@ -73,7 +75,8 @@ def _reference(world: int, bits: int, block: int, steps: int = STEPS,
         for r in range(world):
             model.zero_grad()
             x, y = _data(step, world, r)
-            F.mse_loss(model(x), y).backward()
+            for xs, ys in zip(x.chunk(passes), y.chunk(passes)):   # .grad accumulates
+                F.mse_loss(model(xs), ys).backward()
             buf = torch.zeros(padded)
             buf[:numel] = model.weight.grad.reshape(-1)
             buf[numel] = 1.0
@@ -106,9 +109,11 @@ def _reference(world: int, bits: int, block: int, steps: int = STEPS,
 
 
 @functools.lru_cache(maxsize=None)
-def _runs(world: int, bits: int, block: int, feedback: bool) -> tuple:
+def _runs(world: int, bits: int, block: int, feedback: bool, passes: int = 1,
+          views: bool = False) -> tuple:
     comp = dear.Compression.quantized(bits=bits, block_size=block, error_feedback=feedback)
-    return tuple(run_distributed(_train_linear, world, comp, timeout=120))
+    return tuple(run_distributed(_train_linear, world, comp, STEPS, passes,
+                                 gradient_as_bucket_view=views, timeout=120))
 
 
 @pytest.mark.parametrize("world,bits,block,feedback", [
@@ -136,6 +141,17 @@ def _reference_fp32(world: int, steps: int = STEPS) -> torch.Tensor:
         with torch.no_grad():
             model.weight.add_(model.weight.grad, alpha=-LR)
     return model.weight.detach().clone()
+
+
+@pytest.mark.parametrize("passes,views", [(2, False), (1, True)])
+def test_accumulation_and_bucket_views_give_the_reference(passes, views):
+    """backward_passes_per_step=2 quantizes the accumulated gradient; with
+    gradient_as_bucket_view the .grad views are the quantized buffer: both the reference's
+    algebra to the last bit."""
+    ranks = _runs(2, 8, 64, True, passes, views)
+    ref = _reference(2, 8, 64, passes=passes)
+    for weight in ranks:
+        assert torch.equal(weight, ref), (weight - ref).abs().max()
 
 
 def test_error_feedback_keeps_training_on_the_fp32_path():
@@ -257,3 +273,82 @@ def test_all_to_all_sends_block_r_to_rank_r(world):
             expect = torch.cat([torch.arange(me * 5, me * 5 + 5) + 100 * r
                                 for r in range(world)]).to(recv.dtype)
             assert torch.equal(recv, expect)
+
+
+def _unused(which: str) -> dict:
+    """The branch used by rank 0 only ('one') or by no rank ('none')."""
+    dear.init()
+    rank, world = dear.rank(), dear.size()
+    model = make_net()
+    opt = dear.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                    model=model, compression=dear.Compression.int8,
+                                    fusion_threshold=2048)
+    for step in range(4):
+        opt.zero_grad()
+        x, y = batch(step, world, rank)
+        F.mse_loss(model(x, use_branch=which == "one" and rank == 0), y).backward()
+        opt.step()
+    opt.flush_updates()
+    momentum = {n for n, p in model.named_parameters() if "momentum_buffer" in opt.state[p]}
+    return {"params": state_of(model), "momentum": momentum}
+
+
+@pytest.mark.parametrize("which", ["one", "none"])
+def test_unused_parameters_keep_their_flags_exact(which):
+    """The usage flags travel unquantized: a parameter no rank used is neither moved nor given
+    optimizer state (as single-process training leaves it); one rank's use reaches all."""
+    ranks = run_distributed(_unused, 2, which, timeout=120)
+    assert max_diff(ranks[0]["params"], ranks[1]["params"]) == 0.0
+    start = state_of(make_net())
+    branch = {k for k in start if k.startswith("branch.")}
+    moved = {k for k in branch if not torch.equal(ranks[0]["params"][k], start[k])}
+    if which == "none":
+        assert not moved
+        assert not any(n.startswith("branch.") for n in ranks[0]["momentum"])
+    else:
+        assert moved == branch
+        assert {n for n in ranks[0]["momentum"] if n.startswith("branch.")} == branch
+
+
+def _scaled(_: int) -> dict:
+    from tests.test_amp import _injected_loss
+    dear.init()
+    rank, world = dear.rank(), dear.size()
+    model = make_net()
+    opt = dear.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01), model=model,
+                                    compression=dear.Compression.quantized(block_size=16))
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=2)
+    scales = []
+    for step in range(8):
+        opt.zero_grad()
+        x, y = batch(step, world, rank)
+        scaler.scale(_injected_loss(model, F.mse_loss(model(x), y), step)).backward()
+        scaler.step(opt)
+        scaler.update()
+        scales.append(scaler.get_scale())
+    opt.flush_updates()
+    residuals = opt.state_dict()["dear_error_feedback"]["residuals"].values()
+    return {"params": state_of(model), "scales": scales,
+            "finite": all(bool(torch.isfinite(t).all()) for t in residuals),
+            "adam_steps": {int(s["step"]) for s in opt.state_dict()["state"].values()}}
+
+
+def _ddp_scaled() -> dict:
+    from tests.test_amp import amp_loop
+    dear.init()
+    return amp_loop("ddp")
+
+
+@pytest.mark.filterwarnings("ignore:GradScaler is going to stop:FutureWarning")
+def test_gradscaler_skips_a_step_with_inf_on_every_rank():
+    """An inf or NaN in one rank's gradient makes its block's scale NaN, so the summed shard is
+    not finite and GradScaler's check (on the reduced shards) skips the step on every rank;
+    the skipped step's residuals are dropped, so none stays NaN."""
+    from tests.test_amp import INJECT
+    ranks = run_distributed(_scaled, 2, 0, timeout=120)
+    ddp = run_distributed(_ddp_scaled, 2, timeout=120)
+    assert ranks[0]["scales"] == ranks[1]["scales"] == ddp[0]["scales"]
+    assert ranks[0]["adam_steps"] == {8 - len(INJECT)}
+    assert max_diff(ranks[0]["params"], ranks[1]["params"]) == 0.0
+    assert all(r["finite"] for r in ranks)
+    assert all(bool(torch.isfinite(t).all()) for t in ranks[0]["params"].values())
