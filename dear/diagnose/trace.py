@@ -365,7 +365,7 @@ class Tracer:
         if key is not buckets:
             table = {}
             for b in buckets:
-                for t in (b.wire, b.wire_shard):
+                for t in b.wires:
                     table[t.data_ptr()] = b.spec.index
             for g in layout.gather_groups:                       # fused all-gathers:
                 send = getattr(g, "_send", None)                     # named by first bucket

@@ -228,10 +228,15 @@ class Bucket:
             if not self.packed[j]:
                 self.pack(j, p.grad)
 
+    @property
+    def wires(self) -> tuple[torch.Tensor, ...]:
+        """The tensors its collectives send from or receive into (the tracer's bucket map)."""
+        return (self.wire, self.wire_shard)
+
     def holds(self, ptr: int) -> bool:
         """Whether address `ptr` lies in one of this bucket's buffers (the hang report)."""
         return any(t.data_ptr() <= ptr < t.data_ptr() + t.numel() * t.element_size()
-                   for t in (self.buffer, self.shard, self.wire, self.wire_shard))
+                   for t in (self.buffer, self.shard, *self.wires))
 
     def start_reduce_scatter(self, comm: Communicator, prescale: float,
                              submit: Optional[Callable[..., Work]] = None) -> None:

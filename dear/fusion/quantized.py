@@ -103,6 +103,10 @@ class QuantizedBucket(Bucket):
     def reduce_bytes(self) -> int:
         return self.send.numel()
 
+    @property
+    def wires(self) -> tuple[torch.Tensor, ...]:
+        return (self.wire, self.wire_shard, self.send, self.recv)
+
     def _reduce(self, comm: Communicator) -> Work:
         """Quantize every other rank's chunk (its residual added and renewed), add our own
         residual to our own chunk (summed unquantized), and send the slots."""
