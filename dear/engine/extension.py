@@ -86,6 +86,11 @@ class ExtensionPoints:
         return self.dear_engine.iteration.synchronized
 
     @property
+    def dear_compression(self) -> Any:
+        """The compressor in force (dear.Compression's); `.quantizes` for int8/int4."""
+        return self.dear_engine.compression
+
+    @property
     def dear_had_gradients(self) -> bool:
         """A backward ran since the last step()."""
         return self.dear_engine.had_gradients

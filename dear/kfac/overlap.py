@@ -291,6 +291,9 @@ class DearLink:
             why = "gradient_as_bucket_view=True (the rotation would rewrite .grad in place)"
         elif opt.dear_synchronized:
             why = "the loop calls optimizer.synchronize() itself (Horovod's K-FAC loop)"
+        elif opt.dear_compression.quantizes:
+            why = ("quantized compression (its residuals would carry from one eigenbasis into "
+                   "the next)")
         elif not self._eigen_everywhere:
             why = "it needs method='eigen' with strategy='comm-opt' (every rank every eigenbasis)"
         elif not EigenbasisOverlap.covers(self._layers, opt):
