@@ -40,16 +40,28 @@ def _native_build() -> dict:
         _warn("torch is not importable while building (pip's build isolation?), so the native "
               "extension is not built; `pip install --no-build-isolation -e .` builds it")
         return {}
-    sources = ["csrc/module.cpp", "csrc/grad_ready.cpp", "csrc/pack.cpp", "csrc/digest.cpp"]
+    sources = ["csrc/module.cpp", "csrc/grad_ready.cpp", "csrc/pack.cpp", "csrc/digest.cpp",
+               "csrc/quantize.cpp"]
     kwargs: dict = {"define_macros": [], "include_dirs": [], "library_dirs": [],
                     "extra_link_args": [],
-                    "extra_compile_args": {"cxx": ["-O3"], "nvcc": ["-O3"]}}
+                    # -ffp-contract=off: no fused multiply-add where the source has a multiply
+                    # and an add (csrc/quantize.cpp must round both, as torch's reference does;
+                    # GCC fuses by default where the target has FMA). The .cu files use the _rn
+                    # intrinsics for that instead.
+                    "extra_compile_args": {"cxx": ["-O3", "-ffp-contract=off"], "nvcc": ["-O3"]}}
+    # at::parallel_for (csrc/quantize.cpp) is inline: under torch's OpenMP backend its threads
+    # come from `#pragma omp parallel` in the extension's own code, which needs -fopenmp (the
+    # OpenMP runtime is torch's, already loaded with libtorch_cpu).
+    if ("backend: OpenMP" in torch.__config__.parallel_info()
+            and sys.platform not in ("darwin", "win32")):
+        kwargs["extra_compile_args"]["cxx"].append("-fopenmp")
     extension = cpp_extension.CppExtension
     with_cuda = (torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
                  and os.environ.get("DEAR_BUILD_CUDA", "1") != "0")
     if with_cuda:
         extension = cpp_extension.CUDAExtension
-        sources += ["csrc/cuda/pack_kernels.cu", "csrc/cuda/digest_kernels.cu"]
+        sources += ["csrc/cuda/pack_kernels.cu", "csrc/cuda/digest_kernels.cu",
+                    "csrc/cuda/quantize_kernels.cu"]
         kwargs["define_macros"].append(("DEAR_WITH_CUDA", None))
         nccl = _find_nccl()
         if nccl is None:

@@ -8,6 +8,7 @@
 #include "digest.h"
 #include "grad_ready.h"
 #include "pack.h"
+#include "quantize.h"
 
 #ifdef DEAR_WITH_CUDA
 #include "cuda/digest_cuda.h"
@@ -151,6 +152,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "The content digests of dense tensors on one CUDA device, as one int64 tensor there: "
         "digest.h's portable hash, one kernel on the current stream.");
 #endif
+  m.def("quantize_blocks", &dear::quantize_blocks, py::arg("x"), py::arg("residual"),
+        py::arg("codes"), py::arg("scales"), py::arg("block"), py::arg("bits"),
+        py::call_guard<py::gil_scoped_release>(),  // called from the communication thread
+        "Block-wise int8/int4 quantization of x (+ residual, renewed in place: error feedback) "
+        "into codes and scales; dear/fusion/quantize.py's quantize_reference, bit for bit.");
+  m.def("dequantize_blocks", &dear::dequantize_blocks, py::arg("codes"), py::arg("scales"),
+        py::arg("out"), py::arg("block"), py::arg("bits"), py::arg("accumulate"),
+        py::call_guard<py::gil_scoped_release>(),
+        "out = float(code) * its block's scale (accumulate: out += that); "
+        "dear/fusion/quantize.py's dequantize_reference, bit for bit.");
   m.def("build_info", &build_info, "What this build of the extension contains.");
 
 #ifdef DEAR_WITH_NCCL
