@@ -23,14 +23,15 @@ torch_inc=$("$PYTHON" -c "from torch.utils.cpp_extension import include_paths; p
 py_inc=$("$PYTHON" -c "import sysconfig; print(sysconfig.get_paths()['include'])")
 inc="-I$out/stub $torch_inc -I$py_inc -I$CUDA_HOME/include -I$NCCL_HOME/include"
 def="-DDEAR_WITH_CUDA -DDEAR_WITH_NCCL -DTORCH_API_INCLUDE_EXTENSION_H -DTORCH_EXTENSION_NAME=_native"
-for cu in csrc/cuda/pack_kernels.cu csrc/cuda/digest_kernels.cu; do
+for cu in csrc/cuda/pack_kernels.cu csrc/cuda/digest_kernels.cu csrc/cuda/quantize_kernels.cu; do
   "$CUDA_HOME/bin/nvcc" -c "$cu" -o "$out/$(basename "$cu").o" -std=c++17 $inc $def \
     -D__CUDA_NO_HALF_OPERATORS__ -D__CUDA_NO_HALF_CONVERSIONS__ \
     -D__CUDA_NO_BFLOAT16_CONVERSIONS__ -D__CUDA_NO_HALF2_OPERATORS__ --expt-relaxed-constexpr \
     -Xcompiler -fPIC
   echo "ok: $cu"
 done
-for src in csrc/cuda/nccl_communicator.cpp csrc/module.cpp csrc/pack.cpp csrc/grad_ready.cpp; do
+for src in csrc/cuda/nccl_communicator.cpp csrc/module.cpp csrc/pack.cpp csrc/grad_ready.cpp \
+    csrc/quantize.cpp; do
   g++ -c "$src" -o "$out/$(basename "$src").o" -std=c++17 -fPIC $inc $def
   echo "ok: $src"
 done
