@@ -13,7 +13,7 @@ N-1 steps, each sending one shard to the successor and receiving one from the pr
 (reduce-scatter adds its own shard and passes the partial sum on). One flow into every port at a
 time: posting all N-1 messages at once overflows a switch port's shallow queue (docs/backends.md
 has the measurements). A step needs the previous one's result, so with more than 2 ranks the steps
-run on the exchange's own thread (`_StepThread`), one collective after another in issue order; the
+run on the exchange's own thread (`StepThread`), one collective after another in issue order; the
 training thread only waits. With 2 ranks the one step is posted at issue. Gloo drives a group's
 sockets from one transport thread, so every message from a higher to a lower rank travels on the
 twin group: sending and receiving run on two threads (15-25% faster on 2 ranks, loopback).
@@ -307,13 +307,16 @@ class _StepWork(Work):
                 from self._error
 
 
-class _StepThread:
-    """Runs collectives' steps one collective at a time, in submission order."""
+class StepThread:
+    """Runs collectives' steps one collective at a time, in submission order. `sticky`: after a
+    failure every later job fails at once (a ring's peers are out of step); else each job
+    fails alone (independent jobs, e.g. decoding what collectives received)."""
 
-    def __init__(self) -> None:
+    def __init__(self, name: str = "dear-gloo-ring", sticky: bool = True) -> None:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: Optional[threading.Thread] = None
         self._lock = threading.Lock()
+        self._name, self._sticky = name, sticky
 
     def submit(self, run: Callable[[], None]) -> Work:
         work = _StepWork()
@@ -321,8 +324,9 @@ class _StepThread:
             if self._thread is None:
                 # The loop holds only the queue: an idle thread keeps no process group alive
                 # into the interpreter's teardown (see TorchCommunicator.shutdown).
-                self._thread = threading.Thread(target=_run_steps, args=(self._queue,),
-                                                name="dear-gloo-ring", daemon=True)
+                self._thread = threading.Thread(target=_run_steps,
+                                                args=(self._queue, self._sticky),
+                                                name=self._name, daemon=True)
                 self._thread.start()
                 atexit.register(_close_at_exit, weakref.ref(self))
             self._queue.put((run, work))
@@ -336,13 +340,13 @@ class _StepThread:
             thread.join(timeout)
 
 
-def _close_at_exit(ref: "weakref.ref[_StepThread]") -> None:
+def _close_at_exit(ref: "weakref.ref[StepThread]") -> None:
     steps = ref()
     if steps is not None:
         steps.close()
 
 
-def _run_steps(jobs: queue.SimpleQueue) -> None:
+def _run_steps(jobs: queue.SimpleQueue, sticky: bool = True) -> None:
     failed: Optional[BaseException] = None
     while True:
         item = jobs.get()
@@ -357,7 +361,9 @@ def _run_steps(jobs: queue.SimpleQueue) -> None:
             try:
                 run()
             except BaseException as exc:
-                failed = error = exc
+                error = exc
+                if sticky:
+                    failed = exc
         work.finish(error)
         del run, work                 # drop the groups the job referenced
 
@@ -372,7 +378,7 @@ class PairwiseExchange:
         self._wait_for = None if timeout is None else datetime.timedelta(seconds=timeout)
         self._group, self._reverse = group, reverse
         self._tag = 0
-        self._steps = _StepThread()
+        self._steps = StepThread()
 
     def close(self) -> None:
         """Stop the step thread (after the collectives already submitted)."""

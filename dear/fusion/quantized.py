@@ -18,18 +18,52 @@ iteration's gradient, so the average the ranks apply over time is the fp32 one.
 The usage flags and the padding after them travel as fp32, unquantized: a flag must stay
 exactly zero or not. Only fp32 buckets are quantized (dear/fusion/layout.py). Each chunk's
 message is a fixed-size slot of bytes: the codes, the block scales (fp32), the raw tail.
+
+On CPU the dequantizing runs on one decode thread per process as soon as a collective lands
+(the sum during backward, the unpack before the next forward), not on the training thread at
+step() or in the pre-forward wait; on a GPU it queues on the stream where the wait happens.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
+from ..comm import runtime
 from ..comm.base import Communicator, Work
-from .bucket import Bucket
+from ..comm.torch_dist import StepThread
+from .bucket import Bucket, Stage
 from .planner import BucketSpec
 from .quantize import code_bytes, dequantize, num_blocks, quantize
+
+_decoder: Optional[StepThread] = None
+
+
+def _decoding() -> StepThread:
+    """The process's decode thread: on CPU, what an all-to-all or all-gather received is
+    dequantized there as soon as it lands (the kernels release the GIL), so step() and the next
+    forward find it done instead of decoding every bucket on the training thread."""
+    global _decoder
+    if _decoder is None:
+        _decoder = StepThread("dear-decode", sticky=False)
+        runtime.at_shutdown(_close_decoder)
+    return _decoder
+
+
+def _close_decoder() -> None:
+    global _decoder
+    decoder, _decoder = _decoder, None
+    if decoder is not None:
+        decoder.close()
+
+
+def _then(work: Work, decode: Callable[[], None]) -> Work:
+    """`work`, then `decode` on the decode thread (CPU); the Work returned covers both."""
+    def run() -> None:
+        work.wait()
+        decode()
+    return _decoding().submit(run)
 
 
 class Codec:
@@ -98,6 +132,8 @@ class QuantizedBucket(Bucket):
             res = self.residual.view(n, width)
             self._residuals = [res[c, :q] for c, q in enumerate(self.quantized)]
         self._postscale = 1.0
+        self._summed = False                 # the decode thread summed the shard
+        self._gathered = False               # ... and unpacked the all-gather
 
     @property
     def reduce_bytes(self) -> int:
@@ -119,22 +155,27 @@ class QuantizedBucket(Bucket):
             out = self._send[c]
             quantize(values, residual, out.codes, out.scales, block, bits)
             out.raw.copy_(tail)
-        return comm.all_to_all(self.send, self.recv)
+        work = comm.all_to_all(self.send, self.recv)
+        self._summed = not self.send.is_cuda
+        return _then(work, self._sum) if self._summed else work
 
-    def _sum_into_shard(self, postscale: float) -> None:
+    def _sum(self) -> None:
+        """Our shard: every rank's chunk in rank order (our own unquantized), not yet scaled.
+        The first term is copied (0 + a = a: the same bits as summing from zero)."""
         values, tail = self._shard
         own_values, own_tail = self._grads[self.rank]
         block, bits = self.codec.block, self.codec.bits
         for c, got in enumerate(self._recv):
-            if c == 0:
-                values.zero_()
-                tail.zero_()
             if c == self.rank:
-                values.add_(own_values)
-                tail.add_(own_tail)
+                (values.copy_ if c == 0 else values.add_)(own_values)
+                (tail.copy_ if c == 0 else tail.add_)(own_tail)
             else:
-                dequantize(got.codes, got.scales, values, block, bits, accumulate=True)
-                tail.add_(got.raw)
+                dequantize(got.codes, got.scales, values, block, bits, accumulate=c > 0)
+                (tail.copy_ if c == 0 else tail.add_)(got.raw)
+
+    def _sum_into_shard(self, postscale: float) -> None:
+        if not self._summed:                 # on a GPU: its kernels queue on the stream now
+            self._sum()
         self._postscale = postscale
 
     def outgoing_shard(self) -> torch.Tensor:
@@ -155,19 +196,31 @@ class QuantizedBucket(Bucket):
     def gather_columns(self, comm: Communicator, start: int, length: int) -> Work:
         raise AssertionError("a quantized bucket is gathered whole (chunkable = False)")
 
+    def start_all_gather(self, comm: Communicator) -> None:
+        work = comm.all_gather(self.outgoing_shard(), self.wire)
+        if self.wire.is_cuda:
+            self.gathering(work)
+            return
+        self._gathered = True                # decoded on the decode thread when it lands
+        self.gathering(_then(work, self._unpack))
+
+    def _unpack(self) -> None:
+        """Every rank's slot dequantized into the buffer (our own too: every rank applies the
+        same values)."""
+        block, bits = self.codec.block, self.codec.bits
+        for got, (values, tail) in zip(self._wire, self._grads):
+            dequantize(got.codes, got.scales, values, block, bits, accumulate=False)
+            tail.copy_(got.raw)
+
     def finish_all_gather(self) -> list[bool]:
-        """Wait for every rank's slot and dequantize it into the buffer (our own too: every
-        rank applies the same values)."""
-        from .bucket import Stage
         assert self.stage is Stage.GATHERING
         for work in self._gathers:
             self._wait("all-gather", work)
         self._gathers = []
         self._work = None
-        block, bits = self.codec.block, self.codec.bits
-        for got, (values, tail) in zip(self._wire, self._grads):
-            dequantize(got.codes, got.scales, values, block, bits, accumulate=False)
-            tail.copy_(got.raw)
+        if not self._gathered:               # a fused group's all-gather, or on a GPU
+            self._unpack()
+        self._gathered = False
         if self._all_used_here:
             return [True] * len(self.params)
         return (self.flags != 0).tolist()
@@ -178,6 +231,7 @@ class QuantizedBucket(Bucket):
         try:
             super().drop()
         finally:
+            self._gathered = False
             if self.residual is not None:
                 self.residual.zero_()
 
