@@ -380,3 +380,23 @@ def test_kfac_preconditions_the_averaged_gradient_without_the_eigenbasis_overlap
     assert [overlapped for _, overlapped in ranks] == [0, 0]
     assert max_diff(ranks[0][0], ranks[1][0]) == 0.0
     assert all(bool(torch.isfinite(t).all()) for t in ranks[0][0].values())
+
+
+def test_memory_stats_count_the_residuals_and_messages():
+    dear.init(backend="local")
+    try:
+        sizes = {}
+        for comp in (dear.Compression.none, dear.Compression.int8):
+            model = make_net()
+            opt = dear.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                            model=model, compression=comp)
+            x, y = batch(0, 1, 0)
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.flush_updates()
+            sizes[comp.name] = opt.memory_stats()["buffers"]
+        residual = sum(b.residual.numel() * 4 for b in opt.dear_engine.buckets)
+        # int8 adds an fp32 residual per element and its message slots (send, receive, gathered)
+        assert sizes["int8"] > sizes["none"] + residual
+    finally:
+        dear.shutdown()

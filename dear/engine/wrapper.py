@@ -246,12 +246,16 @@ class _DistributedOptimizer(ExtensionPoints, torch.optim.Optimizer):
 
     def memory_stats(self) -> dict[str, int]:
         """Bytes this rank holds beside the model's parameters and gradients, for capacity
-        planning: `buffers` (the buckets' flat gradients and shards, and with sharding the
-        shards' parameter values), `state` (the optimizer state held here: all of it, or this
-        rank's shards) and `peak_saved` (with sharding: the most state saved at once to undo
-        updates applied early)."""
+        planning: `buffers` (the buckets' flat gradients and shards, their wire copies and, with
+        int8/int4, messages and error-feedback residuals; with sharding the shards' parameter
+        values), `state` (the optimizer state held here: all of it, or this rank's shards) and
+        `peak_saved` (with sharding: the most state saved at once to undo updates applied
+        early)."""
         engine = self.dear_engine
-        buffers = sum(tensor_bytes((b.buffer, b.shard)) for b in engine.buckets or ())
+        buffers = sum(tensor_bytes({id(t): t for t in (b.buffer, b.shard, *b.wires,
+                                                       getattr(b, "residual", None))
+                                    if t is not None}.values())
+                      for b in engine.buckets or ())
         state = sum(tensor_bytes(s.values()) for s in self.state.values())
         more_buffers, more_state, saved = engine.updates.memory()
         return {"buffers": buffers + more_buffers, "state": state + more_state,
