@@ -400,3 +400,32 @@ def test_memory_stats_count_the_residuals_and_messages():
         assert sizes["int8"] > sizes["none"] + residual
     finally:
         dear.shutdown()
+
+
+def _peer_dies() -> str:
+    dear.init()
+    rank = dear.rank()
+    model = make_net()
+    opt = dear.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model,
+                                    compression=dear.Compression.int8, fusion_threshold=2048)
+    for step in range(4):
+        opt.zero_grad()
+        if step == 2 and rank == 1:
+            os._exit(7)                        # gone before its all-to-alls
+        x, y = batch(step, 2, rank)
+        try:
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+            model(x)
+        except RuntimeError as exc:
+            return str(exc)
+    return "no error"
+
+
+def test_a_dead_peer_fails_the_quantized_exchange_clearly():
+    """A rank that dies leaves its peer's all-to-all (waited on the decode thread) to fail
+    within DEAR_TIMEOUT, raised on the training thread as the bucket's failed reduce-scatter."""
+    outcomes = run_distributed(_peer_dies, 2, timeout=120, expect_failure=True,
+                               env={"DEAR_TIMEOUT": "10"})
+    message = outcomes[0]
+    assert isinstance(message, str) and "failed" in message and "bucket" in message, message
