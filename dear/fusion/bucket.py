@@ -349,6 +349,10 @@ class Bucket:
             self._wait("all-gather", work)
         self._gathers = []
         self._work = None
+        return self._land()
+
+    def _land(self) -> list[bool]:
+        """The gathered wire into the buffer; which parameters any rank produced one for."""
         if self._all_used_here:                # some rank (this one) used each: no flag read
             if self.wire is not self.buffer:
                 self.buffer.copy_(self.wire)

@@ -33,7 +33,7 @@ import torch
 from ..comm import runtime
 from ..comm.base import Communicator, Work
 from ..comm.torch_dist import StepThread
-from .bucket import Bucket, Stage
+from .bucket import Bucket
 from .planner import BucketSpec
 from .quantize import code_bytes, dequantize, num_blocks, quantize
 
@@ -212,12 +212,7 @@ class QuantizedBucket(Bucket):
             dequantize(got.codes, got.scales, values, block, bits, accumulate=False)
             tail.copy_(got.raw)
 
-    def finish_all_gather(self) -> list[bool]:
-        assert self.stage is Stage.GATHERING
-        for work in self._gathers:
-            self._wait("all-gather", work)
-        self._gathers = []
-        self._work = None
+    def _land(self) -> list[bool]:
         if not self._gathered:               # a fused group's all-gather, or on a GPU
             self._unpack()
         self._gathered = False
