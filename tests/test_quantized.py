@@ -423,9 +423,13 @@ def _peer_dies() -> str:
 
 
 def test_a_dead_peer_fails_the_quantized_exchange_clearly():
-    """A rank that dies leaves its peer's all-to-all (waited on the decode thread) to fail
-    within DEAR_TIMEOUT, raised on the training thread as the bucket's failed reduce-scatter."""
+    """A rank that dies makes the survivor raise a RuntimeError on its training thread (the
+    all-to-all waited on the decode thread fails and is re-raised; no hang). Which collective
+    notices first depends on timing: the bucket's reduce-scatter ("... failed; another rank
+    probably died") or the iteration's stream check (Gloo's "Connection reset by peer")."""
     outcomes = run_distributed(_peer_dies, 2, timeout=120, expect_failure=True,
                                env={"DEAR_TIMEOUT": "10"})
     message = outcomes[0]
-    assert isinstance(message, str) and "failed" in message and "bucket" in message, message
+    assert isinstance(message, str) and message != "no error", message
+    assert ("another rank probably died" in message or "Connection reset by peer" in message
+            or "timed out" in message.lower()), message
