@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Collection, Optional, Sequence
+from typing import Collection, Optional, Sequence
 
 import torch
 
-from ..comm.compression import Compressor
+from ..comm.compression import Compressor, QuantizedCompressor
 from .bucket import Bucket
 from .fusion_config import FusionConfig
 from .gather import GatherGroup, make_groups
 from .planner import BucketSpec, first_bucket_index, plan_buckets, plan_gather_groups
-from .quantized import Codec, QuantizedBucket
+from .quantized import QuantizedBucket
 from .rows import RowSparseBucket
 
 
@@ -79,8 +79,7 @@ def _bucket(spec: BucketSpec, params: list[torch.nn.Parameter], row_sparse: Coll
     if len(spec.params) == 1 and spec.params[0] in row_sparse:
         return RowSparseBucket(spec, params, rank, sparse_as_dense)
     if compression.quantizes and spec.dtype == torch.float32:
-        c: Any = compression
-        return QuantizedBucket(spec, params, Codec(c.bits, c.block_size, c.error_feedback),
-                               rank, sparse_as_dense, views=views)
+        assert isinstance(compression, QuantizedCompressor)
+        return QuantizedBucket(spec, params, compression, rank, sparse_as_dense, views=views)
     return Bucket(spec, params, compression.wire_dtype(spec.dtype), sparse_as_dense,
                   views=views, piece_bytes=fusion.rs_threshold)

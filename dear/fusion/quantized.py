@@ -32,6 +32,7 @@ import torch
 
 from ..comm import runtime
 from ..comm.base import Communicator, Work
+from ..comm.compression import QuantizedCompressor
 from ..comm.torch_dist import StepThread
 from .bucket import Bucket
 from .planner import BucketSpec
@@ -66,20 +67,14 @@ def _then(work: Work, decode: Callable[[], None]) -> Work:
     return _decoding().submit(run)
 
 
-class Codec:
-    """How one bucket's chunks are quantized: bits, block size, whether residuals are kept."""
-
-    def __init__(self, bits: int, block: int, error_feedback: bool) -> None:
-        self.bits, self.block, self.error_feedback = bits, block, error_feedback
-
-
 class _Slot:
     """Typed views of one chunk's message in a byte buffer: codes, scales, raw fp32 tail."""
 
-    def __init__(self, raw_bytes: torch.Tensor, quantized: int, tail: int, codec: Codec) -> None:
+    def __init__(self, raw_bytes: torch.Tensor, quantized: int, tail: int,
+                 codec: QuantizedCompressor) -> None:
         codes = code_bytes(quantized, codec.bits)
         at = -(-codes // 4) * 4
-        blocks = num_blocks(quantized, codec.block)
+        blocks = num_blocks(quantized, codec.block_size)
         self.codes = raw_bytes[:codes]
         if codec.bits == 8:
             self.codes = self.codes.view(torch.int8)
@@ -87,17 +82,17 @@ class _Slot:
         self.raw = raw_bytes[at + 4 * blocks:at + 4 * (blocks + tail)].view(torch.float32)
 
     @staticmethod
-    def nbytes(quantized: int, tail: int, codec: Codec) -> int:
+    def nbytes(quantized: int, tail: int, codec: QuantizedCompressor) -> int:
         codes = -(-code_bytes(quantized, codec.bits) // 4) * 4
-        return codes + 4 * (num_blocks(quantized, codec.block) + tail)
+        return codes + 4 * (num_blocks(quantized, codec.block_size) + tail)
 
 
 class QuantizedBucket(Bucket):
     chunkable = False            # one all-gather message per bucket (its slots are bytes)
 
-    def __init__(self, spec: BucketSpec, params: Sequence[torch.nn.Parameter], codec: Codec,
-                 rank: int, sparse_as_dense: bool = False, native: Optional[bool] = None,
-                 views: bool = False) -> None:
+    def __init__(self, spec: BucketSpec, params: Sequence[torch.nn.Parameter],
+                 codec: QuantizedCompressor, rank: int, sparse_as_dense: bool = False,
+                 native: Optional[bool] = None, views: bool = False) -> None:
         super().__init__(spec, params, None, sparse_as_dense, native, views)
         assert spec.dtype == torch.float32
         n, width = spec.world_size, spec.shard_numel
@@ -125,8 +120,7 @@ class QuantizedBucket(Bucket):
         self._own = _Slot(self.wire_shard, mine, width - mine, codec)
         chunks = self.buffer.view(n, width)
         self._grads = [(chunks[c, :q], chunks[c, q:]) for c, q in enumerate(self.quantized)]
-        q = self.quantized[rank]
-        self._shard = (self.shard[:q], self.shard[q:])
+        self._shard = (self.shard[:mine], self.shard[mine:])
         self._residuals: list[Optional[torch.Tensor]] = [None] * n
         if self.residual is not None:
             res = self.residual.view(n, width)
@@ -146,7 +140,7 @@ class QuantizedBucket(Bucket):
     def _reduce(self, comm: Communicator) -> Work:
         """Quantize every other rank's chunk (its residual added and renewed), add our own
         residual to our own chunk (summed unquantized), and send the slots."""
-        block, bits = self.codec.block, self.codec.bits
+        block, bits = self.codec.block_size, self.codec.bits
         for c, ((values, tail), residual) in enumerate(zip(self._grads, self._residuals)):
             if c == self.rank:
                 if residual is not None:
@@ -164,7 +158,7 @@ class QuantizedBucket(Bucket):
         The first term is copied (0 + a = a: the same bits as summing from zero)."""
         values, tail = self._shard
         own_values, own_tail = self._grads[self.rank]
-        block, bits = self.codec.block, self.codec.bits
+        block, bits = self.codec.block_size, self.codec.bits
         for c, got in enumerate(self._recv):
             if c == self.rank:
                 (values.copy_ if c == 0 else values.add_)(own_values)
@@ -186,7 +180,7 @@ class QuantizedBucket(Bucket):
         residual = self._residuals[self.rank]
         if residual is not None:
             residual.zero_()
-        quantize(values, residual, self._own.codes, self._own.scales, self.codec.block,
+        quantize(values, residual, self._own.codes, self._own.scales, self.codec.block_size,
                  self.codec.bits)
         if residual is not None and self._postscale != 1.0:
             residual.div_(self._postscale)
@@ -207,7 +201,7 @@ class QuantizedBucket(Bucket):
     def _unpack(self) -> None:
         """Every rank's slot dequantized into the buffer (our own too: every rank applies the
         same values)."""
-        block, bits = self.codec.block, self.codec.bits
+        block, bits = self.codec.block_size, self.codec.bits
         for got, (values, tail) in zip(self._wire, self._grads):
             dequantize(got.codes, got.scales, values, block, bits, accumulate=False)
             tail.copy_(got.raw)
