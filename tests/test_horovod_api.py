@@ -541,6 +541,85 @@ def test_errors_are_clear_and_leave_the_group_usable(tmp_path):
                     env={"DEAR_TIMEOUT": "4"})
 
 
+def _by_name_ranks() -> dict:
+    import dear.horovod as hvd
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    rounds = hvd.global_process_set.rounds
+    # Horovod's duplicate-name test: rank 0 issues before the barrier, the others after it
+    x = _data(r, (17, 3), torch.float32)
+    want = sum(_data(q, (17, 3), torch.float32) for q in range(n))
+    if r == 0:
+        first = hvd.allreduce_async(x, name="dup", op=hvd.Sum)
+        with pytest.raises(ValueError, match="still in flight"):
+            hvd.allreduce_async(x, name="dup")
+    hvd.barrier()
+    if r > 0:
+        first = hvd.allreduce_async(x, name="dup", op=hvd.Sum)
+        with pytest.raises(ValueError, match="still in flight"):
+            hvd.allreduce_async(x, name="dup")       # issued, no agreement round since
+    hvd.barrier()
+    assert torch.equal(hvd.synchronize(first), want)
+    # every rank its own order of names (and kinds), unnamed calls between them
+    names = ["a", "b", "c"]
+    order = names[r:] + names[:r]
+    rows = {k: 1 + i for i, k in enumerate(names)}          # allgather: + r rows per rank
+    handles = {}
+    for k in order:
+        handles[k] = hvd.allreduce_async(_data(r, (5,), torch.float64, seed=ord(k)), name=k,
+                                         op=hvd.Sum)
+        handles["g" + k] = hvd.allgather_async(torch.full((rows[k] + r, 2), float(r)),
+                                               name="g" + k)
+    handles["bc"] = hvd.broadcast_async(torch.full((3,), float(r)), root_rank=n - 1, name="bc")
+    unnamed = hvd.allreduce(torch.ones(2), op=hvd.Sum)
+    for k in names:
+        assert torch.equal(hvd.synchronize(handles[k]),
+                           sum(_data(q, (5,), torch.float64, seed=ord(k)) for q in range(n)))
+        assert torch.equal(hvd.synchronize(handles["g" + k]),
+                           torch.cat([torch.full((rows[k] + q, 2), float(q))
+                                      for q in range(n)]))
+    assert torch.equal(hvd.synchronize(handles["bc"]), torch.full((3,), float(n - 1)))
+    assert torch.equal(unnamed, torch.full((2,), float(n)))
+    # one name, different shapes: every rank raises, naming each rank's call
+    with pytest.raises(hvd.HorovodInternalError, match="different collectives") as info:
+        hvd.allreduce_async(torch.ones(2 + r), name="shape")
+    assert all(f"rank {q}" in str(info.value) for q in range(n))
+    # names no other rank ever calls: synchronize() raises on every rank (Horovod would hang)
+    lonely = hvd.allreduce_async(torch.ones(2), name=f"only{r}")
+    with pytest.raises(hvd.HorovodInternalError, match="only0") as info:
+        hvd.synchronize(lonely)
+    assert all(f"only{q}" in str(info.value) for q in range(n))
+    # the group is still usable
+    assert torch.equal(hvd.allreduce(torch.ones(2), op=hvd.Sum), torch.full((2,), float(n)))
+    # a rank that joins with a named call outstanding waits for it first
+    y = torch.full((2,), 3.0 + r)
+    if r == 0:
+        hvd.barrier()
+        got = hvd.allreduce(y, name="j", op=hvd.Sum)
+        mirrored = hvd.allreduce(y, op=hvd.Sum)               # the others add zeros
+        assert torch.equal(mirrored, y)
+    else:
+        late = hvd.allreduce_async(y, name="j", op=hvd.Sum)
+        hvd.barrier()
+        hvd.join()
+        got = hvd.synchronize(late)
+    if r == 0:
+        hvd.join()
+    assert torch.equal(got, sum(torch.full((2,), 3.0 + q) for q in range(n)))
+    return {"rounds": hvd.global_process_set.rounds - rounds}
+
+
+def test_named_collectives_match_by_name_in_any_order():
+    """Named collectives issued in different orders on 3 ranks (allreduce, allgather with
+    different row counts, broadcast) give torch's closed-form results; Horovod's duplicate-name
+    sequence (a second call while the first waits, or was issued with no round since) raises
+    ValueError; one name with different shapes, and names no other rank calls, raise a
+    HorovodInternalError on every rank naming every rank's call, and the group stays usable;
+    a rank that joins with a named call outstanding still completes it."""
+    res = run_distributed(_by_name_ranks, 3, timeout=180, env=FAST)
+    assert len({out["rounds"] for out in res}) == 1     # every rank took part in every round
+
+
 # -------------------------------------------------------------- launchers and import hygiene
 def _slurm_ranks() -> list:
     """As under srun: only SLURM_* variables (dear.comm.launch translates them)."""

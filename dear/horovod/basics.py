@@ -43,6 +43,7 @@ class ProcessSet:
         self.group: Optional[dist.ProcessGroup] = None      # None: the default group
         self.control: Optional[dist.ProcessGroup] = None
         self.rounds = 0                  # agreement rounds so far (the same on every member)
+        self.deferred: list = []         # named calls waiting for the others (negotiate.py)
 
     def size(self) -> Optional[int]:
         """Number of ranks; None before the set is registered."""
@@ -137,6 +138,7 @@ def init(comm: Optional[Sequence[int]] = None,
     global_process_set.control = dist.new_group(backend="gloo", timeout=_timeout(),
                                                 group_desc="dear_horovod_control")
     global_process_set.rounds = 0
+    global_process_set.deferred = []
     _state.sets = {0: global_process_set}
     _state.topology = _topology(global_process_set.control)
     _state.initialized = True
@@ -271,7 +273,7 @@ def add_process_set(process_set: Union[ProcessSet, Sequence[int]]) -> ProcessSet
     ps.group = dist.new_group(ps.ranks, timeout=_timeout(), group_desc="dear_horovod_set")
     ps.control = dist.new_group(ps.ranks, backend="gloo", timeout=_timeout(),
                                 group_desc="dear_horovod_set_control")
-    ps.rounds = 0
+    ps.rounds, ps.deferred = 0, []
     ps.process_set_id = _state.next_id
     _state.next_id += 1
     _state.sets[ps.process_set_id] = ps

@@ -15,16 +15,29 @@ from .control import HorovodInternalError
 
 
 class _Pending:
-    """One issued collective: torch's works, and what turns their buffers into the output."""
+    """One collective: torch's works, and what turns their buffers into the output. A named
+    collective the other ranks have not called yet has no works until it is matched;
+    `until_issued` takes part in agreement rounds until then."""
 
-    def __init__(self, works: list[Any], finish: Callable[[], Any], name: Optional[str],
-                 cuda: bool) -> None:
-        self.works, self.finish, self.name, self.cuda = works, finish, name, cuda
+    def __init__(self, name: Optional[str], cuda: bool) -> None:
+        self.name, self.cuda = name, cuda
+        self.works: Optional[list[Any]] = None
+        self.finish: Callable[[], Any] = lambda: None
+        self.until_issued: Callable[[], None] = lambda: None
+        self.released: Callable[[], bool] = lambda: False
+
+    def issued(self) -> list[Any]:
+        if self.works is None:
+            self.until_issued()
+        assert self.works is not None
+        return self.works
 
     def done(self) -> bool:
-        return all(w.is_completed() for w in self.works)
+        return all(w.is_completed() for w in self.issued())
 
     def wait(self) -> Any:
+        self.issued()
+        assert self.works is not None
         timeout = datetime.timedelta(seconds=runtime.config().timeout)
         for work in self.works:
             if self.cuda:
@@ -40,18 +53,48 @@ _ids = itertools.count(1)
 
 
 def claim_name(name: Optional[str]) -> None:
-    if name is not None and name in _in_flight:
+    """Refuse `name` while a collective of that name waits for the other ranks or has been
+    issued with no agreement round since (Horovod refuses it until its background thread has
+    started the first one: here that is deterministic)."""
+    pending = _handles.get(_in_flight.get(name, 0)) if name is not None else None
+    if pending is not None and not pending.released():
         raise ValueError(f"a collective named {name!r} is still in flight: synchronize() it "
                          "before reusing the name (Horovod refuses duplicate names too)")
 
 
-def register(works: list[Any], finish: Callable[[], Any], name: Optional[str],
-              tensors: Sequence[torch.Tensor]) -> int:
+def reserve(name: Optional[str], tensors: Sequence[torch.Tensor]) -> int:
+    """A handle for a collective about to be agreed on; its name counts as in flight."""
+    claim_name(name)
     handle = next(_ids)
-    _handles[handle] = _Pending(works, finish, name, any(t.is_cuda for t in tensors))
+    _handles[handle] = _Pending(name, any(t.is_cuda for t in tensors))
     if name is not None:
         _in_flight[name] = handle
     return handle
+
+
+def fill(handle: int, works: list[Any], finish: Callable[[], Any],
+         released: Callable[[], bool]) -> None:
+    """The collective behind `handle` is issued: torch's works, how to finish it, and when its
+    name is free again (before synchronize())."""
+    pending = _handles[handle]
+    pending.works, pending.finish, pending.released = works, finish, released
+
+
+def wait_with(handle: int, until_issued: Callable[[], None]) -> None:
+    """`handle` was deferred: synchronize() and poll() run `until_issued` first."""
+    _handles[handle].until_issued = until_issued
+
+
+def discard(handle: int) -> None:
+    """Forget a handle whose agreement failed (its name is free again)."""
+    pending = _handles.pop(handle, None)
+    if pending is not None:
+        _free(pending.name, handle)
+
+
+def _free(name: Optional[str], handle: int) -> None:
+    if name is not None and _in_flight.get(name) == handle:
+        del _in_flight[name]
 
 
 def synchronize(handle: int) -> Any:
@@ -60,8 +103,7 @@ def synchronize(handle: int) -> Any:
     pending = _handles.pop(handle, None)
     if pending is None:
         return None
-    if pending.name is not None:
-        _in_flight.pop(pending.name, None)
+    _free(pending.name, handle)
     try:
         return pending.wait()
     except HorovodInternalError:
@@ -71,7 +113,9 @@ def synchronize(handle: int) -> Any:
 
 
 def poll(handle: int) -> bool:
-    """Whether `handle` has completed (synchronize() then returns without waiting)."""
+    """Whether `handle` has completed (synchronize() then returns without waiting). A named
+    collective deferred until the other ranks call it first waits for that (agreement rounds
+    block, as every collective's do)."""
     pending = _handles.get(handle)
     return True if pending is None else pending.done()
 

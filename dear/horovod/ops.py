@@ -26,19 +26,24 @@ from ..comm import runtime
 from ..comm.base import ReduceOp
 from .basics import ProcessSet, global_process_set, member
 from .control import HorovodInternalError, all_gather_flat, reduce_scatter_flat
-from .handles import claim_name, register, synchronize
+from .handles import discard, fill, reserve, synchronize, wait_with
 from .negotiate import (
     DEVICE,
     DTYPE,
     NUMEL,
     OP,
+    Agreed,
     Call,
     Kind,
     code_dtype,
     dtype_code,
     join_rounds,
     negotiate,
+    submit,
+    wait_matched,
 )
+
+Issued = tuple[list[Any], Callable[[], Any]]     # torch's works, and what makes the output
 
 # Horovod's reduction constants (horovod/common/message.h), so `op == hvd.Average` still holds.
 Average, Sum, Adasum, Min, Max, Product = 0, 1, 2, 3, 4, 5
@@ -154,32 +159,54 @@ def _check_group(tensors: Sequence[torch.Tensor], what: str) -> None:
                                    f"{sorted({str(t.device) for t in tensors})}")
 
 
+def _round_since(ps: ProcessSet, issued_at: int) -> bool:
+    return ps.rounds > issued_at
+
+
+def _submit(ps: ProcessSet, call: Call, issue: Callable[[Agreed], Issued]) -> int:
+    """A handle for `call`: agreed on and issued now, or, if it is named and the other ranks
+    have not called it yet, when they do (Horovod matches named collectives by name)."""
+    handle = reserve(call.name, call.tensors)
+
+    def run(agreed: Agreed) -> None:
+        _drain(ps)
+        fill(handle, *issue(agreed), functools.partial(_round_since, ps, ps.rounds))
+    try:
+        entry = submit(ps, call, run, deferrable=True)
+    except BaseException:
+        discard(handle)
+        raise
+    if entry is not None:
+        wait_with(handle, functools.partial(wait_matched, ps, entry))
+    return handle
+
+
 # ------------------------------------------------------------------------------ allreduce
 def _allreduce(inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor],
                name: Optional[str], op: int, prescale_factor: float, postscale_factor: float,
                process_set: Optional[ProcessSet], grouped: bool) -> int:
     ps = member(process_set)
     _check_group(inputs, "allreduce")
-    claim_name(name)
     extra = [v for t in inputs for v in (dtype_code(t.dtype), t.numel())] if grouped else []
-    negotiate(ps, Call(Kind.ALLREDUCE, inputs, op=op, name=name, prescale=prescale_factor,
-                       postscale=postscale_factor, extra=extra))
-    _drain(ps)
     post = postscale_factor / len(ps.ranks or ()) if op == Average else postscale_factor
-    works, steps = [], []
-    for inp, out in zip(inputs, outputs):
-        buf, back = _reduce_buffer(inp, out)
-        scale(buf, prescale_factor)
-        works.append(dist.all_reduce(_reducible(buf), op=_TORCH_OPS[op], group=ps.group,
-                                     async_op=True))
-        steps.append((buf, back))
 
-    def finish() -> Any:
-        for buf, back in steps:
-            scale(buf, post)
-            back()
-        return tuple(outputs) if grouped else outputs[0]
-    return register(works, finish, name, inputs)
+    def issue(agreed: Agreed) -> Issued:
+        works, steps = [], []
+        for inp, out in zip(inputs, outputs):
+            buf, back = _reduce_buffer(inp, out)
+            scale(buf, prescale_factor)
+            works.append(dist.all_reduce(_reducible(buf), op=_TORCH_OPS[op], group=ps.group,
+                                         async_op=True))
+            steps.append((buf, back))
+
+        def finish() -> Any:
+            for buf, back in steps:
+                scale(buf, post)
+                back()
+            return tuple(outputs) if grouped else outputs[0]
+        return works, finish
+    return _submit(ps, Call(Kind.ALLREDUCE, inputs, op=op, name=name, prescale=prescale_factor,
+                            postscale=postscale_factor, extra=extra), issue)
 
 
 def _mirror_allreduce(ps: ProcessSet, device: int) -> Callable[[torch.Tensor, list[int]], None]:
@@ -289,36 +316,37 @@ def _allgather(inputs: Sequence[torch.Tensor], name: Optional[str],
     if any(t.dim() == 0 for t in inputs):
         raise ValueError("allgather concatenates along dimension 0: a tensor needs at least one "
                          "dimension (use tensor.reshape(1))")
-    claim_name(name)
     many = len(inputs) > 1
-    agreed = negotiate(ps, Call(Kind.ALLGATHER, inputs, name=name, first_dim_free=True,
-                                mine=0 if many else int(inputs[0].shape[0]),
-                                extra=[int(t.shape[0]) for t in inputs] if many else []))
-    _drain(ps)
-    works: list[Any] = []
-    makers: list[Callable[[], torch.Tensor]] = []
-    for i, t in enumerate(inputs):
-        dims = [row[i] for row in agreed.extra] if many else agreed.mine
-        x = t.detach().contiguous()
-        rest = tuple(x.shape[1:])
-        top = max(dims)
-        if all(d == top for d in dims):
-            out = x.new_empty((sum(dims),) + rest)
-            if out.numel():
-                works.append(all_gather_flat(_rows(out), _rows(x), group=ps.group,
-                                             async_op=True))
-            makers.append(functools.partial(_same, out))
-            continue
-        padded = x.new_zeros((top,) + rest)       # equal sizes on the wire, cut afterwards
-        padded[:x.shape[0]] = x
-        big = x.new_empty((len(dims) * top,) + rest)
-        works.append(all_gather_flat(_rows(big), _rows(padded), group=ps.group, async_op=True))
-        makers.append(functools.partial(_unpad, big, dims, top))
 
-    def finish() -> Any:
-        outs = tuple(make() for make in makers)
-        return outs if grouped else outs[0]
-    return register(works, finish, name, inputs)
+    def issue(agreed: Agreed) -> Issued:
+        works: list[Any] = []
+        makers: list[Callable[[], torch.Tensor]] = []
+        for i, t in enumerate(inputs):
+            dims = [row[i] for row in agreed.extra] if many else agreed.mine
+            x = t.detach().contiguous()
+            rest = tuple(x.shape[1:])
+            top = max(dims)
+            if all(d == top for d in dims):
+                out = x.new_empty((sum(dims),) + rest)
+                if out.numel():
+                    works.append(all_gather_flat(_rows(out), _rows(x), group=ps.group,
+                                                 async_op=True))
+                makers.append(functools.partial(_same, out))
+                continue
+            padded = x.new_zeros((top,) + rest)       # equal sizes on the wire, cut afterwards
+            padded[:x.shape[0]] = x
+            big = x.new_empty((len(dims) * top,) + rest)
+            works.append(all_gather_flat(_rows(big), _rows(padded), group=ps.group,
+                                         async_op=True))
+            makers.append(functools.partial(_unpad, big, dims, top))
+
+        def finish() -> Any:
+            outs = tuple(make() for make in makers)
+            return outs if grouped else outs[0]
+        return works, finish
+    return _submit(ps, Call(Kind.ALLGATHER, inputs, name=name, first_dim_free=True,
+                            mine=0 if many else int(inputs[0].shape[0]),
+                            extra=[int(t.shape[0]) for t in inputs] if many else []), issue)
 
 
 def _same(t: torch.Tensor) -> torch.Tensor:
@@ -348,23 +376,24 @@ def _broadcast(inputs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor], 
             or root_rank not in (ps.ranks or ()):
         raise ValueError(f"root_rank {root_rank!r} is not a rank of {ps} (roots are global "
                          "ranks)")
-    claim_name(name)
-    negotiate(ps, Call(Kind.BROADCAST, inputs, root=root_rank, name=name))
-    _drain(ps)
-    works, backs = [], []
-    for out in targets:
-        if out.is_contiguous():
-            buf = out.detach()
-        else:
-            buf = out.detach().contiguous()
-            backs.append(lambda out=out, buf=buf: out.detach().copy_(buf))
-        works.append(dist.broadcast(_flat(buf), src=root_rank, group=ps.group, async_op=True))
 
-    def finish() -> Any:
-        for back in backs:
-            back()
-        return tuple(targets) if grouped else targets[0]
-    return register(works, finish, name, inputs)
+    def issue(agreed: Agreed) -> Issued:
+        works, backs = [], []
+        for out in targets:
+            if out.is_contiguous():
+                buf = out.detach()
+            else:
+                buf = out.detach().contiguous()
+                backs.append(lambda out=out, buf=buf: out.detach().copy_(buf))
+            works.append(dist.broadcast(_flat(buf), src=root_rank, group=ps.group,
+                                        async_op=True))
+
+        def finish() -> Any:
+            for back in backs:
+                back()
+            return tuple(targets) if grouped else targets[0]
+        return works, finish
+    return _submit(ps, Call(Kind.BROADCAST, inputs, root=root_rank, name=name), issue)
 
 
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
@@ -429,18 +458,18 @@ def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: Optional[str]
     received_splits), int32 on the splits' device."""
     ps = member(process_set)
     sent, where = _splits(tensor, splits, len(ps.ranks or ()))
-    claim_name(name)
-    agreed = negotiate(ps, Call(Kind.ALLTOALL, [tensor], name=name, first_dim_free=True,
-                                extra=sent))
-    _drain(ps)
-    me = ps.rank() or 0
-    received = [row[me] for row in agreed.extra]
-    x = tensor.detach()[:sum(sent)].contiguous()
-    out = x.new_empty((sum(received),) + tuple(x.shape[1:]))
-    work = dist.all_to_all_single(_rows(out), _rows(x), output_split_sizes=received,
-                                  input_split_sizes=sent, group=ps.group, async_op=True)
-    splits_out = torch.tensor(received, dtype=torch.int32, device=where)
-    return register([work], lambda: (out, splits_out), name, [tensor])
+
+    def issue(agreed: Agreed) -> Issued:
+        me = ps.rank() or 0
+        received = [row[me] for row in agreed.extra]
+        x = tensor.detach()[:sum(sent)].contiguous()
+        out = x.new_empty((sum(received),) + tuple(x.shape[1:]))
+        work = dist.all_to_all_single(_rows(out), _rows(x), output_split_sizes=received,
+                                      input_split_sizes=sent, group=ps.group, async_op=True)
+        splits_out = torch.tensor(received, dtype=torch.int32, device=where)
+        return [work], lambda: (out, splits_out)
+    return _submit(ps, Call(Kind.ALLTOALL, [tensor], name=name, first_dim_free=True, extra=sent),
+                   issue)
 
 
 # -------------------------------------------------------------------------- reducescatter
@@ -458,45 +487,45 @@ def _reducescatter(inputs: Sequence[torch.Tensor], name: Optional[str], op: Any,
     if any(t.dim() == 0 for t in inputs):
         raise ValueError("reducescatter splits dimension 0: a tensor needs at least one "
                          "dimension")
-    claim_name(name)
-    negotiate(ps, Call(Kind.REDUCESCATTER, inputs, op=op, name=name, prescale=prescale_factor,
-                       postscale=postscale_factor))
-    _drain(ps)
     n, me = len(ps.ranks or ()), ps.rank() or 0
     post = postscale_factor / n if op == Average else postscale_factor
-    works: list[Any] = []
-    makers: list[Callable[[], torch.Tensor]] = []
-    for t in inputs:
-        x = t.detach().to(memory_format=torch.contiguous_format, copy=True)
-        scale(x, prescale_factor)
-        shares, rest = _shares(int(x.shape[0]), n), tuple(x.shape[1:])
-        if x.is_cuda:                  # NCCL's reduce-scatter on equal, padded chunks
-            wire = x.to(_wire_dtype(x.dtype))
-            top = shares[0]
-            padded = wire.new_zeros((n * top,) + rest)
-            for r, start in enumerate(itertools.accumulate([0] + shares[:-1])):
-                padded[r * top:r * top + shares[r]] = wire[start:start + shares[r]]
-            mine = wire.new_empty((top,) + rest)
-            works.append(reduce_scatter_flat(_reducible(mine), _reducible(padded),
-                                             op=_TORCH_OPS[op], group=ps.group, async_op=True))
-            makers.append(functools.partial(_first_rows, mine, shares[me], x.dtype))
-            continue
-        # Gloo: every rank's rows of this rank's share (one all-to-all), reduced here
-        got = x.new_empty((n * shares[me],) + rest)
-        works.append(dist.all_to_all_single(_rows(got), _rows(x),
-                                            output_split_sizes=[shares[me]] * n,
-                                            input_split_sizes=shares, group=ps.group,
-                                            async_op=True))
-        makers.append(functools.partial(_reduce_local, got.view((n, shares[me]) + rest), op))
 
-    def finish() -> Any:
-        outs = []
-        for make in makers:
-            out = make()
-            scale(out, post)
-            outs.append(out)
-        return tuple(outs) if grouped else outs[0]
-    return register(works, finish, name, inputs)
+    def issue(agreed: Agreed) -> Issued:
+        works: list[Any] = []
+        makers: list[Callable[[], torch.Tensor]] = []
+        for t in inputs:
+            x = t.detach().to(memory_format=torch.contiguous_format, copy=True)
+            scale(x, prescale_factor)
+            shares, rest = _shares(int(x.shape[0]), n), tuple(x.shape[1:])
+            if x.is_cuda:                  # NCCL's reduce-scatter on equal, padded chunks
+                wire = x.to(_wire_dtype(x.dtype))
+                top = shares[0]
+                padded = wire.new_zeros((n * top,) + rest)
+                for r, start in enumerate(itertools.accumulate([0] + shares[:-1])):
+                    padded[r * top:r * top + shares[r]] = wire[start:start + shares[r]]
+                mine = wire.new_empty((top,) + rest)
+                works.append(reduce_scatter_flat(_reducible(mine), _reducible(padded),
+                                                 op=_TORCH_OPS[op], group=ps.group, async_op=True))
+                makers.append(functools.partial(_first_rows, mine, shares[me], x.dtype))
+                continue
+            # Gloo: every rank's rows of this rank's share (one all-to-all), reduced here
+            got = x.new_empty((n * shares[me],) + rest)
+            works.append(dist.all_to_all_single(_rows(got), _rows(x),
+                                                output_split_sizes=[shares[me]] * n,
+                                                input_split_sizes=shares, group=ps.group,
+                                                async_op=True))
+            makers.append(functools.partial(_reduce_local, got.view((n, shares[me]) + rest), op))
+
+        def finish() -> Any:
+            outs = []
+            for make in makers:
+                out = make()
+                scale(out, post)
+                outs.append(out)
+            return tuple(outs) if grouped else outs[0]
+        return works, finish
+    return _submit(ps, Call(Kind.REDUCESCATTER, inputs, op=op, name=name,
+                            prescale=prescale_factor, postscale=postscale_factor), issue)
 
 
 def _first_rows(t: torch.Tensor, rows: int, dtype: torch.dtype) -> torch.Tensor:
