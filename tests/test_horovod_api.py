@@ -591,6 +591,25 @@ def _by_name_ranks() -> dict:
     assert all(f"only{q}" in str(info.value) for q in range(n))
     # the group is still usable
     assert torch.equal(hvd.allreduce(torch.ones(2), op=hvd.Sum), torch.full((2,), float(n)))
+    # poll() of a held-back call takes part in rounds until the others call it
+    if r == 0:
+        hvd.barrier()
+        polled = hvd.allreduce_async(torch.ones(2), name="pl", op=hvd.Sum)
+    else:
+        polled = hvd.allreduce_async(torch.ones(2), name="pl", op=hvd.Sum)
+        hvd.barrier()
+    while not hvd.poll(polled):
+        time.sleep(0.01)
+    assert torch.equal(hvd.synchronize(polled), torch.full((2,), float(n)))
+    # by name inside a process set, in a different order on its two ranks
+    pair = hvd.add_process_set([0, 1])
+    if r < 2:
+        order = ["p", "q"] if r == 0 else ["q", "p"]
+        got_pair = {k: hvd.allreduce_async(torch.full((2,), float(r + ord(k))), name=k,
+                                           op=hvd.Sum, process_set=pair) for k in order}
+        for k in order:
+            assert torch.equal(hvd.synchronize(got_pair[k]), torch.full((2,), 1.0 + 2 * ord(k)))
+    hvd.remove_process_set(pair)
     # a rank that joins with a named call outstanding waits for it first
     y = torch.full((2,), 3.0 + r)
     if r == 0:
@@ -615,7 +634,8 @@ def test_named_collectives_match_by_name_in_any_order():
     sequence (a second call while the first waits, or was issued with no round since) raises
     ValueError; one name with different shapes, and names no other rank calls, raise a
     HorovodInternalError on every rank naming every rank's call, and the group stays usable;
-    a rank that joins with a named call outstanding still completes it."""
+    poll() of a held-back call completes once the others call it; names match inside a process
+    set; a rank that joins with a named call outstanding still completes it."""
     res = run_distributed(_by_name_ranks, 3, timeout=180, env=FAST)
     assert len({out["rounds"] for out in res}) == 1     # every rank took part in every round
 

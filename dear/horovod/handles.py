@@ -72,12 +72,15 @@ def reserve(name: Optional[str], tensors: Sequence[torch.Tensor]) -> int:
     return handle
 
 
-def fill(handle: int, works: list[Any], finish: Callable[[], Any],
-         released: Callable[[], bool]) -> None:
-    """The collective behind `handle` is issued: torch's works, how to finish it, and when its
-    name is free again (before synchronize())."""
+def filler(handle: int) -> Callable[[list[Any], Callable[[], Any], Callable[[], bool]], None]:
+    """What records that the collective behind `handle` is issued (torch's works, how to finish
+    it, and when its name is free again before synchronize()); it may run while synchronize()
+    of that handle waits for the other ranks."""
     pending = _handles[handle]
-    pending.works, pending.finish, pending.released = works, finish, released
+
+    def fill(works: list[Any], finish: Callable[[], Any], released: Callable[[], bool]) -> None:
+        pending.works, pending.finish, pending.released = works, finish, released
+    return fill
 
 
 def wait_with(handle: int, until_issued: Callable[[], None]) -> None:

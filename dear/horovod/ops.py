@@ -26,7 +26,7 @@ from ..comm import runtime
 from ..comm.base import ReduceOp
 from .basics import ProcessSet, global_process_set, member
 from .control import HorovodInternalError, all_gather_flat, reduce_scatter_flat
-from .handles import discard, fill, reserve, synchronize, wait_with
+from .handles import discard, filler, reserve, synchronize, wait_with
 from .negotiate import (
     DEVICE,
     DTYPE,
@@ -167,10 +167,11 @@ def _submit(ps: ProcessSet, call: Call, issue: Callable[[Agreed], Issued]) -> in
     """A handle for `call`: agreed on and issued now, or, if it is named and the other ranks
     have not called it yet, when they do (Horovod matches named collectives by name)."""
     handle = reserve(call.name, call.tensors)
+    fill = filler(handle)
 
     def run(agreed: Agreed) -> None:
         _drain(ps)
-        fill(handle, *issue(agreed), functools.partial(_round_since, ps, ps.rounds))
+        fill(*issue(agreed), functools.partial(_round_since, ps, ps.rounds))
     try:
         entry = submit(ps, call, run, deferrable=True)
     except BaseException:
