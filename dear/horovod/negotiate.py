@@ -247,13 +247,25 @@ def _extra(ps: ProcessSet, values: Sequence[int], length: int) -> list[list[int]
     return table.view(n, length).tolist()
 
 
-def _round(ps: ProcessSet, call: Call, deferrable: bool, offer: bool = True
-           ) -> tuple[str, int, list[list[int]]]:
-    header = call.header()
+def _round(ps: ProcessSet, call: Call, deferrable: bool, offer: bool = True,
+           header: Optional[list[int]] = None) -> tuple[str, int, list[list[int]]]:
+    header = list(header or call.header())
     header[OFFERS], header[DEFER] = len(ps.deferred) if offer else 0, int(deferrable)
     rows = _exchange(ps, header)
     status, name = _decide(rows, _offers(ps, rows, ps.deferred))
     return status, name, rows
+
+
+def _run_matched(ps: ProcessSet, call: Call, header: list[int],
+                 issue: Callable[[Agreed], None]) -> None:
+    """The round that runs a call every active member holds under the same name (the header
+    it was matched with: what it was called with, whatever its tensors became since)."""
+    status, _, rows = _round(ps, call, False, offer=False, header=header)
+    if status == "joined":
+        raise _joined_error(ps, call, rows)
+    if status != "ok":
+        raise _disagree(ps, call)
+    issue(_agreed(ps, call, rows))
 
 
 def _agreed(ps: ProcessSet, call: Call, rows: list[list[int]]) -> Agreed:
@@ -285,12 +297,12 @@ def _run_match(ps: ProcessSet, name: int) -> None:
     """Run this rank's deferred call named `name` (all active members do, in one plain round)."""
     entry = next(e for e in ps.deferred if e.header[NAME] == name)
     ps.deferred.remove(entry)
-    status, _, rows = _round(ps, entry.call, False, offer=False)
-    assert status in ("ok", "joined"), status
-    if status == "joined":
-        raise _joined_error(ps, entry.call, rows)
+    try:
+        _run_matched(ps, entry.call, entry.header, entry.issue)
+    except BaseException as exc:
+        entry.error = f"dear.horovod: {entry.call.describe()} failed when it was matched: {exc}"
+        raise
     entry.issued = True
-    entry.issue(_agreed(ps, entry.call, rows))
 
 
 def _joined_error(ps: ProcessSet, call: Call, rows: list[list[int]]) -> HorovodInternalError:
@@ -314,12 +326,9 @@ def submit(ps: ProcessSet, call: Call, issue: Callable[[Agreed], None],
             issue(_agreed(ps, call, rows))
             return None
         if status == "match":
-            if deferrable and call.header()[NAME] == name:
-                status, _, rows = _round(ps, call, False, offer=False)
-                assert status in ("ok", "joined"), status
-                if status == "joined":
-                    raise _joined_error(ps, call, rows)
-                issue(_agreed(ps, call, rows))
+            header = call.header()
+            if deferrable and header[NAME] == name:
+                _run_matched(ps, call, header, issue)
                 return None
             _run_match(ps, name)
         elif status == "defer":
