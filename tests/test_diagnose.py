@@ -341,3 +341,45 @@ def test_trace_of_horovod_run(tmp_path):
         assert all(s.args["end_source"] in ("watcher", "wait") for s in comm)
         assert rank.of("forward", 1) and rank.of("backward", 2) and rank.of("step", 2)
     assert build_report(out).per_rank
+
+
+def _compressed_runs(out: str) -> dict:
+    import torch.distributed as dist
+
+    import dear
+    from dear import diagnose
+    dist.init_process_group("gloo")
+    dear.init()
+    buckets = {}
+    for name in ("none", "fp16", "int8"):
+        model = _model()
+        opt = dear.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), model=model, fusion_threshold=40_000,
+            compression=getattr(dear.Compression, name))
+        with diagnose.Tracer(model, opt, os.path.join(out, name), range(2, 4)):
+            _train(model, opt, 5)
+        opt.flush_updates()
+        buckets[name] = [b.buffer.numel() * b.buffer.element_size()
+                         for b in opt.dear_engine.buckets]
+    dear.shutdown()
+    return buckets
+
+
+def test_compressed_wires_are_fitted_in_their_buckets_bytes(tmp_path):
+    """The replay costs a bucket by its buffer's bytes, so a trace of fp16 or int8 wires gives
+    the link fit each collective's bucket bytes (the buffers' own sizes, read from the
+    optimizer), while the trace still shows the wire's bytes (about 1/2 and 1/4 of them)."""
+    from dear.diagnose.graph import collective_samples
+    out = str(tmp_path / "trace")
+    res = run_distributed(_compressed_runs, 2, out, timeout=180)[0]
+    assert res["none"] == res["fp16"] == res["int8"]
+    buffers = set(res["none"])
+    for name, wire in (("none", 1.0), ("fp16", 0.5), ("int8", 0.25)):
+        trace = load_trace(os.path.join(out, name))
+        samples = collective_samples(trace)
+        assert {s["kind"] for s in samples} == {"reduce_scatter", "all_gather"}
+        assert {s["bytes"] for s in samples} == buffers
+        raw = [int(s.args["bytes"]) for s in trace.ranks[0].of("comm")]
+        ratio = sum(raw) / sum(s["bytes"] for s in samples)
+        # int8: 1 byte a value + a 4-byte scale per 256, slots rounded up: within 10% of 1/4
+        assert wire * 0.95 <= ratio <= wire * 1.1, (name, ratio)

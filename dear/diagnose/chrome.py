@@ -92,9 +92,10 @@ def build_trace(recorder: Recorder, meta: dict[str, Any]) -> dict[str, Any]:
             lane_free.append(end)
         lane_free[lane] = end
         where = f" bucket {rec.bucket}" if rec.bucket is not None else ""
+        extra = {} if rec.buffer_bytes is None else {"buffer_bytes": rec.buffer_bytes}
         span(LANE_COMM + lane, "comm", f"{rec.kind.value}{where}", rec.issue_ns, end,
              iteration=rec.iteration, kind=rec.kind.value, bytes=rec.nbytes, bucket=rec.bucket,
-             seq=rec.seq, end_source=rec.end_source or "missing")
+             seq=rec.seq, end_source=rec.end_source or "missing", **extra)
 
     names = {LANE_ITERATION: "iterations", LANE_COMPUTE: "training thread"}
     names.update({LANE_COMM + k: f"collectives {k}" for k in range(len(lane_free))})

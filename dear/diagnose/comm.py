@@ -140,12 +140,15 @@ class TracingCommunicator(WrappedCommunicator):
 
     def __init__(self, inner: Communicator, recorder: Recorder, watcher: CompletionWatcher,
                  active: Callable[[], Optional[int]],
-                 bucket_of: Callable[[torch.Tensor], Optional[int]]) -> None:
+                 bucket_of: Callable[[torch.Tensor], Optional[int]],
+                 buffer_bytes_of: Callable[[torch.Tensor], Optional[int]] = lambda t: None
+                 ) -> None:
         super().__init__(inner)
         self._recorder = recorder
         self._watcher = watcher
         self._active = active          # the iteration being recorded, or None
         self._bucket_of = bucket_of
+        self._buffer_bytes_of = buffer_bytes_of     # a compressed wire's bucket bytes
 
     def _traced(self, kind: CollectiveKind, buffer: torch.Tensor,
                 issue: Callable[[], Work]) -> Work:
@@ -154,6 +157,7 @@ class TracingCommunicator(WrappedCommunicator):
             return issue()
         nbytes = buffer.numel() * buffer.element_size()
         rec = self._recorder.collective(kind, nbytes, self._bucket_of(buffer), iteration)
+        rec.buffer_bytes = self._buffer_bytes_of(buffer)
         work = issue()
         self._track(rec, work, buffer.is_cuda)
         return TracedWork(work, rec, self._recorder, self._active)

@@ -250,7 +250,9 @@ def collective_samples(trace: Trace, queued: bool = False) -> list[dict[str, Any
         spans = by_seq[seq]
         if len(spans) == len(trace.ranks):
             begin, end = max(s.start for s in spans), max(s.end for s in spans)
-            items.append({"kind": spans[0].args["kind"], "bytes": int(spans[0].args["bytes"]),
+            args = spans[0].args               # a compressed wire: costed in its bucket's bytes
+            items.append({"kind": args["kind"],
+                          "bytes": int(args.get("buffer_bytes", args["bytes"])),
                           "seconds": 0.0, "seq": seq, "begin": begin, "end": end,
                           "iteration": spans[0].iteration})
     if queued:

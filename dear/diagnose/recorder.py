@@ -39,7 +39,7 @@ class CollectiveRecord:
     an upper bound)."""
 
     __slots__ = ("seq", "kind", "nbytes", "bucket", "iteration", "issue_ns", "end_ns",
-                 "end_source")
+                 "end_source", "buffer_bytes")
 
     def __init__(self, seq: int, kind: CollectiveKind, nbytes: int, bucket: Optional[int],
                  iteration: int, issue_ns: int) -> None:
@@ -51,6 +51,7 @@ class CollectiveRecord:
         self.issue_ns = issue_ns
         self.end_ns: Optional[int] = None
         self.end_source = ""
+        self.buffer_bytes: Optional[int] = None   # a compressed wire: its bucket's bytes
 
     def complete(self, t_ns: int, source: str) -> None:
         if self.end_ns is None or t_ns < self.end_ns:

@@ -87,7 +87,7 @@ class Tracer:
         self._proxy: Optional[TracingCommunicator] = None
         self._watcher: Optional[CompletionWatcher] = None
         self._ddp_slot: Optional[list] = None
-        self._bucket_map: tuple[Any, dict[int, int]] = (None, {})
+        self._bucket_map: tuple[Any, dict[int, tuple[int, Optional[int]]]] = (None, {})
         self._started = self._stopped = False
         self._seen_forward = False
         self._patched: list[str] = []
@@ -183,7 +183,7 @@ class Tracer:
             return None
         assert self._watcher is not None
         proxy = TracingCommunicator(target, self.recorder, self._watcher, self._active,
-                                    self._bucket_of)
+                                    self._bucket_of, self._buffer_bytes_of)
         if opt_comm is not None:
             self.optimizer.dear_communicator = proxy
         schedule = getattr(self.optimizer, "dear_schedule", None)
@@ -357,22 +357,35 @@ class Tracer:
         self._set_count(self._count + 1, end)
 
     def _bucket_of(self, tensor: torch.Tensor) -> Optional[int]:
+        return self._bucket_entry(tensor)[0]
+
+    def _buffer_bytes_of(self, tensor: torch.Tensor) -> Optional[int]:
+        """The bytes of the bucket's own buffer that a compressed wire carries (None when the
+        wire is the buffer's dtype): the replay costs buckets by their buffers' bytes, so the
+        link is fitted in the same units."""
+        return self._bucket_entry(tensor)[1]
+
+    def _bucket_entry(self, tensor: torch.Tensor) -> tuple[Optional[int], Optional[int]]:
         layout = getattr(self.optimizer, "dear_layout", None)
         if layout is None or not layout.buckets:
-            return None
+            return None, None
         buckets = layout.buckets
         key, table = self._bucket_map
         if key is not buckets:
             table = {}
             for b in buckets:
+                slots = max((t.numel() * t.element_size() for t in b.wires
+                             if not t.dtype.is_floating_point), default=0)
                 for t in b.wires:
-                    table[t.data_ptr()] = b.spec.index
+                    table[t.data_ptr()] = (b.spec.index, _buffer_bytes(b.buffer, t, slots))
             for g in layout.gather_groups:                       # fused all-gathers:
                 send = getattr(g, "_send", None)                     # named by first bucket
                 if send is not None:
-                    table[send.data_ptr()] = g.buckets[0].spec.index
+                    first = g.buckets[0]
+                    table[send.data_ptr()] = (first.spec.index,
+                                              _buffer_bytes(first.buffer, send, 0))
             self._bucket_map = (buckets, table)
-        return table.get(tensor.data_ptr())
+        return table.get(tensor.data_ptr(), (None, None))
 
     # ------------------------------------------------------------------------------ output
     def describe(self) -> dict[str, Any]:
@@ -392,6 +405,16 @@ class Tracer:
         with open(path, "w") as fh:
             json.dump(doc, fh, separators=(",", ":"))
         return path
+
+
+def _buffer_bytes(buffer: torch.Tensor, wire: torch.Tensor, slots: int) -> Optional[int]:
+    """What `wire` carries in `buffer`'s bytes: a cast (fp16 on the wire) by its elements, a
+    quantized wire by its share of the bucket's slots (`slots`: the bytes of a whole set)."""
+    if wire.dtype == buffer.dtype:
+        return None
+    if wire.dtype.is_floating_point or not slots:
+        return wire.numel() * buffer.element_size()
+    return buffer.numel() * buffer.element_size() * wire.numel() * wire.element_size() // slots
 
 
 def _first_grad_tensor(output: Any) -> Optional[torch.Tensor]:
