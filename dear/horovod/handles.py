@@ -36,10 +36,9 @@ class _Pending:
         return all(w.is_completed() for w in self.issued())
 
     def wait(self) -> Any:
-        self.issued()
-        assert self.works is not None
+        works = self.issued()
         timeout = datetime.timedelta(seconds=runtime.config().timeout)
-        for work in self.works:
+        for work in works:
             if self.cuda:
                 work.wait()                    # orders the current stream after it (NCCL)
             else:

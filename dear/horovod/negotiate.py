@@ -191,6 +191,11 @@ def _matchable(h: list[int]) -> bool:
     return h[KIND] in _BY_NAME and h[NAME] != 0
 
 
+def _joined(rows: list[list[int]]) -> list[int]:
+    """The members inside hvd.join() (set ranks)."""
+    return [r for r, row in enumerate(rows) if row[KIND] == Kind.JOIN]
+
+
 def _agree(rows: list[list[int]], active: list[int]) -> bool:
     ref = rows[active[0]]
     return ref[KIND] != Kind.WAIT and all(
@@ -206,7 +211,7 @@ def _decide(rows: list[list[int]], offers: list[list[list[int]]]) -> tuple[str, 
     the first name, in the lowest active rank's order, that every active rank has deferred or is
     calling now runs next; failing that, ranks calling a named collective defer it and the others
     call again; with nothing to defer, the ranks disagree."""
-    joined = [r for r, row in enumerate(rows) if row[KIND] == Kind.JOIN]
+    joined = _joined(rows)
     active = [r for r in range(len(rows)) if r not in joined]
     if not active:
         return "done", 0
@@ -269,7 +274,7 @@ def _run_matched(ps: ProcessSet, call: Call, header: list[int],
 
 
 def _agreed(ps: ProcessSet, call: Call, rows: list[list[int]]) -> Agreed:
-    joined = [r for r, row in enumerate(rows) if row[KIND] == Kind.JOIN]
+    joined = _joined(rows)
     ref = rows[next(r for r in range(len(rows)) if r not in joined)]
     extra = _extra(ps, call.extra, ref[EXTRA]) if _needs_extra(ref, bool(joined)) else []
     return Agreed(mine=[row[MINE] for row in rows], extra=extra, joined=joined)
@@ -306,7 +311,7 @@ def _run_match(ps: ProcessSet, name: int) -> None:
 
 
 def _joined_error(ps: ProcessSet, call: Call, rows: list[list[int]]) -> HorovodInternalError:
-    joined = [(ps.ranks or [])[r] for r, row in enumerate(rows) if row[KIND] == Kind.JOIN]
+    joined = [(ps.ranks or [])[r] for r in _joined(rows)]
     return HorovodInternalError(
         f"dear.horovod: {call.kind.name.lower()} while rank(s) {joined} have called hvd.join(): "
         "only allreduce (and barrier) run once a rank has joined")
@@ -320,20 +325,20 @@ def submit(ps: ProcessSet, call: Call, issue: Callable[[Agreed], None],
     Raises HorovodInternalError (on every member that called a collective) when the ranks
     disagree or a rank has joined."""
     deferrable = deferrable and call.name is not None and call.kind in _BY_NAME
+    header = call.header()
     while True:
-        status, name, rows = _round(ps, call, deferrable)
+        status, name, rows = _round(ps, call, deferrable, header=header)
         if status == "ok":
             issue(_agreed(ps, call, rows))
             return None
         if status == "match":
-            header = call.header()
             if deferrable and header[NAME] == name:
                 _run_matched(ps, call, header, issue)
                 return None
             _run_match(ps, name)
         elif status == "defer":
             if deferrable:
-                entry = Deferred(call, issue, call.header())
+                entry = Deferred(call, issue, header)
                 ps.deferred.append(entry)
                 return entry
         elif status == "joined":
@@ -365,12 +370,6 @@ def wait_matched(ps: ProcessSet, entry: Deferred) -> None:
             raise _joined_error(ps, wait, rows)
 
 
-def cancel_deferred(ps: ProcessSet, why: str) -> None:
-    for entry in ps.deferred:
-        entry.error = why
-    ps.deferred.clear()
-
-
 def join_rounds(ps: ProcessSet, mirror: Any) -> int:
     """The joined side: take part in every round until all members have joined; `mirror(ref,
     extra)` repeats an agreed allreduce with zeros. Returns the global rank that joined last."""
@@ -389,9 +388,9 @@ def join_rounds(ps: ProcessSet, mirror: Any) -> int:
             continue
         if status != "ok":
             continue
-        joined = [r for r, row in enumerate(rows) if row[KIND] == Kind.JOIN]
-        ref = rows[next(r for r in range(len(rows)) if r not in joined)]
+        joined = _joined(rows)
+        first = next(r for r in range(len(rows)) if r not in joined)
+        ref = rows[first]
         extra = _extra(ps, (), ref[EXTRA]) if _needs_extra(ref, True) else []
         if ref[KIND] == Kind.ALLREDUCE:
-            first = next(r for r in range(len(rows)) if r not in joined)
             mirror(ref, extra[first] if extra else [])
