@@ -62,18 +62,31 @@ def _extend(p: argparse.ArgumentParser) -> None:
     p.add_argument("--exclude-why", default="", help="why, for the notes")
     p.add_argument("--max-total", default="2gbit",
                    help="most traffic through the emulated switch (ranks x link rate)")
+    p.add_argument("--trace-each-scale", action="store_true",
+                   help="trace 2 ranks at every parameter scale the group's runs use (on a "
+                        "link slowed to match) and predict each run from the trace at its own "
+                        "scale; without it, one trace per group, its parameters rescaled")
 
 
-def plan(model: str, link: str, ranks: list[int], max_total: float) -> list[tuple[int, str]]:
-    """Setups MODEL:N:RATE:SCALE for each N, scaled to fit the switch."""
+def plan(model: str, link: str, ranks: list[int], max_total: float,
+         trace_each_scale: bool = False) -> list[tuple[int, str]]:
+    """Setups MODEL:N:RATE:SCALE for each N, scaled to fit the switch; with
+    `trace_each_scale`, one more 2-rank (traced) setup for each scale the others run at."""
     out = []
     for n in ranks:
         scale = 1
         while n * _rate(link) / scale > max_total * (1 + 1e-9):
             scale *= 2
-        bw = f"{_rate(link) / scale / 1e6:g}mbit"
-        out.append((n, f"{model}:{n}:{bw}:{scale}"))
+        out.append((n, _setup(model, n, link, scale)))
+    if trace_each_scale:
+        scales = dict.fromkeys(int(s.rsplit(":", 1)[1]) for _, s in out)
+        traced = {int(s.rsplit(":", 1)[1]) for n, s in out if n == 2}
+        out[1:1] = [(2, _setup(model, 2, link, k)) for k in scales if k not in traced]
     return out
+
+
+def _setup(model: str, n: int, link: str, scale: int) -> str:
+    return f"{model}:{n}:{_rate(link) / scale / 1e6:g}mbit:{scale}"
 
 
 def scaled_simulator(sim: Any, model: str, traced_scale: int, scale: int) -> Any:
@@ -165,7 +178,8 @@ def run(args: argparse.Namespace, shaping: bool) -> list[dict[str, Any]]:
     if 2 not in ranks:
         raise SystemExit("--ranks must include 2: the traced run")
     reps: list[dict[str, Any]] = []
-    todo = [(model, link, plan(model, link, sorted(ranks), _rate(args.max_total)))
+    todo = [(model, link, plan(model, link, sorted(ranks), _rate(args.max_total),
+                               args.trace_each_scale))
             for model in args.models.split(",") for link in args.links.split(",")]
     if args.only:
         todo = []
@@ -177,7 +191,7 @@ def run(args: argparse.Namespace, shaping: bool) -> list[dict[str, Any]]:
         margs = copy.copy(args)
         margs.compute_ms = float(compute[model])
         for n, setup in setups:
-            trace_dir = os.path.join(workdir, f"{model}-{link}")
+            trace_dir = os.path.join(workdir, setup.replace(":", "-"))
             traced = n == 2
             try:
                 rep = emulated_bench.run_setup(
@@ -210,15 +224,22 @@ def run(args: argparse.Namespace, shaping: bool) -> list[dict[str, Any]]:
 
 def groups(reps: list[dict[str, Any]], excluded: frozenset = frozenset()
            ) -> list[dict[str, Any]]:
-    """Each (model, link)'s runs predicted from its traced 2-rank run (the first one not
-    `excluded`)."""
+    """Each (model, link)'s runs predicted from a traced 2-rank run not `excluded`: the one
+    at the run's own parameter scale where there is one (--trace-each-scale), else the
+    group's first."""
     rows = []
     for key in dict.fromkeys((r["model"], r["link"]) for r in reps):
         mine = [r for r in reps if (r["model"], r["link"]) == key]
-        base = next((r for r in mine if r["ranks"] == 2 and "extra" in r
-                     and r["setup"] not in excluded), None)
-        if base is not None:
-            rows += predict_group(base, mine)
+        traces: dict[int, dict[str, Any]] = {}
+        for r in mine:
+            if r["ranks"] == 2 and "extra" in r and r["setup"] not in excluded:
+                traces.setdefault(r["scale"], r)
+        if not traces:
+            continue
+        first = next(iter(traces.values()))
+        for base in traces.values():
+            runs = [r for r in mine if traces.get(r["scale"], first) is base]
+            rows += predict_group(base, runs)
     return rows
 
 

@@ -48,3 +48,37 @@ def test_quartiles() -> None:
     assert timing.quartiles([2.0]) == (2.0, 2.0, 2.0)
     q1, median, q3 = timing.quartiles([1.0, 2.0, 3.0, 4.0, 5.0])
     assert median == 3.0 and q1 < median < q3
+
+
+def test_scale_validation_traces_every_scale_and_predicts_each_run_from_its_own(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """benchmarks/scale_validate.py: --trace-each-scale adds a traced 2-rank setup for each
+    parameter scale the group's runs use (at the link slowed by that scale), and each run is
+    predicted from the trace at its own scale, else from the group's first trace."""
+    from benchmarks import scale_validate as sv
+
+    assert sv.plan("m", "2gbit", [2, 3, 4, 6, 8], 2e9) == [
+        (2, "m:2:1000mbit:2"), (3, "m:3:500mbit:4"), (4, "m:4:500mbit:4"),
+        (6, "m:6:250mbit:8"), (8, "m:8:250mbit:8")]
+    assert sv.plan("m", "2gbit", [2, 3, 4, 6, 8], 2e9, trace_each_scale=True) == [
+        (2, "m:2:1000mbit:2"), (2, "m:2:500mbit:4"), (2, "m:2:250mbit:8"),
+        (3, "m:3:500mbit:4"), (4, "m:4:500mbit:4"), (6, "m:6:250mbit:8"),
+        (8, "m:8:250mbit:8")]
+
+    def rep(n: int, scale: int, traced: bool = False) -> dict:
+        r = {"model": "m", "link": "2gbit", "ranks": n, "scale": scale,
+             "setup": f"m:{n}:{2000 // scale}mbit:{scale}"}
+        if traced:
+            r["extra"] = {}
+        return r
+
+    reps = [rep(2, 2, True), rep(2, 8, True), rep(3, 4), rep(6, 8), rep(8, 8)]
+    seen: list = []
+    monkeypatch.setattr(sv, "predict_group", lambda base, runs: seen.append(
+        (base["setup"], [r["setup"] for r in runs])) or [])
+    sv.groups(reps)
+    assert seen == [("m:2:1000mbit:2", ["m:2:1000mbit:2", "m:3:500mbit:4"]),
+                    ("m:2:250mbit:8", ["m:2:250mbit:8", "m:6:250mbit:8", "m:8:250mbit:8"])]
+    seen.clear()
+    sv.groups(reps, excluded=frozenset({"m:2:250mbit:8"}))
+    assert seen == [("m:2:1000mbit:2", [r["setup"] for r in reps])]
