@@ -10,6 +10,11 @@ import torch
 import torch.nn.functional as F
 
 import dear
+from dear.comm.base import Work
+from dear.comm.flight import RecordedCommunicator
+from dear.comm.local import LocalCommunicator
+from dear.fusion.bucket import Bucket
+from dear.fusion.planner import BucketSpec
 from tests.distributed import run_distributed
 from tests.workloads import batch, make_net
 
@@ -206,6 +211,85 @@ def test_a_dead_rank_makes_the_others_fail_not_hang() -> None:
     assert isinstance(outcomes[0], str)
     assert "finished training although" not in outcomes[0]
     assert "dear: " in outcomes[0] and "of bucket" in outcomes[0]
+
+
+def _gone(pid: int) -> bool:
+    """The process exited (a zombie not yet reaped counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except OSError:
+        return True
+
+
+def issues_after_a_rank_died() -> float:
+    dear.init()
+    pids = [None, None]
+    torch.distributed.all_gather_object(pids, os.getpid())
+    model = make_net()
+    opt = dear.DistributedOptimizer(sgd(model), model=model, fusion_threshold=2048)
+    for step in range(50):
+        if step == 3 and dear.rank() == 1:
+            opt.synchronize()                  # its all-gathers (and so its peer's) are done
+            os._exit(17)
+        if step == 3:                          # rank 0 issues its next collectives to the dead
+            deadline = time.monotonic() + 30
+            while not _gone(pids[1]) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            time.sleep(1.0)                    # Gloo has seen the socket close: fails at issue
+        opt.zero_grad()
+        x, y = batch(step, 2, dear.rank())
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+    raise AssertionError("rank 0 finished training although rank 1 died")
+
+
+class _GoneAtIssue(LocalCommunicator):
+    """A backend whose peer is gone: its collectives fail as they are issued."""
+
+    def reduce_scatter(self, input: torch.Tensor, output: torch.Tensor) -> Work:
+        raise RuntimeError("Connection closed by peer")
+
+    def all_gather(self, input: torch.Tensor, output: torch.Tensor) -> Work:
+        raise RuntimeError("Connection closed by peer")
+
+
+def test_a_collective_failing_at_issue_fails_as_a_failed_wait() -> None:
+    """Failing at issue, a bucket's collective raises what a failed wait raises: the bucket
+    named, and (through the flight record) the report; bad arguments stay as they are."""
+    comm = RecordedCommunicator(_GoneAtIssue())
+    reports = []
+    comm.channel.on_failure = lambda rec, exc: reports.append(rec.kind) or "REPORT"
+    params = [torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))]
+    spec = BucketSpec(7, (0, 1), (0, 3), (3, 2), 5, 7, torch.float32, torch.device("cpu"), 1)
+    bucket = Bucket(spec, params, native=False)
+    for j, p in enumerate(params):
+        bucket.pack(j, torch.ones_like(p))
+    with pytest.raises(RuntimeError) as err:
+        bucket.start_reduce_scatter(comm, 1.0)
+    text = str(err.value)
+    assert text.startswith("dear: reduce-scatter of bucket 7 (2 parameters")
+    assert "Connection closed by peer" in text and "REPORT" in text
+    assert reports == ["reduce_scatter"]
+    with pytest.raises(RuntimeError, match="dear: all-gather of bucket 7 .*closed by peer"):
+        bucket.issued("all-gather", lambda: bucket.start_all_gather(comm))
+    with pytest.raises(ValueError, match="bad"):      # a refusal: neither reworded nor recorded
+        bucket.issued("all-gather", lambda: comm.channel.recorded(
+            "all_gather", None, lambda: (_ for _ in ()).throw(ValueError("bad"))))
+    assert reports == ["reduce_scatter"]
+
+
+def test_collectives_issued_to_a_dead_rank_fail_naming_the_bucket() -> None:
+    """Collectives issued after the peer died fail naming the bucket, with the hang report
+    (at issue, where the backend has seen the socket close: the unit test above is the
+    deterministic check of that path; else at the wait)."""
+    outcomes = run_distributed(issues_after_a_rank_died, 2, timeout=90, expect_failure=True,
+                               env={"DEAR_TIMEOUT": "20"})
+    assert "rank 1 exited with code 17" in outcomes[1]
+    assert isinstance(outcomes[0], str)
+    assert "finished training although" not in outcomes[0]
+    assert "dear: " in outcomes[0] and "of bucket" in outcomes[0], outcomes[0][-3000:]
+    assert "dear hang report" in outcomes[0], outcomes[0][-3000:]
 
 
 @pytest.mark.parametrize("use_native", [True, False], ids=["native-hooks", "python-hooks"])

@@ -178,8 +178,15 @@ class FlightChannel:
     def recorded(self, kind: str, tensor: Optional[torch.Tensor],
                  issue: Callable[[], Work]) -> Work:
         """Issue a collective and record it. Recorded once issued: a call refused on this rank
-        (bad arguments) issues nothing, and must not shift this rank's sequence numbers."""
-        issued = issue()
+        (bad arguments) issues nothing, and must not shift this rank's sequence numbers. A
+        call the backend fails at issue (a peer already gone) is recorded and fails with the
+        report, as a failed wait does."""
+        try:
+            issued = issue()
+        except _REFUSED:
+            raise
+        except Exception as exc:
+            raise self.failed(self.recorder.record(kind, tensor), exc) from exc
         return RecordedWork(issued, self.recorder.record(kind, tensor), self)
 
     def blocking(self, kind: str, call: Callable[[], Any]) -> Any:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import enum
 import threading
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence, TypeVar
 
 import torch
 
@@ -27,6 +27,8 @@ from ..comm import runtime as _runtime
 from ..comm.base import CallbackWork, Communicator, Work
 from .plan import chunk_columns
 from .planner import BucketSpec
+
+_T = TypeVar("_T")
 
 
 class Stage(enum.Enum):
@@ -251,7 +253,10 @@ class Bucket:
             if prescale != 1.0:
                 self.buffer.mul_(prescale)
             return self._reduce(comm)
-        self._work = issue() if submit is None else submit(issue)
+        if submit is not None:                 # a failure to issue surfaces at the wait
+            self._work = submit(issue)
+        else:
+            self._work = self.issued("reduce-scatter", issue)
         self._averaged = False
         self.stage = Stage.REDUCING
 
@@ -272,10 +277,25 @@ class Bucket:
         try:
             work.wait()
         except Exception as exc:
-            mb = self.buffer.numel() * self.buffer.element_size() / 2**20
-            raise RuntimeError(
-                f"dear: {what} of bucket {self.spec.index} ({len(self.params)} parameters, "
-                f"{mb:.2f} MB) failed; another rank probably died or stalled: {exc}") from exc
+            raise self.failure(what, exc) from exc
+
+    def issued(self, what: str, issue: Callable[[], _T]) -> _T:
+        """`issue()`, a collective of this bucket issued on this thread: a peer that is gone
+        already fails it here, not at its wait, and the error says which bucket, as there.
+        Bad arguments (ValueError, TypeError) are raised as they are."""
+        try:
+            return issue()
+        except (ValueError, TypeError):
+            raise
+        except Exception as exc:
+            raise self.failure(what, exc) from exc
+
+    def failure(self, what: str, exc: BaseException) -> RuntimeError:
+        """The error of a failed collective of this bucket."""
+        mb = self.buffer.numel() * self.buffer.element_size() / 2**20
+        return RuntimeError(
+            f"dear: {what} of bucket {self.spec.index} ({len(self.params)} parameters, "
+            f"{mb:.2f} MB) failed; another rank probably died or stalled: {exc}")
 
     def finish_reduce_scatter(self, postscale: float) -> None:
         """Wait for the reduce-scatter and average this rank's shard, exactly once."""

@@ -369,12 +369,14 @@ class ScheduleDriver:
             if before is not None:
                 before(group.buckets)
             if not any(b.spec.index in self._prefix for b in group.buckets):
-                group.start(self._comm)
+                first = group.buckets[0]
+                first.issued("all-gather", functools.partial(group.start, self._comm))
                 continue
             for bucket in group.buckets:
                 done = self._prefix.get(bucket.spec.index, 0)
                 left = bucket.spec.shard_numel - done
-                bucket.gathering(bucket.gather_columns(self._comm, done, left) if left else None)
+                bucket.gathering(bucket.issued("all-gather", functools.partial(
+                    bucket.gather_columns, self._comm, done, left)) if left else None)
 
     def reduced(self) -> None:
         """step() has every reduce-scatter of this iteration back (on a GPU: the current
