@@ -72,21 +72,17 @@ def plan(model: str, link: str, ranks: list[int], max_total: float,
          trace_each_scale: bool = False) -> list[tuple[int, str]]:
     """Setups MODEL:N:RATE:SCALE for each N, scaled to fit the switch; with
     `trace_each_scale`, one more 2-rank (traced) setup for each scale the others run at."""
-    out = []
+    sized = []
     for n in ranks:
         scale = 1
         while n * _rate(link) / scale > max_total * (1 + 1e-9):
             scale *= 2
-        out.append((n, _setup(model, n, link, scale)))
-    if trace_each_scale:
-        scales = dict.fromkeys(int(s.rsplit(":", 1)[1]) for _, s in out)
-        traced = {int(s.rsplit(":", 1)[1]) for n, s in out if n == 2}
-        out[1:1] = [(2, _setup(model, 2, link, k)) for k in scales if k not in traced]
-    return out
-
-
-def _setup(model: str, n: int, link: str, scale: int) -> str:
-    return f"{model}:{n}:{_rate(link) / scale / 1e6:g}mbit:{scale}"
+        sized.append((n, scale))
+    if trace_each_scale:                     # right after the group's own 2-rank run
+        at = next(i for i, (n, _) in enumerate(sized) if n == 2) + 1
+        traced = {k for n, k in sized if n == 2}
+        sized[at:at] = [(2, k) for k in dict.fromkeys(k for _, k in sized) if k not in traced]
+    return [(n, f"{model}:{n}:{_rate(link) / k / 1e6:g}mbit:{k}") for n, k in sized]
 
 
 def scaled_simulator(sim: Any, model: str, traced_scale: int, scale: int) -> Any:

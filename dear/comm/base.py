@@ -42,6 +42,11 @@ def resolve_op(op: Any) -> ReduceOp:
     return ReduceOp[name]
 
 
+#: errors a collective raises on this rank alone as it is called, before anything is sent (bad
+#: arguments): a refusal, not a failed peer
+REFUSED_AT_ISSUE = (ValueError, TypeError)
+
+
 class Work(abc.ABC):
     """Handle of one asynchronous collective."""
 

@@ -23,7 +23,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .base import Communicator, Work, WrappedCommunicator
+from .base import REFUSED_AT_ISSUE, Communicator, Work, WrappedCommunicator
 
 #: collectives kept per rank: enough to see the last iteration of a model with many buckets
 DEPTH = 64
@@ -124,9 +124,6 @@ class RecordedWork(Work):
 
 FailureHandler = Callable[[FlightRecord, BaseException], str]
 
-#: errors a call raises on this rank alone, before anything is sent (bad arguments)
-_REFUSED = (ValueError, TypeError)
-
 
 def _with_text(exc: BaseException, text: str) -> Exception:
     """`exc` with the report appended, of the same type where it can be built from a message
@@ -183,7 +180,7 @@ class FlightChannel:
         report, as a failed wait does."""
         try:
             issued = issue()
-        except _REFUSED:
+        except REFUSED_AT_ISSUE:
             raise
         except Exception as exc:
             raise self.failed(self.recorder.record(kind, tensor), exc) from exc
@@ -194,7 +191,7 @@ class FlightChannel:
         rec = self.recorder.record(kind, None)
         try:
             result = call()
-        except _REFUSED:
+        except REFUSED_AT_ISSUE:
             raise
         except Exception as exc:
             raise self.failed(rec, exc) from exc

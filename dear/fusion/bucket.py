@@ -24,7 +24,7 @@ import torch
 
 from .. import native as _native
 from ..comm import runtime as _runtime
-from ..comm.base import CallbackWork, Communicator, Work
+from ..comm.base import REFUSED_AT_ISSUE, CallbackWork, Communicator, Work
 from .plan import chunk_columns
 from .planner import BucketSpec
 
@@ -285,7 +285,7 @@ class Bucket:
         Bad arguments (ValueError, TypeError) are raised as they are."""
         try:
             return issue()
-        except (ValueError, TypeError):
+        except REFUSED_AT_ISSUE:
             raise
         except Exception as exc:
             raise self.failure(what, exc) from exc
