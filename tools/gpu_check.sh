@@ -9,7 +9,9 @@
 #   HOST_COST=1 runs benchmarks.host_cost on the GPU right after the build (plain, DDP and dear
 #   at one rank on NCCL, bf16 autocast, ResNet-50 batch 32 and 128, BERT-Base 32 x 128; result
 #   files benchmarks/results/gpu_host_cost.* copied to $OUT; HOST_COST_MODELS and
-#   HOST_COST_METHODS replace those lists); PROBES=0 leaves the probes out.
+#   HOST_COST_METHODS replace those lists, HOST_COST_BLOCKS the 8 timed blocks); QUANT_KERNELS=1
+#   adds benchmarks.quantize_kernels (dear's quantize/dequantize kernels on CPU and GPU, result
+#   files gpu_quantize_kernels.* copied to $OUT); PROBES=0 leaves the probes out.
 # Last run: 2026-11-28 on an H200 (torch 2.11+cu130): 55 CUDA tests passed, 1 skipped (nccl4py
 # not installed there), at 33d0da0.
 set -u
@@ -27,9 +29,14 @@ if [ "${HOST_COST:-0}" != 0 ]; then
   timeout "${HOST_COST_TIMEOUT:-240}" "$PY" -m benchmarks.host_cost --device cuda --nproc 1 \
     --no-pin --autocast bf16 --models "${HOST_COST_MODELS:-resnet50@32,resnet50@128,bert_base@32}" \
     --methods "${HOST_COST_METHODS:-none,ddp,dear,dear:collectives_at_one=true}" \
-    --warmup 20 --blocks 8 --block 10 \
+    --warmup 20 --blocks "${HOST_COST_BLOCKS:-8}" --block 10 \
     --name gpu_host_cost 2>&1 | grep -v "^USDT" | tail -16
   cp benchmarks/results/gpu_host_cost.* "$OUT/" 2>/dev/null
+fi
+if [ "${QUANT_KERNELS:-0}" != 0 ]; then
+  echo "== benchmarks.quantize_kernels"
+  timeout 120 "$PY" -m benchmarks.quantize_kernels --name gpu_quantize_kernels 2>&1 | tail -14
+  cp benchmarks/results/gpu_quantize_kernels.* "$OUT/" 2>/dev/null
 fi
 if [ "${PROBES:-1}" != 0 ]; then
   for m in raw csrc; do
