@@ -82,6 +82,11 @@ def measure(device: str, bits: int, numel: int, block: int, reps: int) -> dict[s
     return row
 
 
+def _speedup(row: dict[str, Any]) -> float:
+    return ((row["quantize_ref_us"] + row["dequantize_ref_us"])
+            / (row["quantize_us"] + row["dequantize_us"]))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--devices", default="cpu,cuda",
@@ -113,7 +118,7 @@ def main() -> None:
         [r["device"], r["bits"], r["numel"], r["quantize_us"], r["quantize_gbps"],
          r["dequantize_us"], r["dequantize_gbps"],
          f"{r['quantize_ref_us']:.0f} / {r['dequantize_ref_us']:.0f}",
-         f"{(r['quantize_ref_us'] + r['dequantize_ref_us']) / (r['quantize_us'] + r['dequantize_us']):.1f}x"]
+         f"{_speedup(r):.1f}x"]
         for r in rows])
     notes = (f"Native extension: {built}. GB/s counts the fp32 values read (4 bytes each); "
              f"quantize adds and renews the residual (error feedback), dequantize accumulates "
