@@ -20,6 +20,9 @@ reproduce bit for bit:
                 finite a      -> residual = y - float(q) * scale   (fp32)
     dequantized value = float(q) * scale
 
+"Bit for bit" is up to a NaN's payload: a NaN stays a NaN, but its bits are the device's (a
+GPU's arithmetic writes 0x7fffffff where the CPU passes an operand's NaN on).
+
 int4 packs two values a byte, element 2i in the low nibble (two's complement), 2i + 1 in the
 high one. This module is the reference: plain torch, any device, used where the extension is
 not built.
