@@ -32,13 +32,19 @@ def _data(step: int, world: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]
     return x, y
 
 
-def _train_linear(compression, steps: int = STEPS, passes: int = 1, **kwargs) -> torch.Tensor:
+def _train_linear(compression, steps: int = STEPS, passes: int = 1, early: bool = False,
+                  **kwargs) -> torch.Tensor:
+    """`early`: a planned schedule from the first step (sharded: each bucket updated in
+    backward and its parameters gathered in chunks)."""
+    from tests.test_sharded import force_plan
     dear.init()
     model = _linear()
     opt = dear.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR), model=model,
                                     compression=compression, backward_passes_per_step=passes,
                                     **kwargs)
     for step in range(steps):
+        if early:
+            force_plan(opt)
         opt.zero_grad()
         x, y = _data(step, dear.size(), dear.rank())
         for xs, ys in zip(x.chunk(passes), y.chunk(passes)):
@@ -60,11 +66,14 @@ def _q(x: torch.Tensor, residual, bits: int, block: int) -> torch.Tensor:
 
 
 def _reference(world: int, bits: int, block: int, steps: int = STEPS,
-               feedback: bool = True, passes: int = 1) -> torch.Tensor:
+               feedback: bool = True, passes: int = 1, sharded: bool = False) -> torch.Tensor:
     """The algebra of docs/compression.md written out for one weight (one bucket: the gradient,
     one usage flag, zero padding), every rank in this process: chunk c of rank r is quantized
     with r's residual and summed in rank order by rank c, unquantized for r == c; the average
-    is quantized once more, its rounding (times the world size) kept by its owner."""
+    is quantized once more, its rounding (times the world size) kept by its owner. `sharded`
+    (shard_optimizer_state): the owner updates its chunk with the average itself and the
+    parameters travel in fp32, so nothing is rounded a second time and the owner's residual
+    is spent."""
     model = _linear()
     numel = model.weight.numel()
     padded = -(-(numel + 1) // world) * world
@@ -99,6 +108,9 @@ def _reference(world: int, bits: int, block: int, steps: int = STEPS,
             own = residual[c][lo:lo + q] if feedback else None
             if feedback:
                 own.zero_()
+            if sharded:
+                averaged[lo:hi] = avg
+                continue
             averaged[lo:lo + q] = _q(avg[:q].clone(), own, bits, block)
             averaged[lo + q:hi] = avg[q:]
             if feedback and world != 1:
@@ -110,10 +122,11 @@ def _reference(world: int, bits: int, block: int, steps: int = STEPS,
 
 @functools.lru_cache(maxsize=None)
 def _runs(world: int, bits: int, block: int, feedback: bool, passes: int = 1,
-          views: bool = False) -> tuple:
+          views: bool = False, sharded: bool = False, early: bool = False) -> tuple:
     comp = dear.Compression.quantized(bits=bits, block_size=block, error_feedback=feedback)
-    return tuple(run_distributed(_train_linear, world, comp, STEPS, passes,
-                                 gradient_as_bucket_view=views, timeout=120))
+    return tuple(run_distributed(_train_linear, world, comp, STEPS, passes, early,
+                                 gradient_as_bucket_view=views, shard_optimizer_state=sharded,
+                                 timeout=120))
 
 
 @pytest.mark.parametrize("world,bits,block,feedback", [
@@ -129,6 +142,20 @@ def test_error_feedback_matches_the_plain_torch_reference(world, bits, block, fe
     # And it is not the fp32 answer (the test could tell them apart).
     fp32 = _reference_fp32(world)
     assert not torch.equal(ranks[0], fp32)
+
+
+@pytest.mark.parametrize("world,bits,early", [(2, 8, False), (3, 4, False), (2, 8, True)])
+def test_sharded_optimizer_state_quantizes_the_reduce_scatter_only(world, bits, early):
+    """shard_optimizer_state=True: each rank updates its chunk with the average of the
+    quantized reduce-scatter, and the parameters come back in fp32: the reference's sharded
+    algebra to the last bit, and not the unsharded one (which rounds the average again).
+    `early`: the same with each update run in backward and the parameters gathered in
+    chunks (a planned schedule)."""
+    ranks = _runs(world, bits, 64, True, sharded=True, early=early)
+    ref = _reference(world, bits, 64, sharded=True)
+    for r, weight in enumerate(ranks):
+        assert torch.equal(weight, ref), (r, (weight - ref).abs().max())
+    assert not torch.equal(ranks[0], _reference(world, bits, 64))
 
 
 def _reference_fp32(world: int, steps: int = STEPS) -> torch.Tensor:
@@ -163,12 +190,14 @@ def test_error_feedback_keeps_training_on_the_fp32_path():
     assert (with_ef - fp32).norm() < (without - fp32).norm()
 
 
-def _train_net(compression, steps: int, save_at: int = -1, load: str = "") -> dict:
+def _train_net(compression, steps: int, save_at: int = -1, load: str = "",
+               sharded: bool = False) -> dict:
     dear.init()
     rank, world = dear.rank(), dear.size()
     model = make_net()
     opt = dear.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01), model=model,
-                                    compression=compression, fusion_threshold=2048)
+                                    compression=compression, fusion_threshold=2048,
+                                    shard_optimizer_state=sharded)
     start = 0
     if load:
         blob = torch.load(os.path.join(load, f"{rank}.pt"), weights_only=False)
@@ -188,12 +217,16 @@ def _train_net(compression, steps: int, save_at: int = -1, load: str = "") -> di
     return state_of(model)
 
 
-def test_checkpoint_resume_is_bit_identical_with_residuals():
+@pytest.mark.parametrize("sharded", [False, True])
+def test_checkpoint_resume_is_bit_identical_with_residuals(sharded):
+    """Each rank saves and loads its own optimizer.state_dict() (with shard_optimizer_state
+    the whole state, gathered): the resumed run has the uninterrupted run's bits."""
     comp = dear.Compression.quantized(bits=8, block_size=16)
     with tempfile.TemporaryDirectory() as ckpt:
         env = {"CKPT": ckpt}
-        straight = run_distributed(_train_net, 2, comp, 8, 4, env=env, timeout=120)
-        resumed = run_distributed(_train_net, 2, comp, 8, -1, ckpt, env=env, timeout=120)
+        straight = run_distributed(_train_net, 2, comp, 8, 4, "", sharded, env=env, timeout=120)
+        resumed = run_distributed(_train_net, 2, comp, 8, -1, ckpt, sharded, env=env,
+                                  timeout=120)
         blob = torch.load(os.path.join(ckpt, "1.pt"), weights_only=False)
     state = blob["opt"]["dear_error_feedback"]
     assert state["rank"] == 1 and state["steps"] == 4
@@ -244,9 +277,9 @@ def test_bad_settings_and_sharding_are_refused():
     dear.init(backend="local")
     try:
         model = make_net()
-        with pytest.raises(ValueError, match="shard_optimizer_state"):
+        with pytest.raises(ValueError, match="shard_optimizer_state.*would round"):
             dear.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model,
-                                      compression=dear.Compression.int8,
+                                      compression=dear.Compression.fp16,
                                       shard_optimizer_state=True)
     finally:
         dear.shutdown()

@@ -104,3 +104,17 @@ class ErrorFeedback:
             self.saved = {int(i): t.to(engine.params[int(i)].device, torch.float32).clone()
                           for i, t in residuals.items()}
             self.restore(engine)
+
+    def load_without_residuals(self, engine: "Engine", steps: int) -> None:
+        """From a sharded (DCP) checkpoint: the warm-up count; the residuals start from zero
+        (such a checkpoint holds none: they are per rank and do not reshard), said once."""
+        if not _said_dcp[0]:
+            _said_dcp[0] = True
+            log.warning("dear: a sharded (DCP) checkpoint holds no error-feedback residuals "
+                        "(they are per rank and do not reshard): they start from zero. For a "
+                        "bit-identical resume on the same ranks, save and load each rank's "
+                        "optimizer.state_dict()")
+        self.load(engine, {"steps": steps})
+
+
+_said_dcp: list[bool] = [False]          # load_without_residuals' warning, once a process

@@ -66,7 +66,8 @@ def relayout(engine: "Engine", fusion: FusionConfig) -> None:
     compression = engine.compression if feedback is None else feedback.wire_compression()
     layout = build_layout(engine.params, order, fusion, engine.comm.size, explicit,
                           compression, engine.sparse_as_dense, engine.ties,
-                          row_sparse, engine.comm.rank, views=engine.views is not None)
+                          row_sparse, engine.comm.rank, views=engine.views is not None,
+                          sharded=engine.updates.sharded)
     engine.fusion = fusion
     engine.layout = layout
     engine.buckets, engine.where = layout.buckets, layout.where

@@ -108,11 +108,12 @@ def _count_steps(optimizer: torch.optim.Optimizer) -> None:
 def _refuse_with_sharding(compressor: Any, views: bool, sparse_named: list[Any],
                           row_sparse: Any) -> None:
     """What shard_optimizer_state=True cannot do, said before anything is converted."""
-    if compressor.name != "none":
+    if compressor.name != "none" and not compressor.quantizes:
         raise ValueError(f"shard_optimizer_state=True all-gathers updated parameters, which "
-                         f"{compressor!r} would round (a quantized reduce-scatter with exact "
-                         "parameters is not built): pass compression=dear.Compression.none, "
-                         "or wrap without shard_optimizer_state")
+                         f"{compressor!r} would round: pass compression=dear.Compression.none "
+                         "or a quantized one (dear.Compression.int8, .int4: their reduce-"
+                         "scatter is quantized and the parameters are gathered in fp32), or "
+                         "wrap without shard_optimizer_state")
     if views:
         raise ValueError("gradient_as_bucket_view=True with shard_optimizer_state=True: the "
                          "buckets carry parameters after the all-gather, not gradients; drop "

@@ -179,9 +179,12 @@ class _DistributedOptimizer(ExtensionPoints, torch.optim.Optimizer):
         merged.update(full)
         self.state = merged
         try:
-            return super().state_dict()
+            state = super().state_dict()
         finally:
             self.state = kept
+        if engine.feedback is not None:        # quantized compression: this rank's residuals
+            state[feedback.STATE_KEY] = engine.feedback.state(engine)
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's; with shard_optimizer_state this rank keeps only its shards of it."""
@@ -222,6 +225,12 @@ class _DistributedOptimizer(ExtensionPoints, torch.optim.Optimizer):
         engine.flush()
         if not engine.updates.sharded:
             raise RuntimeError("load_sharded_state_dict() needs shard_optimizer_state=True")
+        saved = state_dict.get(sharded_checkpoint.FEEDBACK_KEY)
+        if engine.feedback is not None and saved is not None:
+            warm = engine.feedback.warm
+            engine.feedback.load_without_residuals(engine, int(saved.get("steps", 0)))
+            if engine.buckets is not None and engine.feedback.warm != warm:
+                layout.relayout(engine, engine.fusion)    # into or out of the warm-up
         sharded_checkpoint.load_sharded_state_dict(self, state_dict, self._trained_names())
 
     def _trained_names(self) -> dict[Any, str]:

@@ -19,6 +19,11 @@ The usage flags and the padding after them travel as fp32, unquantized: a flag m
 exactly zero or not. Only fp32 buckets are quantized (dear/fusion/layout.py). Each chunk's
 message is a fixed-size slot of bytes: the codes, the block scales (fp32), the raw tail.
 
+With shard_optimizer_state (`sharded`), the all-gather carries this rank's updated parameters,
+which must not be rounded: it goes in fp32 through the bucket's own buffer, as an uncompressed
+bucket's does, and only the reduce-scatter is quantized. Our own chunk is then never rounded,
+so its residual stays zero.
+
 On CPU the dequantizing runs on one decode thread per process as soon as a collective lands
 (the sum during backward, the unpack before the next forward), not on the training thread at
 step() or in the pre-forward wait; on a GPU it queues on the stream where the wait happens.
@@ -92,11 +97,14 @@ class QuantizedBucket(Bucket):
 
     def __init__(self, spec: BucketSpec, params: Sequence[torch.nn.Parameter],
                  codec: QuantizedCompressor, rank: int, sparse_as_dense: bool = False,
-                 native: Optional[bool] = None, views: bool = False) -> None:
+                 native: Optional[bool] = None, views: bool = False,
+                 sharded: bool = False) -> None:
         super().__init__(spec, params, None, sparse_as_dense, native, views)
         assert spec.dtype == torch.float32
+        assert not (sharded and views), "sharded buckets carry parameters back, not views"
         n, width = spec.world_size, spec.shard_numel
-        self.codec, self.rank = codec, rank
+        self.codec, self.rank, self.sharded = codec, rank, sharded
+        self.chunkable = sharded     # fp32 parameters gather in chunks as any bucket's do
         # Chunk c: its first `quantized[c]` elements are gradients, the rest flags or padding.
         self.quantized = [min(max(spec.flags_offset - c * width, 0), width) for c in range(n)]
         slot = max(_Slot.nbytes(q, width - q, codec) for q in self.quantized)
@@ -104,8 +112,9 @@ class QuantizedBucket(Bucket):
         dev = spec.device
         self.send = torch.empty(n * slot, dtype=torch.uint8, device=dev)
         self.recv = torch.empty(n * slot, dtype=torch.uint8, device=dev)
-        self.wire = torch.empty(n * slot, dtype=torch.uint8, device=dev)
-        self.wire_shard = torch.empty(slot, dtype=torch.uint8, device=dev)
+        if not sharded:                          # else the base class's: buffer and shard
+            self.wire = torch.empty(n * slot, dtype=torch.uint8, device=dev)
+            self.wire_shard = torch.empty(slot, dtype=torch.uint8, device=dev)
         self.residual = (torch.zeros(spec.padded_numel, dtype=torch.float32, device=dev)
                          if codec.error_feedback else None)
 
@@ -114,10 +123,12 @@ class QuantizedBucket(Bucket):
             q = [self.quantized[c if chunk is None else chunk] for c in range(n)]
             return [_Slot(buf[c * slot:(c + 1) * slot], q[c], width - q[c], codec)
                     for c in range(n)]
-        self._send, self._wire = slots(self.send), slots(self.wire)
+        self._send = slots(self.send)
         self._recv = slots(self.recv, chunk=rank)
         mine = self.quantized[rank]
-        self._own = _Slot(self.wire_shard, mine, width - mine, codec)
+        if not sharded:
+            self._wire = slots(self.wire)
+            self._own = _Slot(self.wire_shard, mine, width - mine, codec)
         chunks = self.buffer.view(n, width)
         self._grads = [(chunks[c, :q], chunks[c, q:]) for c, q in enumerate(self.quantized)]
         self._shard = (self.shard[:mine], self.shard[mine:])
@@ -145,6 +156,8 @@ class QuantizedBucket(Bucket):
             if c == self.rank:
                 if residual is not None:
                     values.add_(residual)
+                    if self.sharded:             # no all-gather rounding refills it
+                        residual.zero_()
                 continue
             out = self._send[c]
             quantize(values, residual, out.codes, out.scales, block, bits)
@@ -174,8 +187,10 @@ class QuantizedBucket(Bucket):
 
     def outgoing_shard(self) -> torch.Tensor:
         """Our averaged shard quantized into our slot; its rounding, in the sum's units, is our
-        own chunk's residual for the next iteration."""
-        assert self.outgoing is None, "quantized buckets carry gradients, not parameters"
+        own chunk's residual for the next iteration. Sharded: our updated parameters, fp32."""
+        if self.sharded:
+            assert self.outgoing is not None, "a sharded bucket gathers its updated parameters"
+            return self.outgoing
         values, tail = self._shard
         residual = self._residuals[self.rank]
         if residual is not None:
@@ -188,9 +203,14 @@ class QuantizedBucket(Bucket):
         return self.wire_shard
 
     def gather_columns(self, comm: Communicator, start: int, length: int) -> Work:
+        if self.sharded:
+            return super().gather_columns(comm, start, length)
         raise AssertionError("a quantized bucket is gathered whole (chunkable = False)")
 
     def start_all_gather(self, comm: Communicator) -> None:
+        if self.sharded:
+            super().start_all_gather(comm)
+            return
         work = comm.all_gather(self.outgoing_shard(), self.wire)
         if self.wire.is_cuda:
             self.gathering(work)
@@ -207,6 +227,8 @@ class QuantizedBucket(Bucket):
             tail.copy_(got.raw)
 
     def _land(self) -> list[bool]:
+        if self.sharded:
+            return super()._land()
         if not self._gathered:               # a fused group's all-gather, or on a GPU
             self._unpack()
         self._gathered = False
