@@ -383,3 +383,28 @@ def test_compressed_wires_are_fitted_in_their_buckets_bytes(tmp_path):
         ratio = sum(raw) / sum(s["bytes"] for s in samples)
         # int8: 1 byte a value + a 4-byte scale per 256, slots rounded up: within 10% of 1/4
         assert wire * 0.95 <= ratio <= wire * 1.1, (name, ratio)
+
+
+def test_a_quantized_trace_replays_its_decoding_after_the_transfers(tmp_path):
+    """An int8 trace records the decode thread's seconds per bucket byte after its
+    reduce-scatters and all-gathers; the replay waits for them after each transfer, so it
+    predicts a longer iteration than the same trace without them. An fp32 trace has none."""
+    import dataclasses
+
+    from dear.diagnose.simulate import Simulator
+    out = str(tmp_path / "trace")
+    run_distributed(_compressed_runs, 2, out, timeout=180)
+    assert load_trace(os.path.join(out, "none")).meta.get("decode_s_per_byte") == {}
+    sim = Simulator(os.path.join(out, "int8"))
+    rates = sim.model.decode_s_per_byte
+    assert set(rates) == {"reduce", "gather"} and all(r > 0 for r in rates.values()), rates
+    traced = sim.model
+    with_decode = sim.predict("dear").iteration_time
+    sim.model = dataclasses.replace(traced, decode_s_per_byte={})
+    without = sim.predict("dear").iteration_time
+    assert with_decode >= without
+    # Slow decoding (1 us a bucket byte) must show: the last
+    # reduce-scatter's sum delays step()'s wait by at least its own time.
+    sim.model = dataclasses.replace(traced, decode_s_per_byte={"reduce": 1e-6, "gather": 0.0})
+    smallest = min(b for _, b in sim.layout().buckets)
+    assert sim.predict("dear").iteration_time >= without + 1e-6 * smallest

@@ -32,6 +32,22 @@ def test_engine_closed_form():
     assert out.waits[0] == [(3, 4.5, "A"), (4.5, 6.5, "C")]
 
 
+def test_post_work_follows_the_transfer_on_one_thread_closed_form():
+    """`post` (a quantized bucket's decoding): a wait returns after the transfer plus its
+    post work, which runs on one thread in link order; the link is free meanwhile."""
+    progs = [[("issue", "A"), ("issue", "B"), ("wait", "A"), ("wait", "B"), ("mark", "end")]]
+    out = replay(progs, {"A": 1.0, "B": 1.0}.__getitem__, post={"A": 2.0, "B": 0.5}.__getitem__)
+    assert out.comm == {"A": (0, 1.0), "B": (1.0, 2.0)}      # B's transfer overlaps A's post
+    assert out.done == {"A": 3.0, "B": 3.5}                  # B's post queues behind A's
+    assert out.waits[0] == [(0, 3.0, "A"), (3.0, 3.5, "B")]
+    plain = replay(progs, {"A": 1.0, "B": 1.0}.__getitem__, post=lambda k: 0.0)
+    assert plain.done == {} and plain.mark_times("end") == [[2.0]]
+    with pytest.raises(ValueError, match="slots=1"):
+        replay(progs, lambda k: 1.0, slots=2, post=lambda k: 1.0)
+    with pytest.raises(ValueError, match="negative post"):
+        replay(progs, lambda k: 1.0, post=lambda k: -1.0)
+
+
 def test_engine_rejects_inconsistent_programs():
     with pytest.raises(ValueError, match="another order"):
         replay([[("issue", "A"), ("issue", "B")], [("issue", "B"), ("issue", "A")]],

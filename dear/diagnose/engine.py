@@ -18,6 +18,10 @@ issued after it and ends with them at 1170 ms, not at 1043 ms; benchmarks/gloo_c
 Sharing delays only collectives already running, so a collective's end is final once the next
 one cannot start before it (`_SharedLink`).
 
+`post` (one link only): seconds of work after a collective leaves the link and before a wait
+for it returns, on one thread shared by all of them in link order: a quantized bucket's
+dequantizing on dear's decode thread (dear/fusion/quantized.py). The link is free meanwhile.
+
 `contention` k: compute runs 1 + k times slower while a collective is on the link (the CPU
 that computes also runs the transport, as on the emulated cluster's one core per rank).
 `replay_contended` finds the link's busy time and the compute it slows together, by replaying
@@ -28,7 +32,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 from .intervals import Interval, union
 
@@ -44,6 +48,9 @@ class Replay:
     issued: list[dict[Key, float]]                    # per rank: key -> issue time
     comm: dict[Key, tuple[float, float]]              # key -> (start, end) on the link
     order: list[Key]                                  # keys in link order
+    #: key -> when a wait for it returns, where that is later than its end on the link
+    #: (`post`: work after the transfer)
+    done: dict[Key, float] = dataclasses.field(default_factory=dict)
 
     def mark_times(self, label: str) -> list[list[float]]:
         return [[t for name, t in marks if name == label] for marks in self.marks]
@@ -71,13 +78,14 @@ def stretched(start: float, work: float, busy: Sequence[Interval], contention: f
 
 
 def replay_contended(programs: Sequence[Sequence[Action]], cost: Callable[[Key], float],
-                     contention: float = 0.0, passes: int = 8, slots: int = 1) -> Replay:
+                     contention: float = 0.0, passes: int = 8, slots: int = 1,
+                     post: Optional[Callable[[Key], float]] = None) -> Replay:
     """`replay` with compute slowed while the link is busy: replayed with the previous pass's
     busy intervals until they stop moving (a few passes)."""
-    out = replay(programs, cost, slots=slots)
+    out = replay(programs, cost, slots=slots, post=post)
     for _ in range(passes if contention > 0 else 0):
         busy = union(out.comm.values())
-        nxt = replay(programs, cost, contention, busy, slots)
+        nxt = replay(programs, cost, contention, busy, slots, post)
         if nxt.comm == out.comm:
             return nxt
         out = nxt
@@ -131,9 +139,13 @@ class _SharedLink:
 
 
 def replay(programs: Sequence[Sequence[Action]], cost: Callable[[Key], float],
-           contention: float = 0.0, busy: Sequence[Interval] = (), slots: int = 1) -> Replay:
+           contention: float = 0.0, busy: Sequence[Interval] = (), slots: int = 1,
+           post: Optional[Callable[[Key], float]] = None) -> Replay:
     if slots < 1:
         raise ValueError(f"slots must be >= 1, got {slots}")
+    if post is not None and slots > 1:
+        raise ValueError("post= (work after a collective's transfer) is replayed with one "
+                         "collective on the link at a time (slots=1)")
     ranks = len(programs)
     order: list[Key] = [a[1] for a in programs[0] if a[0] == "issue"]
     position = {key: c for c, key in enumerate(order)}
@@ -152,10 +164,11 @@ def replay(programs: Sequence[Sequence[Action]], cost: Callable[[Key], float],
     issue_time = [0.0] * len(order)
     issued_by = [0] * ranks                    # per rank: collectives it has issued
     next_on_link, link_free = 0, 0.0
+    post_free = 0.0                            # the thread that runs `post` work
     shared = _SharedLink(slots) if slots > 1 else None
 
     def schedule() -> None:
-        nonlocal next_on_link, link_free
+        nonlocal next_on_link, link_free, post_free
         while next_on_link < len(order) and issued_count[next_on_link] == ranks:
             key = order[next_on_link]
             duration = cost(key)
@@ -167,6 +180,12 @@ def replay(programs: Sequence[Sequence[Action]], cost: Callable[[Key], float],
                 start = max(issue_time[next_on_link], link_free)
                 out.comm[key] = (start, start + duration)
                 link_free = start + duration
+                after = 0.0 if post is None else post(key)
+                if after < 0:
+                    raise ValueError(f"negative post time {after} for collective {key!r}")
+                if after > 0:
+                    post_free = max(link_free, post_free) + after
+                    out.done[key] = post_free
             next_on_link += 1
 
     def final_end(c: int) -> "float | None":
@@ -221,7 +240,8 @@ def replay(programs: Sequence[Sequence[Action]], cost: Callable[[Key], float],
                     if shared is not None:
                         known = final_end(position[action[1]])
                     else:
-                        known = out.comm[action[1]][1] if action[1] in out.comm else None
+                        known = (out.done.get(action[1], out.comm[action[1]][1])
+                                 if action[1] in out.comm else None)
                     if known is None:
                         break                  # blocked: let the other ranks catch up
                     end = known

@@ -80,6 +80,9 @@ class Model:
     #: parameters dear keeps in a bucket of their own (row-sparse embedding tables) when it
     #: lays out buckets; replayed as dense buckets (a traced window sends them whole)
     alone: list[int] = dataclasses.field(default_factory=list)
+    #: quantized buckets: seconds per bucket byte of dear's decode thread after a
+    #: reduce-scatter ("reduce") and an all-gather ("gather"), replayed after the transfer
+    decode_s_per_byte: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 def _rank_profile(rank: RankTrace, iteration: int, comm: list[Interval],
@@ -228,7 +231,9 @@ def build_model(trace: Trace, iterations: Optional[Sequence[int]] = None,
                  world_size=trace.world_size, profiles=profiles, iterations=per_iteration,
                  gather_groups=[list(g) for g in meta.get("gather_groups", [])],
                  fusion=meta.get("fusion"), iteration_ids=[chosen[k] for k in kept],
-                 backend=meta.get("backend"))
+                 backend=meta.get("backend"),
+                 decode_s_per_byte={str(k): float(v) for k, v in
+                                    (meta.get("decode_s_per_byte") or {}).items()})
 
 
 def collective_samples(trace: Trace, queued: bool = False) -> list[dict[str, Any]]:

@@ -293,7 +293,15 @@ class Simulator:
                 known = fixed.get((key[0], key[2]))
                 return known if known is not None else cost.time(
                     {"rs": "reduce_scatter"}.get(key[0], "all_gather"), sizes(key))
-            result = replay_contended(programs, seconds, self.contention)
+            rates = self.model.decode_s_per_byte
+
+            def decoding(key: tuple) -> float:
+                """A quantized trace: the decode thread's time after the transfer."""
+                if (key[0], key[2]) in fixed:
+                    return 0.0
+                return rates.get("reduce" if key[0] == "rs" else "gather", 0.0) * sizes(key)
+            result = replay_contended(programs, seconds, self.contention,
+                                      post=decoding if rates else None)
             return _measure(result, schedule, cost.world_size, len(buckets))
         else:
             fused = fused_cost or cost         # given for Schedule.HOROVOD only

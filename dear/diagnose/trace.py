@@ -92,6 +92,8 @@ class Tracer:
         self._seen_forward = False
         self._patched: list[str] = []
         self._unobserve: list[Any] = []         # dear_observe_updates' removers
+        # Quantized buckets' decode-thread totals when the first recorded iteration began
+        self._decode_at_start: Optional[tuple[Any, dict[str, list[float]]]] = None
         self.path: Optional[str] = None
         self.meta: dict[str, Any] = {}
 
@@ -216,6 +218,8 @@ class Tracer:
         self._recording = count if count in self.iterations else None
         if self._recording is not None:
             rec.iteration_starts[count] = t_ns
+            if self._decode_at_start is None:
+                self._decode_at_start = decode_totals(self.optimizer)
 
     def _end_iteration(self) -> None:
         self._set_count(self._count + 1, self.recorder.clock())
@@ -391,7 +395,19 @@ class Tracer:
     def describe(self) -> dict[str, Any]:
         return {**self.meta, **describe(self.model, self.optimizer, self._params,
                                         getattr(self, "_named_modules", [])),
-                "iterations": [self.iterations.start, self.iterations.stop]}
+                "iterations": [self.iterations.start, self.iterations.stop],
+                "decode_s_per_byte": self._decode_rates()}
+
+    def _decode_rates(self) -> dict[str, float]:
+        """Seconds per bucket byte dear's decode thread spent after each reduce-scatter
+        ("reduce") and all-gather ("gather") of quantized buckets in the recorded iterations
+        (empty without them, or if the layout changed meanwhile)."""
+        start, now = self._decode_at_start, decode_totals(self.optimizer)
+        if start is None or now is None or start[0] is not now[0]:
+            return {}
+        return {phase: (now[1][phase][0] - seconds) / (now[1][phase][1] - nbytes)
+                for phase, (seconds, nbytes) in start[1].items()
+                if now[1][phase][1] > nbytes}
 
     def document(self) -> dict[str, Any]:
         """This rank's Chrome trace document (what `write` saves)."""
@@ -405,6 +421,20 @@ class Tracer:
         with open(path, "w") as fh:
             json.dump(doc, fh, separators=(",", ":"))
         return path
+
+
+def decode_totals(optimizer: Any) -> Optional[tuple[Any, dict[str, list[float]]]]:
+    """(the layout's buckets, per phase [seconds, bytes]) summed over its quantized buckets'
+    `decode_time` (dear/fusion/quantized.py); None without a dear layout."""
+    layout = getattr(optimizer, "dear_layout", None)
+    if layout is None or not layout.buckets:
+        return None
+    totals: dict[str, list[float]] = {"reduce": [0.0, 0.0], "gather": [0.0, 0.0]}
+    for bucket in layout.buckets:
+        for phase, (seconds, nbytes) in getattr(bucket, "decode_time", {}).items():
+            totals[phase][0] += seconds
+            totals[phase][1] += nbytes
+    return layout.buckets, totals
 
 
 def _buffer_bytes(buffer: torch.Tensor, wire: torch.Tensor, slots: int) -> Optional[int]:

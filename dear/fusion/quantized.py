@@ -31,6 +31,7 @@ step() or in the pre-forward wait; on a GPU it queues on the stream where the wa
 
 from __future__ import annotations
 
+import time
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -137,6 +138,10 @@ class QuantizedBucket(Bucket):
             res = self.residual.view(n, width)
             self._residuals = [res[c, :q] for c, q in enumerate(self.quantized)]
         self._postscale = 1.0
+        # Seconds and buffer bytes the decode thread spent after each transfer, per phase
+        # ("reduce": the sum, "gather": the unpack): dear.diagnose's tracer reads them, and
+        # its replay adds that time after the collective (dear/diagnose/engine.py's `post`).
+        self.decode_time: dict[str, list[float]] = {"reduce": [0.0, 0.0], "gather": [0.0, 0.0]}
         self._summed = False                 # the decode thread summed the shard
         self._gathered = False               # ... and unpacked the all-gather
 
@@ -164,7 +169,17 @@ class QuantizedBucket(Bucket):
             out.raw.copy_(tail)
         work = comm.all_to_all(self.send, self.recv)
         self._summed = not self.send.is_cuda
-        return _then(work, self._sum) if self._summed else work
+        return _then(work, self._timed("reduce", self._sum)) if self._summed else work
+
+    def _timed(self, phase: str, decode: Callable[[], None]) -> Callable[[], None]:
+        """`decode` on the decode thread, its time added to `decode_time[phase]`."""
+        def run() -> None:
+            start = time.perf_counter()
+            decode()
+            totals = self.decode_time[phase]
+            totals[0] += time.perf_counter() - start
+            totals[1] += self.buffer.numel() * self.buffer.element_size()
+        return run
 
     def _sum(self) -> None:
         """Our shard: every rank's chunk in rank order (our own unquantized), not yet scaled.
@@ -216,7 +231,7 @@ class QuantizedBucket(Bucket):
             self.gathering(work)
             return
         self._gathered = True                # decoded on the decode thread when it lands
-        self.gathering(_then(work, self._unpack))
+        self.gathering(_then(work, self._timed("gather", self._unpack)))
 
     def _unpack(self) -> None:
         """Every rank's slot dequantized into the buffer (our own too: every rank applies the
