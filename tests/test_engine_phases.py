@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import dear
 from tests.distributed import run_distributed
-from tests.workloads import batch, make_net
+from tests.workloads import batch, make_net, max_diff, state_of
 
 
 def _phases() -> dict:
@@ -51,3 +51,58 @@ def test_phases_of_an_iteration() -> None:
         assert all(seen[f"step {s}"] == "pending" for s in range(3)), seen
         assert seen["flushed"] == "idle"
         assert seen["added"] == ["dear_engine"], seen["added"]
+
+
+def _optimizer_calls(kind: str) -> dict:
+    """Adam or SGD with momentum through dear on this world, buckets of 2 KB (several), four
+    steps; how many times the wrapped optimizer's update ran in each iteration's forward."""
+    dear.init()
+    rank, world = dear.rank(), dear.size()
+    model = make_net()
+    inner = (torch.optim.Adam(model.parameters(), lr=0.01) if kind == "adam"
+             else torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    opt = dear.DistributedOptimizer(inner, model=model, fusion_threshold=2048)
+    engine = opt.dear_engine
+    calls = []
+    step_of = engine.inner_step
+
+    def counted(optimizer):
+        calls[-1] += 1
+        return step_of(optimizer)
+    engine.inner_step = counted
+    for step in range(4):
+        calls.append(0)
+        opt.zero_grad()
+        x, y = batch(step, world, rank)
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+    calls.append(0)
+    opt.flush_updates()
+    out = {"calls": calls, "buckets": len(engine.buckets), "state": state_of(model),
+           "plain": _plain(kind)}            # in this process: the same kernels and threads
+    dear.shutdown()
+    return out
+
+
+def _plain(kind: str) -> dict:
+    model = make_net()
+    opt = (torch.optim.Adam(model.parameters(), lr=0.01) if kind == "adam"
+           else torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    for step in range(4):
+        opt.zero_grad()
+        x, y = batch(step, 1)
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+    return state_of(model)
+
+
+def test_a_world_of_one_updates_every_bucket_in_one_optimizer_call() -> None:
+    """One rank: every all-gather is a local copy, so the next forward runs the optimizer once
+    for all buckets (as torch's step() does), with torch's bits; two ranks: once a bucket."""
+    for kind in ("adam", "sgd"):
+        one = run_distributed(_optimizer_calls, 1, kind, timeout=120)[0]
+        assert one["buckets"] >= 3, one["buckets"]
+        assert one["calls"][1:] == [1, 1, 1, 1], one["calls"]     # steps 0-3 applied once each
+        assert max_diff(one["state"], one["plain"]) == 0.0, kind
+    two = run_distributed(_optimizer_calls, 2, "sgd", timeout=120)
+    assert two[0]["calls"][2:] == [two[0]["buckets"]] * 3, two[0]["calls"]

@@ -405,13 +405,24 @@ class Engine:
     # ------------------------------------------------------------- 6. apply
     def apply(self, bucket: Bucket) -> None:
         """The update of `bucket` (pending since step()): refuse a parameter written in place
-        since, then the strategy's update (dear/engine/updates.py)."""
-        j = self.pending.writes.before_update(bucket.spec.index, bucket.params)
-        if j is not None:                      # said once: the updates stay pending
-            self.pending.writes.forget()
-            raise checks.written_error(self.names[bucket.spec.params[j]], "in place")
-        with scope("dear::apply"), _observed(self.update_observers, bucket):
-            self.updates.apply(self, bucket)
+        since, then the strategy's update (dear/engine/updates.py). In a world of one every
+        all-gather is a local copy, done when issued, so there is nothing for the updates to
+        overlap: every pending bucket is updated in this one call of the optimizer, as torch's
+        own step() would (one call a bucket costs the optimizer's per-call host time once per
+        bucket; benchmarks/results/world_of_one_updates.md)."""
+        together = [bucket]
+        if self.comm.size == 1 and self.buckets is not None and not self.updates.sharded:
+            together += [b for b in self.buckets
+                         if b is not bucket and b.stage is Stage.GATHERING]
+        for b in together:
+            j = self.pending.writes.before_update(b.spec.index, b.params)
+            if j is not None:                  # said once: the updates stay pending
+                self.pending.writes.forget()
+                raise checks.written_error(self.names[b.spec.params[j]], "in place")
+        with scope("dear::apply"), contextlib.ExitStack() as observed:
+            for b in together:
+                observed.enter_context(_observed(self.update_observers, b))
+            self.updates.apply(self, bucket, together[1:])
 
     def applied(self, bucket: Bucket) -> None:
         """The update of `bucket` is done with (or, sharded, failed): it is no longer pending.

@@ -50,33 +50,40 @@ class Updates:
     def end_step(self) -> None:
         """step()'s all-gathers are issued."""
 
-    def apply(self, engine: "Engine", bucket: Bucket) -> None:
+    def apply(self, engine: "Engine", bucket: Bucket,
+              more: Sequence[Bucket] = ()) -> None:
         """The update of `bucket`, its all-gather waited for: its parameters get the averaged
         gradients as .grad (a view into the gathered buffer) for the wrapped optimizer's step,
         on them only, with the hyperparameters of step(); the user's .grad is put back. Calls
-        `engine.applied(bucket)` once the update ran (not when the all-gather failed)."""
-        used = engine.finish_all_gather(bucket)
-        engine.apply_deferred(bucket)
-        saved = bucket.swap_grads(bucket.grad_views if bucket.all_used_here else
-                                  [view if u else None for view, u in zip(bucket.grad_views, used)])
+        `engine.applied(bucket)` once the update ran (not when the all-gather failed).
+        `more`: buckets updated in the same call of the optimizer."""
+        buckets = [bucket, *more]
+        used = []
+        for b in buckets:                      # every wait first: a failed one swaps nothing
+            used.append(engine.finish_all_gather(b))
+            engine.apply_deferred(b)
+        saved = [b.swap_grads(b.grad_views if b.all_used_here else
+                              [v if u else None for v, u in zip(b.grad_views, flags)])
+                 for b, flags in zip(buckets, used)]
         groups = engine.opt.param_groups
         originals = [dict(g) for g in groups]
         hyper = engine.pending.hyper
         try:
-            members_of = group_members(engine, bucket)
+            members = [group_members(engine, b) for b in buckets]
             for k, g in enumerate(groups):
-                if k < len(hyper) and k < len(members_of):
+                if k < len(hyper) and k < len(members[0]):
                     g.update(hyper[k])
-                    g["params"] = members_of[k]
+                    g["params"] = [p for m in members for p in m[k]]
                 else:                          # added after step(): not in this update
                     g["params"] = []
             engine.inner_step(engine.opt)
         finally:
             for g, original in zip(groups, originals):
                 g.update(original)
-            bucket.swap_grads(saved)
-            bucket.zero_pending_views()        # zero_grad() while it was pending
-            engine.applied(bucket)
+            for b, grads in zip(buckets, saved):
+                b.swap_grads(grads)
+                b.zero_pending_views()         # zero_grad() while it was pending
+                engine.applied(b)
 
     def undo_early(self, engine: "Engine") -> None:
         """Nothing runs early."""
@@ -190,8 +197,11 @@ class ShardedUpdates(Updates):
     def end_step(self) -> None:
         self.state.end_step()
 
-    def apply(self, engine: "Engine", bucket: Bucket) -> None:
-        """The all-gather carried the new parameters: copy them in."""
+    def apply(self, engine: "Engine", bucket: Bucket,
+              more: Sequence[Bucket] = ()) -> None:
+        """The all-gather carried the new parameters: copy them in (one bucket at a time:
+        there is no optimizer call here to share)."""
+        assert not more, "sharded buckets are installed one at a time"
         try:
             engine.finish_all_gather(bucket)
             self.state.install(bucket)
