@@ -31,6 +31,7 @@ class ErrorFeedback:
         self.compression = compression
         self.steps = 0                     # step()s that averaged gradients (the warm-up)
         self.saved: dict[int, torch.Tensor] = {}   # per parameter, between layouts
+        self.said_no_residuals = False     # load_without_residuals' warning, said once
 
     @property
     def warm(self) -> bool:
@@ -108,13 +109,10 @@ class ErrorFeedback:
     def load_without_residuals(self, engine: "Engine", steps: int) -> None:
         """From a sharded (DCP) checkpoint: the warm-up count; the residuals start from zero
         (such a checkpoint holds none: they are per rank and do not reshard), said once."""
-        if not _said_dcp[0]:
-            _said_dcp[0] = True
+        if not self.said_no_residuals:
+            self.said_no_residuals = True
             log.warning("dear: a sharded (DCP) checkpoint holds no error-feedback residuals "
                         "(they are per rank and do not reshard): they start from zero. For a "
                         "bit-identical resume on the same ranks, save and load each rank's "
                         "optimizer.state_dict()")
         self.load(engine, {"steps": steps})
-
-
-_said_dcp: list[bool] = [False]          # load_without_residuals' warning, once a process

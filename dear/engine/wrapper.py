@@ -195,11 +195,7 @@ class _DistributedOptimizer(ExtensionPoints, torch.optim.Optimizer):
         if saved is not None:
             state_dict = {k: v for k, v in state_dict.items() if k != feedback.STATE_KEY}
         super().load_state_dict(state_dict)
-        if engine.feedback is not None:
-            warm = engine.feedback.warm
-            engine.feedback.load(engine, saved)
-            if engine.buckets is not None and engine.feedback.warm != warm:
-                layout.relayout(engine, engine.fusion)    # into or out of the warm-up
+        self._reload_feedback(lambda fb: fb.load(engine, saved))
         for bucket in engine.buckets or ():
             bucket.group_members = None  # type: ignore[attr-defined]
         updates = engine.updates
@@ -216,8 +212,11 @@ class _DistributedOptimizer(ExtensionPoints, torch.optim.Optimizer):
         if not engine.updates.sharded:
             raise RuntimeError("sharded_state_dict() needs shard_optimizer_state=True; "
                                "without it, state_dict() is the whole state on every rank")
-        return sharded_checkpoint.sharded_state_dict(self, self._trained_names(),
-                                                     engine.comm.rank, engine.comm.size)
+        state = sharded_checkpoint.sharded_state_dict(self, self._trained_names(),
+                                                      engine.comm.rank, engine.comm.size)
+        if engine.feedback is not None:        # the residuals are per rank and do not reshard
+            state[feedback.STATE_KEY] = {"steps": engine.feedback.steps}
+        return state
 
     def load_sharded_state_dict(self, state_dict: dict[str, Any]) -> None:
         """What torch.distributed.checkpoint.load filled into sharded_state_dict()'s template."""
@@ -225,13 +224,22 @@ class _DistributedOptimizer(ExtensionPoints, torch.optim.Optimizer):
         engine.flush()
         if not engine.updates.sharded:
             raise RuntimeError("load_sharded_state_dict() needs shard_optimizer_state=True")
-        saved = state_dict.get(sharded_checkpoint.FEEDBACK_KEY)
-        if engine.feedback is not None and saved is not None:
-            warm = engine.feedback.warm
-            engine.feedback.load_without_residuals(engine, int(saved.get("steps", 0)))
-            if engine.buckets is not None and engine.feedback.warm != warm:
-                layout.relayout(engine, engine.fusion)    # into or out of the warm-up
+        saved = state_dict.get(feedback.STATE_KEY)
+        if saved is not None:
+            steps = int(saved.get("steps", 0))
+            self._reload_feedback(lambda fb: fb.load_without_residuals(engine, steps))
         sharded_checkpoint.load_sharded_state_dict(self, state_dict, self._trained_names())
+
+    def _reload_feedback(self, load: Callable[[feedback.ErrorFeedback], None]) -> None:
+        """Quantized compression: `load` its state, then lay the buckets out again if that
+        moved the run into or out of its warm-up (fp32 buckets until it ends)."""
+        engine = self.dear_engine
+        if engine.feedback is None:
+            return
+        warm = engine.feedback.warm
+        load(engine.feedback)
+        if engine.buckets is not None and engine.feedback.warm != warm:
+            layout.relayout(engine, engine.fusion)
 
     def _trained_names(self) -> dict[Any, str]:
         return {p: n for n, p in layout.trainable_named(self.dear_engine)}

@@ -25,7 +25,6 @@ import torch
 from .state import ShardedState, flat, pieces
 
 _STATE, _GROUPS = "state", "param_groups"
-FEEDBACK_KEY = "dear_error_feedback"     # quantized compression: the warm-up count alone
 
 
 def _sharded_tensor(pieces: list[tuple[int, int, int]], local: Optional[torch.Tensor],
@@ -85,12 +84,7 @@ def sharded_state_dict(optimizer: Any, names: dict[Any, str], rank: int,
         if p in names and entry:
             state[names[p]] = {k: (v.reshape(-1) if isinstance(v, torch.Tensor) and v.dim() > 0
                                    else v) for k, v in entry.items()}
-    out = {_STATE: state, _GROUPS: full_groups}
-    feedback = optimizer.dear_engine.feedback
-    if feedback is not None:
-        # The residuals are per rank and do not reshard: only the warm-up count travels.
-        out[FEEDBACK_KEY] = {"steps": feedback.steps}
-    return out
+    return {_STATE: state, _GROUPS: full_groups}
 
 
 def _initialize(optimizer: Any) -> None:
@@ -173,4 +167,3 @@ def load_sharded_state_dict(optimizer: Any, state_dict: dict[str, Any],
             optimizer.state[p] = whole
     if sharded.buckets:
         sharded.absorb(optimizer.state)
-
