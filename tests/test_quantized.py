@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import os
 import tempfile
+from typing import Optional
 
 import pytest
 import torch
@@ -66,14 +67,16 @@ def _q(x: torch.Tensor, residual, bits: int, block: int) -> torch.Tensor:
 
 
 def _reference(world: int, bits: int, block: int, steps: int = STEPS,
-               feedback: bool = True, passes: int = 1, sharded: bool = False) -> torch.Tensor:
+               feedback: bool = True, passes: int = 1, sharded: bool = False,
+               averages: Optional[list] = None) -> torch.Tensor:
     """The algebra of docs/compression.md written out for one weight (one bucket: the gradient,
     one usage flag, zero padding), every rank in this process: chunk c of rank r is quantized
     with r's residual and summed in rank order by rank c, unquantized for r == c; the average
     is quantized once more, its rounding (times the world size) kept by its owner. `sharded`
     (shard_optimizer_state): the owner updates its chunk with the average itself and the
     parameters travel in fp32, so nothing is rounded a second time and the owner's residual
-    is spent."""
+    is spent. `averages` receives each step's average of the gradient before the all-gather
+    rounds it (what clipping sees)."""
     model = _linear()
     numel = model.weight.numel()
     padded = -(-(numel + 1) // world) * world
@@ -105,6 +108,10 @@ def _reference(world: int, bits: int, block: int, steps: int = STEPS,
                     part[:q] = _q(part[:q].clone(), res, bits, block)
                 total += part
             avg = total * (1.0 / world)
+            if averages is not None:
+                if c == 0:
+                    averages.append(torch.empty(padded))
+                averages[-1][lo:hi] = avg
             own = residual[c][lo:lo + q] if feedback else None
             if feedback:
                 own.zero_()
@@ -156,6 +163,81 @@ def test_sharded_optimizer_state_quantizes_the_reduce_scatter_only(world, bits, 
     for r, weight in enumerate(ranks):
         assert torch.equal(weight, ref), (r, (weight - ref).abs().max())
     assert not torch.equal(ranks[0], _reference(world, bits, 64))
+
+
+def _train_chunked(bits: int) -> tuple[torch.Tensor, int]:
+    """_train_linear with a planned schedule from the first step, counting the all-gather
+    chunks the quantized bucket sent."""
+    from dear.fusion.quantized import QuantizedBucket
+    chunks = []
+    original = QuantizedBucket.gather_columns
+
+    def counted(self, comm, start, length):
+        chunks.append((start, length))
+        return original(self, comm, start, length)
+    QuantizedBucket.gather_columns = counted
+    try:
+        weight = _train_linear(dear.Compression.quantized(bits=bits, block_size=64), early=True)
+    finally:
+        QuantizedBucket.gather_columns = original
+    return weight, len(chunks)
+
+
+@pytest.mark.parametrize("world,bits", [(2, 8), (3, 4)])
+def test_all_gather_chunks_in_backward_give_the_reference(world, bits):
+    """A planned schedule sends the quantized all-gather in chunks during backward (byte
+    ranges of the slot, quantized once at the first): every chunk went out, and the weights
+    are the reference's algebra to the last bit, as when the slot is gathered whole."""
+    ranks = run_distributed(_train_chunked, world, bits, timeout=120)
+    ref = _reference(world, bits, 64)
+    for weight, chunks in ranks:
+        assert chunks > STEPS, chunks            # several chunks a step, every step
+        assert torch.equal(weight, ref), (weight - ref).abs().max()
+
+
+def _clipped(early: bool) -> tuple[float, torch.Tensor]:
+    from tests.test_sharded import force_plan
+    dear.init()
+    model = _linear()
+    opt = dear.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR), model=model,
+                                    compression=dear.Compression.quantized(bits=4, block_size=32))
+    norm = 0.0
+    for step in range(2):
+        if early:
+            force_plan(opt)
+        opt.zero_grad()
+        x, y = _data(step, dear.size(), dear.rank())
+        F.mse_loss(model(x), y).backward()
+        got = float(opt.clip_grad_norm_(0.01))
+        norm = norm or got
+        opt.step()
+    opt.flush_updates()
+    return norm, model.weight.detach().clone()
+
+
+@pytest.mark.parametrize("early", [False, True])
+def test_clipping_sees_the_averaged_dequantized_gradient(early):
+    """clip_grad_norm_ under int4: its norm is that of the average the quantized
+    reduce-scatter gives (the reference's, before the all-gather rounds it), to float32
+    rounding, and not the fp32 average's (first step); the clipped updates are the same bits
+    on every rank. `early`: from the second step the all-gathers go in chunks during backward
+    and the clip factor multiplies what they bring."""
+    ranks = run_distributed(_clipped, 2, early, timeout=120)
+    averages: list = []
+    _reference(2, 4, 32, steps=1, averages=averages)
+    want = float(torch.linalg.vector_norm(averages[0][:IN * OUT]))
+    model = _linear()                            # fp32's first averaged gradient
+    loss = sum(F.mse_loss(model(x), y) for x, y in (_data(0, 2, r) for r in range(2))) / 2
+    loss.backward()
+    fp32 = float(torch.linalg.vector_norm(model.weight.grad))
+    # Float32 sums of 1,200 squares in another order differ by at most n x eps (1.4e-4) of
+    # the sum, 7e-5 of the norm: 1e-4 covers that; int4's rounding moves the norm by 7e-3.
+    assert abs(want - fp32) > 1e-3 * fp32       # the two norms can be told apart
+    for norm, weight in ranks:
+        assert norm > 0.01                       # clipping acted
+        assert abs(norm - want) <= 1e-4 * want, (norm, want, fp32)
+        assert torch.equal(weight, ranks[0][1])
+        assert bool(torch.isfinite(weight).all())
 
 
 def _reference_fp32(world: int, steps: int = STEPS) -> torch.Tensor:
@@ -343,8 +425,9 @@ def test_unused_parameters_keep_their_flags_exact(which):
         assert {n for n in ranks[0]["momentum"] if n.startswith("branch.")} == branch
 
 
-def _scaled(_: int) -> dict:
+def _scaled(early: bool) -> dict:
     from tests.test_amp import _injected_loss
+    from tests.test_sharded import force_plan
     dear.init()
     rank, world = dear.rank(), dear.size()
     model = make_net()
@@ -353,6 +436,8 @@ def _scaled(_: int) -> dict:
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=2)
     scales = []
     for step in range(8):
+        if early:
+            force_plan(opt)
         opt.zero_grad()
         x, y = batch(step, world, rank)
         scaler.scale(_injected_loss(model, F.mse_loss(model(x), y), step)).backward()
@@ -373,12 +458,14 @@ def _ddp_scaled() -> dict:
 
 
 @pytest.mark.filterwarnings("ignore:GradScaler is going to stop:FutureWarning")
-def test_gradscaler_skips_a_step_with_inf_on_every_rank():
+@pytest.mark.parametrize("early", [False, True])
+def test_gradscaler_skips_a_step_with_inf_on_every_rank(early):
     """An inf or NaN in one rank's gradient makes its block's scale NaN, so the summed shard is
     not finite and GradScaler's check (on the reduced shards) skips the step on every rank;
-    the skipped step's residuals are dropped, so none stays NaN."""
+    the skipped step's residuals are dropped, so none stays NaN. `early`: the all-gathers go
+    in chunks during backward (a planned schedule), the unscale deferred to after them."""
     from tests.test_amp import INJECT
-    ranks = run_distributed(_scaled, 2, 0, timeout=120)
+    ranks = run_distributed(_scaled, 2, early, timeout=120)
     ddp = run_distributed(_ddp_scaled, 2, timeout=120)
     assert ranks[0]["scales"] == ranks[1]["scales"] == ddp[0]["scales"]
     assert ranks[0]["adam_steps"] == {8 - len(INJECT)}

@@ -51,7 +51,7 @@ def force_plan(opt: Any) -> None:
     if opt.dear_engine.buckets is not None and opt.dear_engine.schedule.plan is None:
         opt.dear_engine.schedule.plan = Plan(after={
             b.spec.index: tuple((b.spec.index, s, n)
-                                for s, n in chunk_columns(b.spec.shard_numel, 5))
+                                for s, n in chunk_columns(b.gather_numel, 5))
             for b in opt.dear_engine.buckets})
 
 

@@ -332,6 +332,12 @@ class Bucket:
     def start_all_gather(self, comm: Communicator) -> None:
         self.gathering(comm.all_gather(self.outgoing_shard(), self.wire))
 
+    @property
+    def gather_numel(self) -> int:
+        """Elements of this rank's all-gather message (wire_shard): what chunk columns count
+        (a quantized bucket's are the bytes of its slot)."""
+        return self.wire_shard.numel()
+
     def gather_columns(self, comm: Communicator, start: int, length: int) -> Work:
         """All-gather one chunk of the shard, columns [start, start + length); the shard must
         be averaged already (finish_reduce_scatter) and sent in the wire dtype."""

@@ -24,6 +24,11 @@ which must not be rounded: it goes in fp32 through the bucket's own buffer, as a
 bucket's does, and only the reduce-scatter is quantized. Our own chunk is then never rounded,
 so its residual stays zero.
 
+In a planned schedule the all-gather is cut into chunks like any bucket's, in backward's idle
+link time: the chunks are byte ranges of the slot, quantized whole when the first is sent
+(after the reduce-scatter, with the same averaged values, so the same bits as at step()), and
+decoded once the last one has landed.
+
 On CPU the dequantizing runs on one decode thread per process as soon as a collective lands
 (the sum during backward, the unpack before the next forward), not on the training thread at
 step() or in the pre-forward wait; on a GPU it queues on the stream where the wait happens.
@@ -37,7 +42,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from ..comm import runtime
-from ..comm.base import Communicator, Work
+from ..comm.base import CallbackWork, Communicator, Work
 from ..comm.compression import QuantizedCompressor
 from ..comm.torch_dist import StepThread
 from .bucket import Bucket
@@ -94,8 +99,6 @@ class _Slot:
 
 
 class QuantizedBucket(Bucket):
-    chunkable = False            # one all-gather message per bucket (its slots are bytes)
-
     def __init__(self, spec: BucketSpec, params: Sequence[torch.nn.Parameter],
                  codec: QuantizedCompressor, rank: int, sparse_as_dense: bool = False,
                  native: Optional[bool] = None, views: bool = False,
@@ -105,7 +108,6 @@ class QuantizedBucket(Bucket):
         assert not (sharded and views), "sharded buckets carry parameters back, not views"
         n, width = spec.world_size, spec.shard_numel
         self.codec, self.rank, self.sharded = codec, rank, sharded
-        self.chunkable = sharded     # fp32 parameters gather in chunks as any bucket's do
         # Chunk c: its first `quantized[c]` elements are gradients, the rest flags or padding.
         self.quantized = [min(max(spec.flags_offset - c * width, 0), width) for c in range(n)]
         slot = max(_Slot.nbytes(q, width - q, codec) for q in self.quantized)
@@ -144,6 +146,7 @@ class QuantizedBucket(Bucket):
         self.decode_time: dict[str, list[float]] = {"reduce": [0.0, 0.0], "gather": [0.0, 0.0]}
         self._summed = False                 # the decode thread summed the shard
         self._gathered = False               # ... and unpacked the all-gather
+        self._chunked = False                # chunks of the all-gather went out in backward
 
     @property
     def reduce_bytes(self) -> int:
@@ -218,9 +221,14 @@ class QuantizedBucket(Bucket):
         return self.wire_shard
 
     def gather_columns(self, comm: Communicator, start: int, length: int) -> Work:
+        """Bytes [start, start + length) of our slot (sharded: fp32 columns of the updated
+        parameters); the first chunk quantizes the whole averaged shard."""
         if self.sharded:
             return super().gather_columns(comm, start, length)
-        raise AssertionError("a quantized bucket is gathered whole (chunkable = False)")
+        if start == 0:
+            self.outgoing_shard()
+        self._chunked = True
+        return comm.all_gather_columns(self.wire_shard, self.wire, start, length)
 
     def start_all_gather(self, comm: Communicator) -> None:
         if self.sharded:
@@ -232,6 +240,17 @@ class QuantizedBucket(Bucket):
             return
         self._gathered = True                # decoded on the decode thread when it lands
         self.gathering(_then(work, self._timed("gather", self._unpack)))
+
+    def gathering(self, work: Optional[Work] = None) -> None:
+        """As a bucket's; after chunks (on CPU): decoded on the decode thread once every chunk
+        has landed, so the next forward finds the values ready."""
+        chunked, self._chunked = self._chunked, False
+        if not chunked or self.wire.is_cuda:
+            super().gathering(work)
+            return
+        chunks = self._gathers + ([work] if work is not None else [])
+        self._gathers, self._gathered = [], True
+        super().gathering(_then(CallbackWork(chunks), self._timed("gather", self._unpack)))
 
     def _unpack(self) -> None:
         """Every rank's slot dequantized into the buffer (our own too: every rank applies the
@@ -257,7 +276,7 @@ class QuantizedBucket(Bucket):
         try:
             super().drop()
         finally:
-            self._gathered = False
+            self._gathered = self._chunked = False
             if self.residual is not None:
                 self.residual.zero_()
 

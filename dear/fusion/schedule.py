@@ -374,7 +374,7 @@ class ScheduleDriver:
                 continue
             for bucket in group.buckets:
                 done = self._prefix.get(bucket.spec.index, 0)
-                left = bucket.spec.shard_numel - done
+                left = bucket.gather_numel - done
                 bucket.gathering(bucket.issued("all-gather", functools.partial(
                     bucket.gather_columns, self._comm, done, left)) if left else None)
 
@@ -423,7 +423,7 @@ class ScheduleDriver:
 
     def _plan_for(self, cost: LinkModel, itemsizes: Sequence[int]) -> Plan:
         return plan_gaps(self._ready, self._reduce_bytes(),
-                         [b.spec.shard_numel if b.chunkable else 0 for b in self._buckets],
+                         [b.gather_numel if b.chunkable else 0 for b in self._buckets],
                          itemsizes, self._comm.size, cost, self._chunk_bytes, self._slack)
 
     def _factor(self, plan: Plan, cost: LinkModel, measured_tail: float,
