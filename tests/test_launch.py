@@ -233,6 +233,30 @@ def test_slurm_variables_by_hand() -> None:
                      for r in range(2)]
 
 
+def test_a_derived_port_already_taken_names_master_port() -> None:
+    """Rank 0 of a Slurm step whose derived port another process listens on stops at once,
+    saying which port and that MASTER_PORT is the way out (torch's own error names neither)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        rng = random.Random()
+        while True:                                # hold the derived port of some job id
+            job = rng.randrange(1, 10**6)
+            try:
+                sock.bind(("127.0.0.1", launch.slurm_port(job, 0)))
+            except OSError:
+                continue
+            break
+        sock.listen()
+        env = _clean_env()
+        env.update({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0",
+                    "SLURM_NODEID": "0", "SLURM_STEP_TASKS_PER_NODE": "2",
+                    "SLURM_JOB_NODELIST": "localhost", "SLURM_JOB_ID": str(job),
+                    "SLURM_STEP_ID": "0"})
+        out = run([sys.executable, "-c", BODY], timeout=60, env=env)
+    assert out.returncode != 0, out.stdout
+    assert f"cannot listen on localhost:{launch.slurm_port(job, 0)}" in out.stdout, out.stdout
+    assert "MASTER_PORT" in out.stdout, out.stdout
+
+
 def test_openmpi_variables_by_hand() -> None:
     port = _free_port()
     envs = []
@@ -278,7 +302,7 @@ def test_real_mpirun_on_one_host_starts_no_mpi() -> None:
     masters = {line.split(" master=")[1] for line in lines}
     assert len(masters) == 1, masters
     addr, port = masters.pop().split(":")
-    assert addr == "127.0.0.1" and 20000 <= int(port) < 40000, (addr, port)
+    assert addr == "127.0.0.1" and 20000 <= int(port) < 32768, (addr, port)
     assert re.findall(r"MPI (True|False)", out.stdout) == ["False", "False"], out.stdout
 
 
@@ -297,7 +321,7 @@ def test_mpirun_launcher_process_names_one_launch() -> None:
         found = re.search(r"L \((\d+), (\d+)\) (\d+)", out.stdout)
         assert found, out.stdout
         ports.append(found.group(3))
-    assert ports[0] != ports[1], ports                 # equal with probability 1/20000
+    assert ports[0] != ports[1], ports                 # equal with probability 1/12768
     assert launch.mpi_launcher_process(os.getpid()) is None   # pytest is no MPI launch
 
 
@@ -317,7 +341,10 @@ def test_real_mpirun_without_mpi4py() -> None:
 def test_slurm_ports_of_neighbouring_steps_differ() -> None:
     """job * 7 + step gave job J step 7 and job J+1 step 0 the same port on one host."""
     ports = {launch.slurm_port(job, step) for job in range(5000, 5040) for step in range(12)}
-    assert len(ports) == 40 * 12 and all(20000 <= p < 40000 for p in ports)
+    lo, hi = launch.DERIVED_PORTS
+    assert len(ports) == 40 * 12 and all(lo <= p < hi for p in ports)
+    # Below Linux's ephemeral ports, where a client socket could hold the derived port.
+    assert hi <= 32768 and max(launch.slurm_port(j, 19) for j in range(600)) < hi
     assert launch.slurm_port(77, 3) == launch.slurm_port(77, 3)      # the same on every task
 
 

@@ -33,6 +33,10 @@ from typing import Mapping, MutableMapping, Optional
 
 #: first port tried when nothing names one (torchrun's default)
 DEFAULT_PORT = 29500
+#: where derived rendezvous ports lie: below Linux's ephemeral ports (32768-60999 by default),
+#: so no outgoing connection on the master's host holds the one a job derives (a port of
+#: 38110 derived by an mpirun launch was once taken by a client socket: EADDRINUSE)
+DERIVED_PORTS = (20000, 32768)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,12 +160,12 @@ def detect(environ: Optional[Mapping[str, str]] = None) -> Optional[Placement]:
 
 
 def slurm_port(job: int, step: int) -> int:
-    """The rendezvous port of a Slurm step, the same on every task, in [20000, 40000): the last
-    three digits of the job id and the step id modulo 20 side by side, so steps of jobs less
-    than 1000 apart never share one (job * 7 + step gave job J step 7 and job J+1 step 0 the
-    same). Steps 1000 jobs apart may: `job_identity` lets the rendezvous refuse a store that
-    belongs to another step."""
-    return 20000 + (job % 1000) * 20 + step % 20
+    """The rendezvous port of a Slurm step, the same on every task, in DERIVED_PORTS: the job
+    id modulo 600 and the step id modulo 20 side by side, so steps of jobs less than 600 apart
+    never share one (job * 7 + step gave job J step 7 and job J+1 step 0 the same). Steps 600
+    jobs apart may: `job_identity` lets the rendezvous refuse a store that belongs to another
+    step."""
+    return DERIVED_PORTS[0] + (job % 600) * 20 + step % 20
 
 
 def job_identity(environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
@@ -199,9 +203,10 @@ def mpi_launcher_process(pid: Optional[int] = None) -> Optional[tuple[int, int]]
 
 
 def mpirun_port(launcher: tuple[int, int]) -> int:
-    """The rendezvous port of one mpirun launch on one host, in [20000, 40000), the same on
+    """The rendezvous port of one mpirun launch on one host, in DERIVED_PORTS, the same on
     every rank (they share the launcher's process)."""
-    return 20000 + zlib.crc32(f"{launcher[0]}:{launcher[1]}".encode()) % 20000
+    lo, hi = DERIVED_PORTS
+    return lo + zlib.crc32(f"{launcher[0]}:{launcher[1]}".encode()) % (hi - lo)
 
 
 def _agree_on_master(placement: Placement) -> Placement:

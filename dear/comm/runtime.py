@@ -120,8 +120,17 @@ def init_process_group_from_env(timeout: float) -> None:
         return
     place = launch.process_env()
     assert place.master_addr is not None and place.master_port is not None  # export() set them
-    store = dist.TCPStore(place.master_addr, place.master_port, place.size,
-                          is_master=place.rank == 0, timeout=wait, wait_for_workers=False)
+    try:
+        store = dist.TCPStore(place.master_addr, place.master_port, place.size,
+                              is_master=place.rank == 0, timeout=wait, wait_for_workers=False)
+    except dist.DistNetworkError as exc:
+        if place.rank != 0:
+            raise
+        raise RuntimeError(
+            f"dear.init(): rank 0 cannot listen on {place.master_addr}:{place.master_port}, the "
+            f"port dear derived for this {job} ({exc}): another process holds it. Set "
+            "MASTER_PORT to a free port, the same on every rank (mpirun -x MASTER_PORT=...)"
+        ) from exc
     if place.rank == 0:
         store.set("dear/job", job)
     else:
