@@ -109,6 +109,12 @@ class TorchCommunicator(Communicator):
         return self._exchange if tensor.device.type == "cpu" else None
 
     def reduce_scatter(self, input: torch.Tensor, output: torch.Tensor) -> Work:
+        # A world of one: the copy the exchange or NCCL's path would make, without their
+        # layers of calls (host time a bucket; world_of_one_fast_path.md).
+        if self._size == 1 and input.numel() == output.numel():
+            if output.data_ptr() != input.data_ptr():
+                output.copy_(input)
+            return CallbackWork([])
         exchange = self._exchange_for(input)
         if exchange is not None:
             return exchange.reduce_scatter(input, output)
@@ -131,6 +137,10 @@ class TorchCommunicator(Communicator):
         return super().reduce_scatter_columns(input, output, start, length)
 
     def all_gather(self, input: torch.Tensor, output: torch.Tensor) -> Work:
+        if self._size == 1 and input.numel() == output.numel():
+            if output.data_ptr() != input.data_ptr():
+                output.copy_(input)
+            return CallbackWork([])
         exchange = self._exchange_for(input)
         if exchange is not None:
             return exchange.all_gather(input, output)
