@@ -109,12 +109,9 @@ class TorchCommunicator(Communicator):
         return self._exchange if tensor.device.type == "cpu" else None
 
     def reduce_scatter(self, input: torch.Tensor, output: torch.Tensor) -> Work:
-        # A world of one: the copy the exchange or NCCL's path would make, without their
-        # layers of calls (host time a bucket; world_of_one_fast_path.md).
-        if self._size == 1 and input.numel() == output.numel():
-            if output.data_ptr() != input.data_ptr():
-                output.copy_(input)
-            return CallbackWork([])
+        alone = _alone(input, output, gather=False) if self._size == 1 else None
+        if alone is not None:
+            return alone
         exchange = self._exchange_for(input)
         if exchange is not None:
             return exchange.reduce_scatter(input, output)
@@ -137,10 +134,9 @@ class TorchCommunicator(Communicator):
         return super().reduce_scatter_columns(input, output, start, length)
 
     def all_gather(self, input: torch.Tensor, output: torch.Tensor) -> Work:
-        if self._size == 1 and input.numel() == output.numel():
-            if output.data_ptr() != input.data_ptr():
-                output.copy_(input)
-            return CallbackWork([])
+        alone = _alone(output, input, gather=True) if self._size == 1 else None
+        if alone is not None:
+            return alone
         exchange = self._exchange_for(input)
         if exchange is not None:
             return exchange.all_gather(input, output)
@@ -246,6 +242,24 @@ class TorchCommunicator(Communicator):
             exchange.close()
         if reverse is not None and dist.is_initialized():
             dist.destroy_process_group(reverse)
+
+
+def _alone(full: torch.Tensor, shard: torch.Tensor, gather: bool) -> Optional[Work]:
+    """A world of one: the collective is one copy (full into shard; `gather`: shard into full),
+    made here after the same checks, without the exchange's or NCCL's layers of calls (host
+    time a bucket: benchmarks/results/world_of_one_fast_path.md). None where the buffers
+    partly overlap: the general path says what is wrong with that."""
+    same = full.data_ptr() == shard.data_ptr()
+    if not same and overlaps(full, shard):
+        return None
+    check_shard_sizes(full, shard, 1)
+    if same:
+        pass
+    elif gather:
+        full.copy_(shard)
+    else:
+        shard.copy_(full)
+    return CallbackWork([])
 
 
 class _Released:
