@@ -106,3 +106,46 @@ def test_a_world_of_one_updates_every_bucket_in_one_optimizer_call() -> None:
         assert max_diff(one["state"], one["plain"]) == 0.0, kind
     two = run_distributed(_optimizer_calls, 2, "sgd", timeout=120)
     assert two[0]["calls"][2:] == [two[0]["buckets"]] * 3, two[0]["calls"]
+
+
+def _alone(setting: str) -> dict:
+    """Four SGD-momentum steps through dear at one rank in `setting`, beside plain torch."""
+    from dear.fusion.fusion_config import FusionConfig
+    dear.init()
+    options: dict = {"fusion_threshold": 2048}
+    if setting == "views":
+        options["gradient_as_bucket_view"] = True
+    elif setting == "predivide":
+        options["gradient_predivide_factor"] = 4.0     # a power of two: exact in float32
+    elif setting == "groups":                          # every bucket in one all-gather group
+        options = {"fusion_config": FusionConfig(2048, 1 << 20)}
+    model, plain = make_net(), make_net()
+    opt = dear.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                    model=model, **options)
+    ref = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
+    for step in range(4):
+        for net, o in ((model, opt), (plain, ref)):
+            o.zero_grad()
+            x, y = batch(step, 1)
+            F.mse_loss(net(x), y).backward()
+            o.step()
+    opt.flush_updates()
+    engine = opt.dear_engine
+    out = {"diff": max_diff(state_of(model), state_of(plain)), "buckets": len(engine.buckets),
+           "groups": len(engine.gather_groups), "buffers": opt.memory_stats()["buffers"],
+           "one_each": sum(b.buffer.numel() * b.buffer.element_size() for b in engine.buckets)}
+    dear.shutdown()
+    return out
+
+
+def test_a_world_of_one_keeps_each_shard_in_its_bucket() -> None:
+    """One rank (torch.distributed's backend takes a buffer into itself as done): the buckets
+    hold one buffer each, no shard beside it, and training gives plain torch's bits with
+    .grad as bucket views, a predivide factor, and all-gather groups of several buckets."""
+    for setting in ("default", "views", "predivide", "groups"):
+        out = run_distributed(_alone, 1, setting, timeout=120)[0]
+        assert out["buckets"] >= 3, out
+        assert out["diff"] == 0.0, (setting, out)
+        assert out["buffers"] == out["one_each"], (setting, out)
+        if setting == "groups":
+            assert out["groups"] < out["buckets"], out

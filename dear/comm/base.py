@@ -99,6 +99,9 @@ class Communicator(abc.ABC):
     #: whether waiting for a collective on CUDA tensors only makes the current stream wait
     #: (NCCL), never the host; the planned schedule then issues its chunks on a side stream.
     stream_ordered: bool = False
+    #: whether, in a world of one, a reduce-scatter or all-gather whose output is its input is
+    #: done as issued; buckets then keep their shard in their buffer (dear/fusion/bucket.py).
+    in_place_alone: bool = False
 
     @property
     def rendezvous_store(self) -> Optional[Any]:

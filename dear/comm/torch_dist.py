@@ -59,6 +59,8 @@ class TorchCommunicator(Communicator):
     (dist.new_group would need every rank of the world) and all messages use that group.
     """
 
+    in_place_alone = True                  # _alone(): the same buffer in and out is no copy
+
     def __init__(self, group: Optional[dist.ProcessGroup] = None, *,
                  gloo_collectives: str = "pairwise", timeout: Optional[float] = None) -> None:
         self._group = group

@@ -67,7 +67,8 @@ def relayout(engine: "Engine", fusion: FusionConfig) -> None:
     layout = build_layout(engine.params, order, fusion, engine.comm.size, explicit,
                           compression, engine.sparse_as_dense, engine.ties,
                           row_sparse, engine.comm.rank, views=engine.views is not None,
-                          sharded=engine.updates.sharded)
+                          sharded=engine.updates.sharded,
+                          shard_in_buffer=engine.comm.size == 1 and engine.comm.in_place_alone)
     engine.fusion = fusion
     engine.layout = layout
     engine.buckets, engine.where = layout.buckets, layout.where

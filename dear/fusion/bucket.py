@@ -4,7 +4,8 @@
 
 The same flat buffer carries the local gradients into the reduce-scatter and the averaged
 gradients out of the all-gather: once the reduce-scatter is done the local gradients are no
-longer needed, so the bucket costs one buffer plus one shard of memory.
+longer needed, so the bucket costs one buffer plus one shard of memory (in a world of one, whose
+backend takes a collective from a buffer into itself, the shard is the buffer: one buffer).
 
 Backward's hooks only take references to the gradients (`pack`); they are copied into the
 buffer right before the reduce-scatter is issued (`fill`), by whichever thread issues it. Under
@@ -46,15 +47,20 @@ class Bucket:
     def __init__(self, spec: BucketSpec, params: Sequence[torch.nn.Parameter],
                  wire_dtype: Optional[torch.dtype] = None, sparse_as_dense: bool = False,
                  native: Optional[bool] = None, views: bool = False,
-                 piece_bytes: int = 0) -> None:
+                 piece_bytes: int = 0, shard_in_buffer: bool = False) -> None:
         self.spec = spec
         self.sparse_as_dense = sparse_as_dense
         self.params = list(params)
         self.buffer = torch.zeros(spec.padded_numel, dtype=spec.dtype, device=spec.device)
-        self.shard = torch.empty(spec.shard_numel, dtype=spec.dtype, device=spec.device)
+        compressed = wire_dtype is not None and wire_dtype != spec.dtype
+        # `shard_in_buffer` (a world of one whose backend takes a collective from a buffer into
+        # itself as done: Communicator.in_place_alone): the shard is the buffer, so neither
+        # collective copies anything and the bucket costs one buffer, not two.
+        self.shard = (self.buffer if shard_in_buffer and spec.world_size == 1 and not compressed
+                      else torch.empty(spec.shard_numel, dtype=spec.dtype, device=spec.device))
         # Compression: what travels is a copy in the wire dtype; averaging stays in spec.dtype.
         self.wire, self.wire_shard = self.buffer, self.shard
-        if wire_dtype is not None and wire_dtype != spec.dtype:
+        if compressed:
             self.wire = torch.empty(spec.padded_numel, dtype=wire_dtype, device=spec.device)
             self.wire_shard = torch.empty(spec.shard_numel, dtype=wire_dtype, device=spec.device)
         # A bucket larger than `piece_bytes` (the fusion threshold: a parameter larger than a

@@ -36,7 +36,7 @@ class GatherGroup:
     def __init__(self, buckets: Sequence[Bucket], world_size: int) -> None:
         self.buckets = list(buckets)
         self._world = world_size
-        if len(self.buckets) > 1:
+        if len(self.buckets) > 1 and world_size > 1:
             first = self.buckets[0].wire_shard
             self._sizes = [b.wire_shard.numel() for b in self.buckets]
             total = sum(self._sizes)
@@ -49,8 +49,9 @@ class GatherGroup:
         return sum(b.wire.numel() * b.wire.element_size() for b in self.buckets)
 
     def start(self, comm: Communicator) -> None:
-        if len(self.buckets) == 1:
-            self.buckets[0].start_all_gather(comm)
+        if len(self.buckets) == 1 or self._world == 1:   # alone: nothing to fuse, no copies
+            for bucket in self.buckets:
+                bucket.start_all_gather(comm)
             return
         for bucket, part in zip(self.buckets, self._send_parts):
             part.copy_(bucket.outgoing_shard())

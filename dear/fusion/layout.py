@@ -58,17 +58,18 @@ def build_layout(params: Sequence[torch.nn.Parameter], order: Sequence[int],
                  explicit: Optional[Sequence[Sequence[int]]], compression: Compressor,
                  sparse_as_dense: bool, tied: Sequence[Sequence[int]] = (),
                  row_sparse: Collection[int] = (), rank: int = 0, views: bool = False,
-                 sharded: bool = False) -> Layout:
+                 sharded: bool = False, shard_in_buffer: bool = False) -> Layout:
     """`row_sparse`: parameters (2-D, no wire compression) sent as their used rows
     (dear/fusion/rows.py); `rank`: this process's, for their shards; `views`: .grad may be a
     view of the dense buckets' buffers (gradient_as_bucket_view, dear/fusion/views.py);
     `sharded`: the all-gathers carry updated parameters (shard_optimizer_state), so a
-    quantized bucket gathers them in fp32."""
+    quantized bucket gathers them in fp32; `shard_in_buffer`: a dense bucket's shard is its
+    buffer (a world of one, see Bucket)."""
     row_sparse = {i for i in row_sparse if params[i].dim() == 2 and not compression.quantizes
                   and compression.wire_dtype(params[i].dtype) in (None, params[i].dtype)}
     specs, plan = plan_layout(params, order, fusion, world_size, explicit, tied, row_sparse)
     buckets = [_bucket(s, [params[i] for i in s.params], row_sparse, compression, fusion,
-                       sparse_as_dense, rank, views, sharded) for s in specs]
+                       sparse_as_dense, rank, views, sharded, shard_in_buffer) for s in specs]
     where: list[tuple[Bucket, int]] = [None] * len(params)  # type: ignore[list-item]
     for bucket in buckets:
         for j, i in enumerate(bucket.spec.params):
@@ -78,7 +79,7 @@ def build_layout(params: Sequence[torch.nn.Parameter], order: Sequence[int],
 
 def _bucket(spec: BucketSpec, params: list[torch.nn.Parameter], row_sparse: Collection[int],
             compression: Compressor, fusion: FusionConfig, sparse_as_dense: bool, rank: int,
-            views: bool, sharded: bool) -> Bucket:
+            views: bool, sharded: bool, shard_in_buffer: bool) -> Bucket:
     if len(spec.params) == 1 and spec.params[0] in row_sparse:
         return RowSparseBucket(spec, params, rank, sparse_as_dense)
     if compression.quantizes and spec.dtype == torch.float32:
@@ -86,4 +87,5 @@ def _bucket(spec: BucketSpec, params: list[torch.nn.Parameter], row_sparse: Coll
         return QuantizedBucket(spec, params, compression, rank, sparse_as_dense, views=views,
                                sharded=sharded)
     return Bucket(spec, params, compression.wire_dtype(spec.dtype), sparse_as_dense,
-                  views=views, piece_bytes=fusion.rs_threshold)
+                  views=views, piece_bytes=fusion.rs_threshold,
+                  shard_in_buffer=shard_in_buffer and not sharded)
