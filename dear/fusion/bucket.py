@@ -317,7 +317,8 @@ class Bucket:
             if postscale != 1.0:
                 self.shard.mul_(postscale)
             if self.shard.is_cuda:
-                self._averaged_event = torch.cuda.Event()
+                if self._averaged_event is None:    # one a bucket, recorded each iteration
+                    self._averaged_event = torch.cuda.Event()
                 self._averaged_event.record(torch.cuda.current_stream(self.shard.device))
             self._averaged = True
 
@@ -421,7 +422,6 @@ class Bucket:
         self.transformed = None
         self._gathers = []
         self._averaged = False
-        self._averaged_event = None
         self._all_used_here = False
         self.taken_version = None
         self.outgoing = None
