@@ -193,14 +193,14 @@ def features(world: int) -> list[dict]:
     return run_distributed(loop_features, world, timeout=240)
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [1, 2, 3])
 def test_gradient_accumulation_equals_larger_batch(world: int) -> None:
     ref, exact = (reference("sgd", world, STEPS, dtype=d) for d in (torch.float32, torch.float64))
     for res in features(world):
         assert_float32_close(res["accumulation"], exact, ref, what="accumulation")
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [1, 2, 3])
 def test_branch_unused_on_some_ranks_or_all(world: int) -> None:
     ref, exact = (reference("sgd", world, STEPS, branch=True, dtype=d)
                   for d in (torch.float32, torch.float64))
@@ -208,7 +208,7 @@ def test_branch_unused_on_some_ranks_or_all(world: int) -> None:
         assert_float32_close(res["branch"], exact, ref, what="branch")
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [1, 2, 3])
 def test_scheduler_zero_grad_to_zero_and_frozen(world: int) -> None:
     ref, exact = (reference("sgd", world, STEPS, frozen=True, scheduler=True, dtype=d)
                   for d in (torch.float32, torch.float64))
@@ -218,7 +218,7 @@ def test_scheduler_zero_grad_to_zero_and_frozen(world: int) -> None:
         assert torch.equal(res["scheduler_frozen"]["fc2.weight"], frozen_init)
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [1, 2, 3])
 def test_checkpoint_and_eval_see_applied_update_and_resume(world: int) -> None:
     at_ckpt = reference("adam", world, STEPS // 2)
     full = reference("adam", world, STEPS)
@@ -235,7 +235,7 @@ def test_checkpoint_and_eval_see_applied_update_and_resume(world: int) -> None:
         assert_float32_close(res["resumed"], exact_full, full, what="resumed")
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [1, 2, 3])
 def test_named_parameters_without_model(world: int) -> None:
     ref, exact = (reference("adam", world, STEPS, dtype=d) for d in (torch.float32, torch.float64))
     for res in features(world):
