@@ -62,7 +62,7 @@ def results(world: int) -> list[dict]:
     return run_distributed(all_cases, world, timeout=150)
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [1, 2, 3])
 @pytest.mark.parametrize("norm_type", NORMS)
 @pytest.mark.parametrize("layout", list(THRESHOLDS))
 def test_equals_clipping_the_all_reduced_gradient(world: int, norm_type: float,

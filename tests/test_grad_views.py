@@ -100,7 +100,7 @@ def checks(world: int) -> list[dict]:
     return run_distributed(views_checks, world, timeout=240, env={"DEAR_PLAN_AFTER": "2"})
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [1, 2, 3])
 @pytest.mark.parametrize("opt", ["sgd", "adam"])
 def test_views_train_like_one_process_and_like_copies(world: int, opt: str) -> None:
     ref, exact = (reference(opt, world, STEPS, dtype=d) for d in (torch.float32, torch.float64))
@@ -112,7 +112,7 @@ def test_views_train_like_one_process_and_like_copies(world: int, opt: str) -> N
             assert max_diff(views, res[(opt, schedule, "copy")]) == 0.0
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [1, 2, 3])
 def test_grad_is_the_bucket_and_holds_the_average(world: int) -> None:
     for res in checks(world):
         assert res["same_memory"] and res["in_buffer"]
@@ -140,7 +140,7 @@ def view_features(world: int) -> list[dict]:
     return run_distributed(loop_features, world, timeout=240, env=VIEWS)
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [1, 2, 3])
 def test_loop_features_with_views(world: int) -> None:
     """Accumulation, a branch some ranks skip (zero_grad(set_to_none=True) leaves it out, as
     one process does), no model=, zero_grad(set_to_none=False) with a scheduler, checkpoints."""
