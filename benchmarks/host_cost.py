@@ -127,6 +127,10 @@ def issue_collectives_at_one() -> None:
                                                          async_op=True)])
 
     TorchCommunicator.reduce_scatter, TorchCommunicator.all_gather = rs, ag  # type: ignore
+    # and its buckets keep a shard beside the buffer, as at any other size (the layout is
+    # built inside the method's first steps, while its flag is set)
+    TorchCommunicator.in_place_alone = property(  # type: ignore[assignment]
+        lambda self: not _COLLECTIVES_AT_ONE[0])
 
 
 class Runner:

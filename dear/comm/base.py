@@ -228,6 +228,10 @@ class WrappedCommunicator(Communicator):
     def local_rank(self) -> int:
         return self.inner.local_rank
 
+    @property
+    def in_place_alone(self) -> bool:  # type: ignore[override]
+        return self.inner.in_place_alone
+
     def __getattr__(self, name: str) -> Any:        # backend extras (.group, ...)
         if name == "inner":                          # not set yet (unpickling, __init__)
             raise AttributeError(name)

@@ -207,7 +207,6 @@ class RecordedCommunicator(WrappedCommunicator):
         self.channel = FlightChannel(MAIN, list(range(inner.size)), recorder)
         self.issue_from_any_thread = inner.issue_from_any_thread
         self.stream_ordered = inner.stream_ordered
-        self.in_place_alone = inner.in_place_alone
 
     @property
     def recorder(self) -> FlightRecorder:
