@@ -5,7 +5,8 @@
 The same flat buffer carries the local gradients into the reduce-scatter and the averaged
 gradients out of the all-gather: once the reduce-scatter is done the local gradients are no
 longer needed, so the bucket costs one buffer plus one shard of memory (in a world of one, whose
-backend takes a collective from a buffer into itself, the shard is the buffer: one buffer).
+backend takes a collective from a buffer into itself, the shard is the buffer and neither
+collective is issued: one buffer, `alone`).
 
 Backward's hooks only take references to the gradients (`pack`); they are copied into the
 buffer right before the reduce-scatter is issued (`fill`), by whichever thread issues it. Under
@@ -25,7 +26,7 @@ import torch
 
 from .. import native as _native
 from ..comm import runtime as _runtime
-from ..comm.base import REFUSED_AT_ISSUE, CallbackWork, Communicator, Work
+from ..comm.base import REFUSED_AT_ISSUE, CallbackWork, Communicator, DoneWork, Work
 from .plan import chunk_columns
 from .planner import BucketSpec
 
@@ -54,9 +55,11 @@ class Bucket:
         self.buffer = torch.zeros(spec.padded_numel, dtype=spec.dtype, device=spec.device)
         compressed = wire_dtype is not None and wire_dtype != spec.dtype
         # `shard_in_buffer` (a world of one whose backend takes a collective from a buffer into
-        # itself as done: Communicator.in_place_alone): the shard is the buffer, so neither
-        # collective copies anything and the bucket costs one buffer, not two.
-        self.shard = (self.buffer if shard_in_buffer and spec.world_size == 1 and not compressed
+        # itself as done: Communicator.in_place_alone): the shard is the buffer, so both
+        # collectives are done as issued and are not issued (Horovod's world of one issues
+        # none either), and the bucket costs one buffer, not two.
+        self.alone = shard_in_buffer and spec.world_size == 1 and not compressed
+        self.shard = (self.buffer if self.alone
                       else torch.empty(spec.shard_numel, dtype=spec.dtype, device=spec.device))
         # Compression: what travels is a copy in the wire dtype; averaging stays in spec.dtype.
         self.wire, self.wire_shard = self.buffer, self.shard
@@ -270,6 +273,8 @@ class Bucket:
         """The collective(s) of the filled, prescaled buffer (a row-sparse table sends its
         rows). In pieces only where the backend reads them in place: elsewhere each piece
         would first be copied, memory spent for nothing measured (ab_rs_pieces.md)."""
+        if self.alone:
+            return DoneWork()
         if self.wire is not self.buffer:
             self.wire.copy_(self.buffer)
         if len(self.rs_pieces) == 1 or not comm.pieces_in_place(self.wire):
@@ -337,6 +342,9 @@ class Bucket:
         return self.wire_shard
 
     def start_all_gather(self, comm: Communicator) -> None:
+        if self.alone and self.outgoing is None:
+            self.gathering(DoneWork())
+            return
         self.gathering(comm.all_gather(self.outgoing_shard(), self.wire))
 
     @property
