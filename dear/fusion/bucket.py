@@ -56,8 +56,8 @@ class Bucket:
         compressed = wire_dtype is not None and wire_dtype != spec.dtype
         # `shard_in_buffer` (a world of one whose backend takes a collective from a buffer into
         # itself as done: Communicator.in_place_alone): the shard is the buffer, so both
-        # collectives are done as issued and are not issued (Horovod's world of one issues
-        # none either), and the bucket costs one buffer, not two.
+        # collectives would leave it as it is and are not issued (Horovod issues none at one
+        # rank either), and the bucket costs one buffer, not two.
         self.alone = shard_in_buffer and spec.world_size == 1 and not compressed
         self.shard = (self.buffer if self.alone
                       else torch.empty(spec.shard_numel, dtype=spec.dtype, device=spec.device))
