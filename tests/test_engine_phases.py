@@ -141,11 +141,13 @@ def _alone(setting: str) -> dict:
 def test_a_world_of_one_keeps_each_shard_in_its_bucket() -> None:
     """One rank (torch.distributed's backend takes a buffer into itself as done): the buckets
     hold one buffer each, no shard beside it, and training gives plain torch's bits with
-    .grad as bucket views, a predivide factor, and all-gather groups of several buckets."""
-    for setting in ("default", "views", "predivide", "groups"):
-        out = run_distributed(_alone, 1, setting, timeout=120)[0]
-        assert out["buckets"] >= 3, out
-        assert out["diff"] == 0.0, (setting, out)
-        assert out["buffers"] == out["one_each"], (setting, out)
-        if setting == "groups":
-            assert out["groups"] < out["buckets"], out
+    .grad as bucket views, a predivide factor, and all-gather groups of several buckets, on
+    the C++ gradient hooks and on the Python ones."""
+    for env in ({}, {"DEAR_NATIVE": "0"}):         # the default: C++ where it was built
+        for setting in ("default", "views", "predivide", "groups"):
+            out = run_distributed(_alone, 1, setting, timeout=120, env=env)[0]
+            assert out["buckets"] >= 3, out
+            assert out["diff"] == 0.0, (setting, env, out)
+            assert out["buffers"] == out["one_each"], (setting, env, out)
+            if setting == "groups":
+                assert out["groups"] < out["buckets"], out
