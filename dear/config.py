@@ -164,6 +164,14 @@ class Config:
     #: faster in scratch runs (2 ranks; step() waited 50-210 ms less) but ResNet-50 on 4 ranks
     #: 3% slower in make bench's table (1.087 -> 1.123 x T_lb), so the default stayed 0.1.
     plan_slack: float = 0.1
+    #: on CPU tensors, after the plan's check, hold it back for plan_after iterations in DeAR's
+    #: order and keep it only if its own iterations were faster than those in DeAR's order
+    #: before and after it (DEAR_PLAN_VERIFY; rank 0 decides, every rank follows). Where the
+    #: link is the cores' own work (loopback Gloo on few cores) the chunks and the collective
+    #: thread compete with backward (benchmarks/results/planned_vs_dear_order_host_bound.md).
+    #: Off by default: it adds plan_after iterations before the schedule settles, and on this
+    #: machine's noisy loopback runs it dropped the slower plan in 4 of 6.
+    plan_verify: bool = False
     #: embedding tables sent as the rows some rank used (dear/fusion/rows.py): "auto" (the
     #: model's dense, untied nn.Embedding tables of 1 MB or more; nothing without model=),
     #: "off", or comma-separated parameter names (DEAR_ROW_SPARSE).
@@ -198,6 +206,7 @@ class Config:
         "plan_after": ("DEAR_PLAN_AFTER", int),
         "chunk_bytes": ("DEAR_CHUNK_BYTES", _parse_bytes),
         "plan_slack": ("DEAR_PLAN_SLACK", _parse_finite),
+        "plan_verify": ("DEAR_PLAN_VERIFY", _parse_bool),
         "row_sparse": ("DEAR_ROW_SPARSE", str),
         "gradient_as_bucket_view": ("DEAR_GRADIENT_AS_BUCKET_VIEW", _parse_bool),
         "shard_optimizer_state": ("DEAR_SHARD_OPTIMIZER_STATE", _parse_bool),

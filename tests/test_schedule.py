@@ -354,6 +354,63 @@ def test_plan_checked_against_the_link_and_made_again() -> None:
         assert max_diff(res["params"], ref) <= 1e-6 * scale
 
 
+VERIFY_STEPS = 12      # learn, 2 in DeAR's order, 2 planned, 2 held back, then decided
+
+
+def _verified_run(planned_step_s: float) -> dict:
+    """Adam with the planned schedule under a virtual clock between step()s: each iteration
+    takes 1 s in DeAR's order and `planned_step_s` while a plan is in force."""
+    schedule = dear.fusion.schedule
+    now = [0.0]
+    schedule._now = lambda: now[0]
+    dear.init()
+    rank, world = dear.rank(), dear.size()
+    model = make_net()
+    opt = dear.DistributedOptimizer(OPTIMIZERS["adam"](model.parameters()), model=model,
+                                    fusion_threshold=1024, schedule="planned")
+    driver = opt.dear_engine.schedule
+    plans, threaded = [], []
+    for step in range(VERIFY_STEPS):
+        now[0] += planned_step_s if driver.active else 1.0
+        opt.zero_grad()
+        x, y = batch(step, world, rank)
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        plans.append(driver.plan is not None)
+        threaded.append(schedule.planned_somewhere())
+    opt.flush_updates()
+    out = {"params": state_of(model), "plans": plans, "threaded": threaded}
+    dear.shutdown()
+    return out
+
+
+@pytest.mark.parametrize("planned_step_s,verify,kept", [(2.0, "1", False), (0.5, "1", True),
+                                                         (2.0, "0", True)])
+def test_a_plan_slower_than_dears_order_is_dropped(planned_step_s: float, verify: str,
+                                                   kept: bool) -> None:
+    """DEAR_PLAN_VERIFY=1 (off by default; a virtual clock, so no timing): after its
+    check the plan is held back for as many iterations in DeAR's order (backward's collectives
+    issued by the training thread), then kept only if its iterations were faster than DeAR's
+    order's before and after it, on every rank at the same step; with the check off (the
+    default) a slower plan runs on. Training equals the single process either way."""
+    ranks = run_distributed(_verified_run, 2, planned_step_s, timeout=180,
+                            env={"DEAR_PLAN_AFTER": "2", "DEAR_PLAN_VERIFY": verify})
+    ref = reference("adam", 2, VERIFY_STEPS)
+    scale = max(v.abs().max().item() for v in ref.values())
+    for res in ranks:
+        plans, threaded = res["plans"], res["threaded"]
+        assert plans == ranks[0]["plans"] and threaded == ranks[0]["threaded"]
+        assert plans.count(True) >= 2, plans                   # a plan was made and ran
+        first = plans.index(True)
+        held = [k for k in range(first, len(plans)) if not plans[k]]
+        if verify == "0":
+            assert not held and threaded[-1], res
+        else:                                                  # held back, on one thread
+            assert held and not any(threaded[k] for k in held), res
+            assert plans[-1] == kept and threaded[-1] == kept, res
+        assert max_diff(res["params"], ref) <= 1e-6 * scale
+
+
 def _two_optimizers() -> dict:
     """Two dear optimizers on one model (half the parameters each), both planned: their
     backward collectives share one executor, so one order on every rank."""

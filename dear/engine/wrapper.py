@@ -312,7 +312,8 @@ def attach(opt: Any, named: list[tuple[str, torch.nn.Parameter]],
     # engine's communicator, which a tracer may swap for its recording proxy.
     planned = (cfg.schedule if schedule is None else schedule) == "planned"
     engine.schedule = ScheduleDriver(_comm_of(engine), planned, cfg.plan_after,
-                                     cfg.chunk_bytes, issue_mode(params, comm), cfg.plan_slack)
+                                     cfg.chunk_bytes, issue_mode(params, comm), cfg.plan_slack,
+                                     cfg.plan_verify)
     driver = engine.schedule
     engine.owned_comm = comm if owns_comm else None
     engine.buffer_sync, engine.sparse = buffer_sync, sparse

@@ -16,7 +16,10 @@ backward (when each bucket became ready, when backward ended) with a greedy simu
 (`plan_gaps`: after each reduce-scatter, the chunks that finish before the next bucket is ready)
 and broadcasts the plan. Once the plan has run as many iterations, rank 0 checks it against the
 tail it met (how long after backward's end the reduce-scatters were back) and plans again
-where the link was slower or faster than modelled (`calibrate`). The plan only says WHICH
+where the link was slower or faster than modelled (`calibrate`); with `verify`
+(DEAR_PLAN_VERIFY=1) it then drops it where its iterations were not faster than those in DeAR's
+order (on CPU tensors: loopback's "link" is the cores' own work, which the chunks then take from
+backward). The plan only says WHICH
 chunks follow WHICH reduce-scatter; WHEN is up to readiness: a chunk cannot be sent before its
 bucket's reduce-scatter is complete, and the training thread must not wait for that. So every
 collective of a backward pass is issued by one thread (`CommExecutor`, below) in the
@@ -39,7 +42,9 @@ import collections
 import contextlib
 import functools
 import logging
+import statistics
 import threading
+import time
 from typing import Any, Callable, ContextManager, Optional, Sequence
 
 import torch
@@ -72,6 +77,11 @@ def scope(name: str) -> ContextManager[Any]:
     otherwise). The engine's phases and this module's collective thread use it."""
     return (torch.autograd.profiler.record_function(name)
             if torch.autograd.profiler._is_profiler_enabled else contextlib.nullcontext())
+
+
+def _now() -> float:
+    """The clock between step()s (ScheduleDriver's check of a plan against DeAR's order)."""
+    return time.perf_counter()
 
 
 # ------------------------------------------------------------------ the issuing thread
@@ -172,18 +182,22 @@ class CommExecutor:
 # --------------------------------------------------------------- one per process
 _shared: Optional[CommExecutor] = None
 _shared_lock = threading.Lock()
-_planned_somewhere = False      # some optimizer of this process runs a plan: all go threaded
+_planners: set[int] = set()     # the drivers of this process running a plan: all go threaded
 
 
 def planned_somewhere() -> bool:
-    return _planned_somewhere
+    return bool(_planners)
 
 
-def mark_planned() -> None:
-    """A plan runs in this process: from now on every optimizer's backward collectives go
-    through the shared executor, so they keep one order."""
-    global _planned_somewhere
-    _planned_somewhere = True
+def mark_planned(driver: object, planned: bool = True) -> None:
+    """A plan runs in this process (or, `planned` False, `driver`'s stopped): while any runs,
+    every optimizer's backward collectives go through the shared executor, so they keep one
+    order. Every rank starts and stops plans at the same step (rank 0 decides, broadcast),
+    after the executor was drained."""
+    if planned:
+        _planners.add(id(driver))
+    else:
+        _planners.discard(id(driver))
 
 
 def shared_executor() -> CommExecutor:
@@ -202,9 +216,10 @@ def shared_executor() -> CommExecutor:
 
 def close_shared() -> None:
     """dear.shutdown(): stop the executor's thread (a later dear.init() starts a new one)."""
-    global _shared, _planned_somewhere
+    global _shared
     with _shared_lock:
-        executor, _shared, _planned_somewhere = _shared, None, False
+        executor, _shared = _shared, None
+        _planners.clear()
     if executor is not None:
         executor.drain()
         executor.close()
@@ -236,8 +251,8 @@ class ScheduleDriver:
     the training thread, the plan's chunks on a side stream; None: no plan can run."""
 
     def __init__(self, comm_of: Callable[[], Communicator], enabled: bool, plan_after: int,
-                 chunk_bytes: int, mode: Optional[str] = "thread", slack: float = 0.1
-                 ) -> None:
+                 chunk_bytes: int, mode: Optional[str] = "thread", slack: float = 0.1,
+                 verify: bool = False) -> None:
         self._comm_of = comm_of                 # the optimizer's (dear.diagnose may wrap it)
         if comm_of().size == 1:
             mode = None                         # nothing to plan
@@ -256,6 +271,16 @@ class ScheduleDriver:
         self._checking = False                  # a plan runs; its tail is being measured
         self._ready: list[float] = []           # rank 0: the measured backward planned from
         self._steps = 0                         # step()s measured by the current clock
+        # `verify` (Config.plan_verify): after its check, the plan is held back for as many
+        # iterations in DeAR's order and kept only if its own iterations were faster than
+        # those in DeAR's order before and after it (the mean of the two: a machine warming
+        # up or slowing down favours neither). Only where the training thread's time is the
+        # iteration's ("thread": CPU tensors); on a GPU the host runs ahead.
+        self._verify = verify and mode == "thread"
+        self._intervals: list[float] = []       # seconds between step()s in this window
+        self._last_step: Optional[float] = None
+        self._medians: list[float] = []         # DeAR's order before, the plan's (rank 0)
+        self._trial: Optional[Plan] = None      # the plan held back while DeAR's order runs
         self._buckets: list[Any] = []
         self._prefix: dict[int, int] = {}       # columns of each bucket gathered in backward
         self.paused = False                     # e.g. dear.KFAC edits the shards before gathers
@@ -285,6 +310,7 @@ class ScheduleDriver:
         self.plan, self._steps, self._checking = None, 0, False
         self._clock = BackwardClock(len(buckets), self._device) if self.enabled else None
         self._prefix = {}
+        self._intervals, self._last_step, self._medians, self._trial = [], None, [], None
 
     @property
     def active(self) -> bool:
@@ -389,6 +415,10 @@ class ScheduleDriver:
         self._prefix = {}
         if self._clock is not None:
             self._steps += 1
+            now = _now()
+            if self._last_step is not None:
+                self._intervals.append(now - self._last_step)
+            self._last_step = now
 
     def maybe_plan(self, itemsizes: Sequence[int]) -> None:
         """At step(), with nothing in flight (before its all-gathers), every rank at the same
@@ -396,6 +426,9 @@ class ScheduleDriver:
         once the plan has run as many, check it against the link it met (`_check`)."""
         if self._clock is None or self.paused or self._steps < self._plan_after:
             return                              # (paused is the same on every rank)
+        if self._trial is not None:
+            self._decide()
+            return
         if self._checking:
             self._check(itemsizes)
             return
@@ -411,12 +444,13 @@ class ScheduleDriver:
                      8e-9 * cost.rate["reduce_scatter"], 8e-9 * cost.rate["all_gather"])
         self.plan = self._comm.broadcast_object(plan, 0)
         if self.plan is not None:               # from now on every optimizer's backward
-            mark_planned()                       # collectives share the executor's order
+            mark_planned(self)                   # collectives share the executor's order
         self.cost = cost                        # (rank 0's is the one planned with)
         self._checking = self.plan is not None
         self._clock = (BackwardClock(len(self._buckets), self._device) if self._checking
                        else None)
         self._steps = 0
+        self._next_window()                     # (not across the probe)
 
     def _reduce_bytes(self) -> list[int]:
         return [b.reduce_bytes for b in self._buckets]
@@ -441,7 +475,8 @@ class ScheduleDriver:
         ResNet-50's tail was 40 ms where the plan predicted 7. Rank 0 compares the tail the
         planned iterations met with the plan's replay and, if they differ, plans once more
         with the costs scaled by the factor that explains it. Broadcast either way (a
-        collective)."""
+        collective). Then, with `verify`, the plan is held back for as many iterations in
+        DeAR's order, after which `_decide` keeps or drops it."""
         plan, cost = self.plan, self.cost
         assert plan is not None and cost is not None and self._clock is not None
         if self._comm.rank == 0 and self._clock.samples:
@@ -454,7 +489,40 @@ class ScheduleDriver:
                      "plan's: %d chunks", 1e3 * measured, factor, plan.num_chunks)
         self.plan = self._comm.broadcast_object(plan, 0)
         self.cost = cost
-        self._clock, self._checking = None, False
+        self._checking = False
+        if not self._verify:
+            self._clock = None
+            return
+        # DeAR's order again for as many iterations, issued by the training thread
+        self._trial, self.plan = self.plan, None
+        mark_planned(self, False)
+        self._steps = 0
+        self._next_window()
+
+    def _decide(self) -> None:
+        """After the plan was held back for plan_after iterations in DeAR's order: rank 0
+        keeps it if its iterations were faster than the mean of DeAR's order's before and
+        after it (medians of the seconds between step()s). Broadcast (a collective)."""
+        keep = True
+        if self._comm.rank == 0:
+            self._next_window()
+            if len(self._medians) == 3:
+                before, planned, after = self._medians
+                keep = planned < (before + after) / 2
+                log.info("dear: planned schedule %s: its iterations took %.1f ms, DeAR's order "
+                         "%.1f ms before it and %.1f ms after (DEAR_PLAN_VERIFY=0 keeps "
+                         "every plan)", "kept" if keep else "dropped", 1e3 * planned,
+                         1e3 * before, 1e3 * after)
+        if self._comm.broadcast_object(keep, 0):
+            self.plan = self._trial
+            mark_planned(self)
+        self._trial, self._clock = None, None
+
+    def _next_window(self) -> None:
+        """The window of step()s measured so far ends here (its median kept, if any)."""
+        if self._intervals:
+            self._medians.append(statistics.median(self._intervals))
+        self._intervals, self._last_step = [], None
 
     def close(self) -> None:
         """This optimizer is done: what it submitted is issued (the thread is the process's,
