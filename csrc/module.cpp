@@ -69,16 +69,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("num_recorded", &dear::GradReady::num_recorded)
       .def("size", &dear::GradReady::size)
       .def("missing", &dear::GradReady::missing)
-      .def("first_edited",
-           [](const dear::GradReady& self, const std::vector<at::Tensor>& params) {
-             // Digests read every gradient: let the communication threads run meanwhile. A
-             // check of versions alone takes microseconds, less than winning the GIL back
-             // from a busy thread can (up to the 5 ms switch interval), so it keeps the GIL.
-             if (!self.digesting()) return self.first_edited(params);
-             py::gil_scoped_release no_gil;
-             return self.first_edited(params);
-           },
-           py::arg("params"),
+      .def("first_edited", &dear::GradReady::first_edited, py::arg("params"),
+           py::call_guard<py::gil_scoped_release>(),  // it reads gradients: let comm run
            "First recorded parameter whose .grad was replaced or edited since, or -1.")
       .def("used", &dear::GradReady::used)
       .def("all_used", &dear::GradReady::all_used)
