@@ -415,10 +415,11 @@ class ScheduleDriver:
         self._prefix = {}
         if self._clock is not None:
             self._steps += 1
-            now = _now()
-            if self._last_step is not None:
-                self._intervals.append(now - self._last_step)
-            self._last_step = now
+            if self._verify:
+                now = _now()
+                if self._last_step is not None:
+                    self._intervals.append(now - self._last_step)
+                self._last_step = now
 
     def maybe_plan(self, itemsizes: Sequence[int]) -> None:
         """At step(), with nothing in flight (before its all-gathers), every rank at the same
