@@ -164,14 +164,21 @@ class Config:
     #: faster in scratch runs (2 ranks; step() waited 50-210 ms less) but ResNet-50 on 4 ranks
     #: 3% slower in make bench's table (1.087 -> 1.123 x T_lb), so the default stayed 0.1.
     plan_slack: float = 0.1
-    #: on CPU tensors, after the plan's check, hold it back for plan_after iterations in DeAR's
-    #: order and keep it only if its own iterations were faster than those in DeAR's order
-    #: before and after it (DEAR_PLAN_VERIFY; rank 0 decides, every rank follows). Where the
-    #: link is the cores' own work (loopback Gloo on few cores) the chunks and the collective
-    #: thread compete with backward (benchmarks/results/planned_vs_dear_order_host_bound.md).
-    #: Off by default: it adds plan_after iterations before the schedule settles, and on this
-    #: machine's noisy loopback runs it dropped the slower plan in 4 of 6.
+    #: on CPU tensors, verify every plan: after its check, it alternates with DeAR's order in
+    #: windows of plan_after iterations, 3 of each, and is kept only if its windows were
+    #: faster (DEAR_PLAN_VERIFY; rank 0 decides, every rank follows). Off by default: it adds
+    #: 6 x plan_after iterations before the schedule settles; plans on a host-bound link
+    #: (plan_contention) are verified anyway.
     plan_verify: bool = False
+    #: on CPU tensors, verify the plan (as plan_verify) where more than this share of the link
+    #: time it moves into backward is host work taken from backward's compute
+    #: (plan.contention: the probe's CPU per second of collective, backward's busy cores, the
+    #: rank's cores; DEAR_PLAN_CONTENTION; 1: never). There the plan's model (link time is free
+    #: beside compute) does not hold: on loopback Gloo with CPU compute (0.65-0.95 measured) a
+    #: plan cost BERT-Base's layout 0-3 ms an iteration and saved ResNet-50's about 1 ms
+    #: (benchmarks/results/planned_vs_dear_order_host_bound.md); the emulated accelerator
+    #: (compute that frees the cores, a shaped link) measures 0.
+    plan_contention: float = 0.5
     #: embedding tables sent as the rows some rank used (dear/fusion/rows.py): "auto" (the
     #: model's dense, untied nn.Embedding tables of 1 MB or more; nothing without model=),
     #: "off", or comma-separated parameter names (DEAR_ROW_SPARSE).
@@ -207,6 +214,7 @@ class Config:
         "chunk_bytes": ("DEAR_CHUNK_BYTES", _parse_bytes),
         "plan_slack": ("DEAR_PLAN_SLACK", _parse_finite),
         "plan_verify": ("DEAR_PLAN_VERIFY", _parse_bool),
+        "plan_contention": ("DEAR_PLAN_CONTENTION", _parse_finite),
         "row_sparse": ("DEAR_ROW_SPARSE", str),
         "gradient_as_bucket_view": ("DEAR_GRADIENT_AS_BUCKET_VIEW", _parse_bool),
         "shard_optimizer_state": ("DEAR_SHARD_OPTIMIZER_STATE", _parse_bool),
@@ -228,7 +236,7 @@ class Config:
         object.__setattr__(self, "autotune", parse_autotune(self.autotune))
         if self.fusion_threshold is not None and self.fusion_threshold < 0:
             raise ValueError(f"fusion_threshold must be >= 0 bytes, got {self.fusion_threshold}")
-        for name in ("timeout", "plan_slack", "mpi_progress_interval"):
+        for name in ("timeout", "plan_slack", "plan_contention", "mpi_progress_interval"):
             if not math.isfinite(getattr(self, name)):
                 raise ValueError(f"{name} ({self._ENV[name][0]}) must be a finite number, "
                                  f"got {getattr(self, name)}")
@@ -256,6 +264,10 @@ class Config:
         if not 0.0 <= self.plan_slack < 1.0:
             raise ValueError(f"plan_slack must be in [0, 1) (a share of each gap), got "
                              f"{self.plan_slack}")
+        if not 0.0 <= self.plan_contention <= 1.0:
+            raise ValueError(f"plan_contention (DEAR_PLAN_CONTENTION) must be in [0, 1] (a "
+                             f"share of the link time; 1: plan regardless), got "
+                             f"{self.plan_contention}")
         if self.gloo_collectives not in ("pairwise", "native"):
             raise ValueError(
                 f"gloo_collectives must be 'pairwise' or 'native', got {self.gloo_collectives!r}")

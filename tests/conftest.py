@@ -31,6 +31,12 @@ from typing import Any
 
 import pytest
 
+# The planned schedule keeps DeAR's order where its chunks would take their link time from
+# backward's compute (Config.plan_contention), which on loopback with CPU compute depends on how
+# busy the machine is. The suite's planned runs plan regardless, so no test depends on timing;
+# test_schedule's contention tests set the knob themselves.
+os.environ.setdefault("DEAR_PLAN_CONTENTION", "1")
+
 SLOW_SECONDS = 20
 # Modules over SLOW_SECONDS in a fresh clone's CI run with PYTEST_ADDOPTS=--durations=0
 # (2026-11-26, 2 cores, 677 passed in 1291 s; these 23 modules took 1036 s of it).

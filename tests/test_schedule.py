@@ -23,7 +23,7 @@ from dear.comm.base import Communicator, DoneWork, Work, WrappedCommunicator
 from dear.comm.compression import Compression
 from dear.fusion.fusion_config import FusionConfig
 from dear.fusion.layout import build_layout
-from dear.fusion.plan import calibrate, replay_tail
+from dear.fusion.plan import BackwardClock, calibrate, contention, probe_link, replay_tail
 from dear.comm.link import LinkModel
 from dear.fusion.schedule import CommExecutor, Plan, chunk_columns, plan_gaps
 from tests.distributed import run_distributed
@@ -101,6 +101,76 @@ def test_calibrate_finds_how_much_slower_the_link_was() -> None:
     assert calibrate(tail(1.0) * 1.04, tail, 0.0) == 1.0
     assert calibrate(tail(1.0) + 0.019, tail, 1.0) == 1.0
     assert calibrate(tail(1.0) + 0.021, tail, 1.0) > 1.0
+
+
+def test_contention_is_the_link_time_that_backward_loses() -> None:
+    """plan.contention: what backward (load) and a collective (host share) need beyond the
+    rank's cores, over backward's load, at most 1."""
+    assert contention(1.0, 0.9, 1.0) == pytest.approx(0.9)     # loopback: one core each
+    assert contention(1.0, 0.9, 2.0) == 0.0                    # an idle core takes the copying
+    assert contention(8.0, 0.2, 8.0) == pytest.approx(0.025)   # a NIC's interrupts, 8 threads
+    assert contention(0.5, 2.0, 1.0) == 1.0                    # never more than all of it
+    assert contention(0.0, 1.0, 1.0) == 0.0                    # a GPU's backward: host idle
+    assert contention(1.0, 0.0, 1.0) == 0.0                    # a link that costs no host
+
+
+class _FakeClocks:
+    """plan.py's `time`: wall and process CPU clocks moved by hand."""
+
+    def __init__(self) -> None:
+        self.wall, self.cpu = 0.0, 0.0
+
+    def perf_counter(self) -> float:
+        return self.wall
+
+    def process_time(self) -> float:
+        return self.cpu
+
+
+def test_backward_host_load_is_cpu_over_wall_from_first_to_last_submission(monkeypatch) -> None:
+    clocks = _FakeClocks()
+    monkeypatch.setattr(dear.fusion.plan, "time", clocks)
+    clock = BackwardClock(3)
+    assert clock.host_load() == 0.0                            # nothing measured yet
+    for cpu in (0.5, 0.25, 1.0):                               # three backwards of 1 s
+        for bucket in (2, 1, 0):
+            clock.reduce_scatter_submitted(bucket)
+            clock.reduce_scatter_submitted(bucket)             # a second piece: not a mark
+            clocks.wall += 0.5 if bucket else 0.0
+            clocks.cpu += cpu / 2 if bucket else 0.0
+        clocks.wall += 7.0                                     # the rest: not backward's
+        clocks.cpu += 7.0
+        clock.reduced()
+    assert clock.host_load() == pytest.approx(0.5)             # the median
+    assert BackwardClock(1).host_load() == 0.0                 # one bucket: no span
+
+
+class _TimedComm:
+    """A 2-rank communicator whose collectives take 1 s of wall time and `cpu` s of CPU."""
+
+    size = 2
+
+    def __init__(self, clocks: _FakeClocks, cpu: float) -> None:
+        self.clocks, self.cpu = clocks, cpu
+
+    def barrier(self) -> None:
+        self.clocks.wall += 5.0                                # waiting: not the collective's
+
+    def _run(self, *args: Any) -> Work:
+        self.clocks.wall += 1.0
+        self.clocks.cpu += self.cpu
+        return DoneWork()
+
+    reduce_scatter = all_gather = _run
+
+
+def test_probe_measures_the_host_share_of_its_collectives(monkeypatch) -> None:
+    clocks = _FakeClocks()
+    monkeypatch.setattr(dear.fusion.plan, "time", clocks)
+    for cpu in (0.0, 0.3, 1.2):
+        model = probe_link(_TimedComm(clocks, cpu), (4096, 65536))   # type: ignore[arg-type]
+        assert model.host_share == pytest.approx(cpu)
+        assert model.slower(2.0).host_share == pytest.approx(cpu / 2)   # same work, longer
 
 
 def test_chunk_columns_cover_the_shard_once() -> None:
@@ -354,17 +424,27 @@ def test_plan_checked_against_the_link_and_made_again() -> None:
         assert max_diff(res["params"], ref) <= 1e-6 * scale
 
 
-VERIFY_STEPS = 12      # learn, 2 in DeAR's order, 2 planned, 2 held back, then decided
+VERIFY_STEPS = 22   # learn 2, planned 2 (its check), 3 x (2 in DeAR's order, 2 planned), decided
 
 
-def _verified_run(planned_step_s: float) -> dict:
+def _verified_run(planned_step_s: float, host_bound: bool) -> dict:
     """Adam with the planned schedule under a virtual clock between step()s: each iteration
-    takes 1 s in DeAR's order and `planned_step_s` while a plan is in force."""
+    takes 1 s in DeAR's order and `planned_step_s` while a plan is in force. `host_bound`: the
+    probe finds a link so fast that every chunk fits, whose collectives cost the host a core,
+    on a rank of almost no cores (plan.contention 1)."""
+    import dataclasses
     schedule = dear.fusion.schedule
     now = [0.0]
     schedule._now = lambda: now[0]
+    if host_bound:
+        fast = dataclasses.replace(_link(0.0, 1e15, 0.0, 1e15), host_share=1.0)
+        schedule.probe_link = lambda *args, **kwargs: fast
+        schedule.cores_per_rank = lambda: 1e-3
     dear.init()
     rank, world = dear.rank(), dear.size()
+    inner = dear.comm.runtime.current_communicator()
+    recorder = RecordingCommunicator(inner)
+    assert dear.comm.runtime.replace_communicator(inner, recorder)
     model = make_net()
     opt = dear.DistributedOptimizer(OPTIMIZERS["adam"](model.parameters()), model=model,
                                     fusion_threshold=1024, schedule="planned")
@@ -379,36 +459,48 @@ def _verified_run(planned_step_s: float) -> dict:
         plans.append(driver.plan is not None)
         threaded.append(schedule.planned_somewhere())
     opt.flush_updates()
-    out = {"params": state_of(model), "plans": plans, "threaded": threaded}
+    out = {"params": state_of(model), "plans": plans, "threaded": threaded,
+           "log": list(recorder.log)}
     dear.shutdown()
     return out
 
 
-@pytest.mark.parametrize("planned_step_s,verify,kept", [(2.0, "1", False), (0.5, "1", True),
-                                                         (2.0, "0", True)])
+@pytest.mark.parametrize("planned_step_s,verify,contention,host_bound,kept", [
+    (2.0, "1", "1", False, False), (0.5, "1", "1", False, True), (2.0, "0", "1", False, True),
+    (2.0, "0", "0.5", True, False), (0.5, "0", "0.5", True, True),
+    (2.0, "0", "1", True, True)])
 def test_a_plan_slower_than_dears_order_is_dropped(planned_step_s: float, verify: str,
+                                                   contention: str, host_bound: bool,
                                                    kept: bool) -> None:
-    """DEAR_PLAN_VERIFY=1 (off by default; a virtual clock, so no timing): after its
-    check the plan is held back for as many iterations in DeAR's order (backward's collectives
-    issued by the training thread), then kept only if its iterations were faster than DeAR's
-    order's before and after it, on every rank at the same step; with the check off (the
-    default) a slower plan runs on. Training equals the single process either way."""
-    ranks = run_distributed(_verified_run, 2, planned_step_s, timeout=180,
-                            env={"DEAR_PLAN_AFTER": "2", "DEAR_PLAN_VERIFY": verify})
+    """A virtual clock, so no timing. A plan is verified with DEAR_PLAN_VERIFY=1, or where
+    its link time would come out of backward's compute (a host-bound link, above
+    DEAR_PLAN_CONTENTION): after its check it alternates with DeAR's order (backward's
+    collectives then issued by the training thread) and is kept only if its iterations were
+    faster, on every rank at the same step. Otherwise a slower plan runs on. Training equals
+    the single process either way."""
+    ranks = run_distributed(_verified_run, 2, planned_step_s, host_bound, timeout=180,
+                            env={"DEAR_PLAN_AFTER": "2", "DEAR_PLAN_VERIFY": verify,
+                                 "DEAR_PLAN_CONTENTION": contention})
     ref = reference("adam", 2, VERIFY_STEPS)
     scale = max(v.abs().max().item() for v in ref.values())
+    verified = verify == "1" or contention != "1"
     for res in ranks:
         plans, threaded = res["plans"], res["threaded"]
+        assert res["log"] == ranks[0]["log"]
         assert plans == ranks[0]["plans"] and threaded == ranks[0]["threaded"]
+        assert max_diff(res["params"], ref) <= 1e-6 * scale
         assert plans.count(True) >= 2, plans                   # a plan was made and ran
         first = plans.index(True)
         held = [k for k in range(first, len(plans)) if not plans[k]]
-        if verify == "0":
+        if not verified:
             assert not held and threaded[-1], res
-        else:                                                  # held back, on one thread
-            assert held and not any(threaded[k] for k in held), res
-            assert plans[-1] == kept and threaded[-1] == kept, res
-        assert max_diff(res["params"], ref) <= 1e-6 * scale
+            continue
+        # held back in 3 windows of DeAR's order (then, dropped, for good), on one thread
+        windows = sum(1 for k in held if k - 1 not in held)
+        assert windows == 3 + (not kept) and not any(threaded[k] for k in held), res
+        assert plans[-1] == kept and threaded[-1] == kept, res
+        if host_bound:
+            assert any(e[0] == "ag-chunk" for e in res["log"])  # the trial ran its chunks
 
 
 def _two_optimizers() -> dict:

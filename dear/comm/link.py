@@ -43,11 +43,14 @@ def volume(kind: str, nbytes: float, n: int) -> float:
 
 @dataclasses.dataclass(frozen=True)
 class LinkModel:
-    """Per kind: `alpha` seconds per latency step, `rate` bytes/s sent per rank (inf: free)."""
+    """Per kind: `alpha` seconds per latency step, `rate` bytes/s sent per rank (inf: free).
+    `host_share`: CPU seconds this process spends per second of a collective (all its threads;
+    0 where unmeasured): near 1 on loopback, where the "link" is the cores' own copying."""
 
     alpha: Mapping[str, float]
     rate: Mapping[str, float]
     world_size: int
+    host_share: float = 0.0
 
     def time(self, kind: str, nbytes: float, world_size: Optional[int] = None) -> float:
         n = self.world_size if world_size is None else world_size
@@ -72,9 +75,10 @@ class LinkModel:
         return latency_steps(kind, self.world_size) * self.alpha[kind]
 
     def slower(self: _Link, factor: float) -> _Link:
-        """Every collective `factor` times as long."""
+        """Every collective `factor` times as long (for the same host work)."""
         return dataclasses.replace(self, alpha={k: a * factor for k, a in self.alpha.items()},
-                                   rate={k: r / factor for k, r in self.rate.items()})
+                                   rate={k: r / factor for k, r in self.rate.items()},
+                                   host_share=self.host_share / factor)
 
     @classmethod
     def ideal(cls: type[_Link], bandwidth_bps: float, latency_s: float = 0.0,

@@ -313,7 +313,7 @@ def attach(opt: Any, named: list[tuple[str, torch.nn.Parameter]],
     planned = (cfg.schedule if schedule is None else schedule) == "planned"
     engine.schedule = ScheduleDriver(_comm_of(engine), planned, cfg.plan_after,
                                      cfg.chunk_bytes, issue_mode(params, comm), cfg.plan_slack,
-                                     cfg.plan_verify)
+                                     cfg.plan_verify, cfg.plan_contention)
     driver = engine.schedule
     engine.owned_comm = comm if owns_comm else None
     engine.buffer_sync, engine.sparse = buffer_sync, sparse

@@ -25,7 +25,8 @@ def probe_link(comm: Communicator, sizes: Sequence[int] = (2 << 20, 12 << 20),
     rank at once (a collective: call it at the same step everywhere); the best of `repeats`
     (dear/comm/link.py's `measure_link`). Both sizes exceed what a shaped link lets through at
     once (tbf's burst: 256 KB-0.5 MB here): with 64 KB and 4 MB, the burst made a 2 Gbit/s
-    link look 25-30% faster."""
+    link look 25-30% faster. On CPU tensors the model's `host_share` is the process's CPU time
+    over the wall time of the larger size's collectives (on a GPU the host only waits)."""
     n = comm.size
     cuda = torch.device(device).type == "cuda"
     buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}   # by the full buffer's bytes
@@ -39,17 +40,37 @@ def probe_link(comm: Communicator, sizes: Sequence[int] = (2 << 20, 12 << 20),
             torch.cuda.synchronize(device)
         comm.barrier()
 
+    largest = max(buffers)
+    spent = [0.0, 0.0]                           # the largest's process CPU and wall seconds
+
     def run(kind: str, nbytes: int) -> None:
         full, shard = buffers[nbytes]
+        cpu, wall = time.process_time(), time.perf_counter()
         if kind == "reduce_scatter":
             comm.reduce_scatter(full, shard).wait()
         else:
             comm.all_gather(shard, full).wait()
         if cuda:                                 # wait() only ordered the stream
             torch.cuda.synchronize(device)
+        if nbytes == largest:
+            spent[0] += time.process_time() - cpu
+            spent[1] += time.perf_counter() - wall
 
-    return measure_link(run, ("reduce_scatter", "all_gather"), sorted(buffers), n, repeats,
-                        settle)
+    model = measure_link(run, ("reduce_scatter", "all_gather"), sorted(buffers), n, repeats,
+                         settle)
+    share = spent[0] / spent[1] if spent[1] > 0 and not cuda else 0.0
+    return dataclasses.replace(model, host_share=share)
+
+
+def contention(load: float, host_share: float, cores: float) -> float:
+    """The share of link time moved into backward that comes out of backward's compute, where
+    backward keeps `load` cores busy (CPU seconds per second, this process), a collective
+    `host_share`, and the rank has `cores`: what the two need beyond the cores, over what
+    backward needs (the OS shares the cores fairly: at most all of it). 0 where the link's
+    work fits beside backward's: a GPU's, a network card's, an idle core's."""
+    if load <= 0 or host_share <= 0:
+        return 0.0
+    return min(1.0, max(0.0, load + host_share - cores) / load)
 
 
 class BackwardClock:
@@ -62,6 +83,8 @@ class BackwardClock:
         self._current: dict[int, Any] = {}
         self._samples: list[tuple[dict[int, Any], Any]] = []
         self._n = num_buckets
+        self._cpu_first = 0.0                    # process CPU time at the first submission
+        self._loads: list[float] = []            # CPU seconds per second in each backward
 
     def _now(self) -> Any:
         if not self._cuda:
@@ -73,6 +96,14 @@ class BackwardClock:
     def reduce_scatter_submitted(self, bucket: int) -> None:
         if bucket not in self._current:
             self._current[bucket] = self._now()
+            if self._cuda:
+                return
+            if len(self._current) == 1:
+                self._cpu_first = time.process_time()
+            elif len(self._current) == self._n:  # bucket 0's, at backward's end
+                wall = self._current[bucket] - min(self._current.values())
+                if wall > 0:
+                    self._loads.append((time.process_time() - self._cpu_first) / wall)
 
     def reduced(self) -> None:
         """step() has every reduce-scatter of the iteration back."""
@@ -84,6 +115,12 @@ class BackwardClock:
     @property
     def samples(self) -> int:
         return len(self._samples)
+
+    def host_load(self) -> float:
+        """Cores this process kept busy in backward (its CPU seconds per second, every thread,
+        from the first submission to the last; median): 0 on a GPU, where the host runs
+        ahead, or with one bucket."""
+        return statistics.median(self._loads) if self._loads else 0.0
 
     def _seconds(self, marks: dict[int, Any], end: Any) -> tuple[dict[int, float], float]:
         if self._cuda:

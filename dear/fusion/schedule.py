@@ -16,10 +16,10 @@ backward (when each bucket became ready, when backward ended) with a greedy simu
 (`plan_gaps`: after each reduce-scatter, the chunks that finish before the next bucket is ready)
 and broadcasts the plan. Once the plan has run as many iterations, rank 0 checks it against the
 tail it met (how long after backward's end the reduce-scatters were back) and plans again
-where the link was slower or faster than modelled (`calibrate`); with `verify`
-(DEAR_PLAN_VERIFY=1) it then drops it where its iterations were not faster than those in DeAR's
-order (on CPU tensors: loopback's "link" is the cores' own work, which the chunks then take from
-backward). The plan only says WHICH
+where the link was slower or faster than modelled (`calibrate`). On CPU tensors, where the
+link's time would come out of backward's compute (loopback's "link" is the cores' own work:
+`contention`), or with DEAR_PLAN_VERIFY=1, the plan then alternates with DeAR's order and is
+dropped unless its iterations were faster. The plan only says WHICH
 chunks follow WHICH reduce-scatter; WHEN is up to readiness: a chunk cannot be sent before its
 bucket's reduce-scatter is complete, and the training thread must not wait for that. So every
 collective of a backward pass is issued by one thread (`CommExecutor`, below) in the
@@ -42,6 +42,7 @@ import collections
 import contextlib
 import functools
 import logging
+import os
 import statistics
 import threading
 import time
@@ -49,7 +50,7 @@ from typing import Any, Callable, ContextManager, Optional, Sequence
 
 import torch
 
-from ..comm import runtime
+from ..comm import launch, runtime
 from ..comm.base import Communicator, Work
 from ..comm.link import LinkModel
 from .plan import (
@@ -57,6 +58,7 @@ from .plan import (
     Plan,
     calibrate,
     chunk_columns,
+    contention,
     plan_gaps,
     probe_link,
     replay_tail,
@@ -67,6 +69,8 @@ log = logging.getLogger("dear")
 # The link probe's larger size (its smaller: a sixth), capped at what the model sends: both
 # beyond a shaped link's burst, see probe_link; a small model needs no 12 MB probe.
 _PROBE_BYTES, _PROBE_MIN_BYTES = 12 << 20, 256 << 10
+# Windows of each schedule a verified plan alternates through (ScheduleDriver._alternate).
+VERIFY_ROUNDS = 3
 
 __all__ = ["BackwardClock", "CommExecutor", "FutureWork", "Plan", "chunk_columns",
            "close_shared", "issue_mode", "plan_gaps", "probe_link"]
@@ -77,6 +81,21 @@ def scope(name: str) -> ContextManager[Any]:
     otherwise). The engine's phases and this module's collective thread use it."""
     return (torch.autograd.profiler.record_function(name)
             if torch.autograd.profiler._is_profiler_enabled else contextlib.nullcontext())
+
+
+def cores_per_rank() -> float:
+    """The cores this process can use: those it may run on, at most the machine's share per
+    rank on it (LOCAL_WORLD_SIZE, as torchrun and dear's launchers set it)."""
+    machine = os.cpu_count() or 1
+    try:
+        mine = len(os.sched_getaffinity(0))
+    except AttributeError:                  # (not Linux)
+        mine = machine
+    return min(float(mine), machine / max(1, launch.process_env().local_size))
+
+
+def _ms(seconds: Sequence[float]) -> str:
+    return "/".join(f"{1e3 * t:.1f}" for t in seconds)
 
 
 def _now() -> float:
@@ -252,7 +271,7 @@ class ScheduleDriver:
 
     def __init__(self, comm_of: Callable[[], Communicator], enabled: bool, plan_after: int,
                  chunk_bytes: int, mode: Optional[str] = "thread", slack: float = 0.1,
-                 verify: bool = False) -> None:
+                 verify: bool = False, contention_limit: float = 1.0) -> None:
         self._comm_of = comm_of                 # the optimizer's (dear.diagnose may wrap it)
         if comm_of().size == 1:
             mode = None                         # nothing to plan
@@ -262,6 +281,7 @@ class ScheduleDriver:
         self.default_chunk_bytes = chunk_bytes  # Config's; a FusionConfig may carry its own
         self._chunk_bytes = chunk_bytes
         self._slack = slack                     # Config.plan_slack
+        self._contention_limit = contention_limit   # Config.plan_contention
         self.executor: Optional[CommExecutor] = (shared_executor() if mode == "thread"
                                                  else None)
         self._side: Optional[torch.cuda.Stream] = None   # "stream": the chunks' stream
@@ -271,16 +291,18 @@ class ScheduleDriver:
         self._checking = False                  # a plan runs; its tail is being measured
         self._ready: list[float] = []           # rank 0: the measured backward planned from
         self._steps = 0                         # step()s measured by the current clock
-        # `verify` (Config.plan_verify): after its check, the plan is held back for as many
-        # iterations in DeAR's order and kept only if its own iterations were faster than
-        # those in DeAR's order before and after it (the mean of the two: a machine warming
-        # up or slowing down favours neither). Only where the training thread's time is the
-        # iteration's ("thread": CPU tensors); on a GPU the host runs ahead.
-        self._verify = verify and mode == "thread"
+        # Verifying (Config.plan_verify, or a host-bound link, `_host_bound`): after its
+        # check, the plan alternates with DeAR's order in windows of plan_after iterations,
+        # VERIFY_ROUNDS of each, and is kept only if its windows were faster (the median of
+        # the paired differences: a machine warming up or slowing down favours neither). Only
+        # where the training thread's time is the iteration's ("thread": CPU tensors); on a
+        # GPU the host runs ahead.
+        self._verify_always = verify and mode == "thread"
+        self._verify = False                    # this layout's plan is verified (every rank)
         self._intervals: list[float] = []       # seconds between step()s in this window
         self._last_step: Optional[float] = None
-        self._medians: list[float] = []         # DeAR's order before, the plan's (rank 0)
-        self._trial: Optional[Plan] = None      # the plan held back while DeAR's order runs
+        self._medians: list[float] = []         # per window: DeAR's order, plan, ... (rank 0)
+        self._trial: Optional[Plan] = None      # the plan on trial (in force in its windows)
         self._buckets: list[Any] = []
         self._prefix: dict[int, int] = {}       # columns of each bucket gathered in backward
         self.paused = False                     # e.g. dear.KFAC edits the shards before gathers
@@ -311,6 +333,7 @@ class ScheduleDriver:
         self._clock = BackwardClock(len(buckets), self._device) if self.enabled else None
         self._prefix = {}
         self._intervals, self._last_step, self._medians, self._trial = [], None, [], None
+        self._verify = False
 
     @property
     def active(self) -> bool:
@@ -415,7 +438,7 @@ class ScheduleDriver:
         self._prefix = {}
         if self._clock is not None:
             self._steps += 1
-            if self._verify:
+            if self._trial is not None:
                 now = _now()
                 if self._last_step is not None:
                     self._intervals.append(now - self._last_step)
@@ -424,18 +447,19 @@ class ScheduleDriver:
     def maybe_plan(self, itemsizes: Sequence[int]) -> None:
         """At step(), with nothing in flight (before its all-gathers), every rank at the same
         step (a collective): once the layout has run `plan_after` iterations, probe and plan;
-        once the plan has run as many, check it against the link it met (`_check`)."""
+        once the plan has run as many, check it against the link it met (`_check`); then,
+        verifying, end each window of the trial (`_alternate`)."""
         if self._clock is None or self.paused or self._steps < self._plan_after:
             return                              # (paused is the same on every rank)
         if self._trial is not None:
-            self._decide()
+            self._alternate()
             return
         if self._checking:
             self._check(itemsizes)
             return
         largest = min(_PROBE_BYTES, max(_PROBE_MIN_BYTES, sum(self._reduce_bytes())))
         cost = probe_link(self._comm, (largest // 6, largest), device=self._device)
-        plan = None
+        plan, host_bound = None, False
         if self._comm.rank == 0 and self._clock.samples:
             self._ready, _ = self._clock.medians()
             plan = self._plan_for(cost, itemsizes)
@@ -443,7 +467,9 @@ class ScheduleDriver:
                      "time (%.1f ms predicted); link rs %.2f Gbit/s, ag %.2f Gbit/s per rank",
                      plan.num_chunks, 1e3 * plan.predicted_gap_fill_s,
                      8e-9 * cost.rate["reduce_scatter"], 8e-9 * cost.rate["all_gather"])
-        self.plan = self._comm.broadcast_object(plan, 0)
+            host_bound = plan.num_chunks > 0 and self._host_bound(cost)
+        self.plan, host_bound = self._comm.broadcast_object((plan, host_bound), 0)
+        self._verify = self._verify_always or host_bound
         if self.plan is not None:               # from now on every optimizer's backward
             mark_planned(self)                   # collectives share the executor's order
         self.cost = cost                        # (rank 0's is the one planned with)
@@ -451,7 +477,26 @@ class ScheduleDriver:
         self._clock = (BackwardClock(len(self._buckets), self._device) if self._checking
                        else None)
         self._steps = 0
-        self._next_window()                     # (not across the probe)
+
+    def _host_bound(self, cost: LinkModel) -> bool:
+        """Whether the link time a plan moves into backward would mostly come out of backward's
+        compute (rank 0): where the link is the cores' own work (loopback Gloo) and backward
+        keeps the cores busy, the chunks move that work from the next forward into backward,
+        the plan's model (link time is free beside compute) does not hold, and the plan is
+        verified by its iterations instead (measured on loopback: a plan 1 ms faster than
+        DeAR's order on ResNet-50's layout, 0-3 ms slower on BERT-Base's)."""
+        assert self._clock is not None
+        if self.mode != "thread":
+            return False
+        load, cores = self._clock.host_load(), cores_per_rank()
+        share = contention(load, cost.host_share, cores)
+        if share <= self._contention_limit:
+            return False
+        log.info("dear: planned schedule on trial: %.0f%% of the link time it moves into "
+                 "backward is host work taken from backward (a collective %.2f cores, backward "
+                 "%.2f, %.2f cores per rank; DEAR_PLAN_CONTENTION=%.2f)", 100 * share,
+                 cost.host_share, load, cores, self._contention_limit)
+        return True
 
     def _reduce_bytes(self) -> list[int]:
         return [b.reduce_bytes for b in self._buckets]
@@ -476,8 +521,7 @@ class ScheduleDriver:
         ResNet-50's tail was 40 ms where the plan predicted 7. Rank 0 compares the tail the
         planned iterations met with the plan's replay and, if they differ, plans once more
         with the costs scaled by the factor that explains it. Broadcast either way (a
-        collective). Then, with `verify`, the plan is held back for as many iterations in
-        DeAR's order, after which `_decide` keeps or drops it."""
+        collective). Then, verifying, the plan goes on trial (`_alternate`)."""
         plan, cost = self.plan, self.cost
         assert plan is not None and cost is not None and self._clock is not None
         if self._comm.rank == 0 and self._clock.samples:
@@ -494,36 +538,38 @@ class ScheduleDriver:
         if not self._verify:
             self._clock = None
             return
-        # DeAR's order again for as many iterations, issued by the training thread
-        self._trial, self.plan = self.plan, None
-        mark_planned(self, False)
-        self._steps = 0
-        self._next_window()
+        self._trial, self._medians = self.plan, []
+        self._switch(False)                     # a window in DeAR's order first
 
-    def _decide(self) -> None:
-        """After the plan was held back for plan_after iterations in DeAR's order: rank 0
-        keeps it if its iterations were faster than the mean of DeAR's order's before and
-        after it (medians of the seconds between step()s). Broadcast (a collective)."""
+    def _switch(self, planned: bool) -> None:
+        """Start a window of the trial: the plan in force, or DeAR's order (backward's
+        collectives issued by the training thread). Every rank at the same step."""
+        self.plan = self._trial if planned else None
+        mark_planned(self, planned)
+        self._steps = 0
+        self._intervals, self._last_step = [], None
+
+    def _alternate(self) -> None:
+        """A window of the trial ended: its median kept (rank 0's decides), then the other
+        schedule's window, until VERIFY_ROUNDS of each have run; then rank 0 keeps the plan
+        if its windows were faster than DeAR's order's, by the median of the paired
+        differences. Broadcast (a collective)."""
+        self._medians.append(statistics.median(self._intervals) if self._intervals
+                             else float("nan"))
+        if self.plan is None or len(self._medians) < 2 * VERIFY_ROUNDS:
+            self._switch(self.plan is None)
+            return
         keep = True
         if self._comm.rank == 0:
-            self._next_window()
-            if len(self._medians) == 3:
-                before, planned, after = self._medians
-                keep = planned < (before + after) / 2
-                log.info("dear: planned schedule %s: its iterations took %.1f ms, DeAR's order "
-                         "%.1f ms before it and %.1f ms after (DEAR_PLAN_VERIFY=0 keeps "
-                         "every plan)", "kept" if keep else "dropped", 1e3 * planned,
-                         1e3 * before, 1e3 * after)
-        if self._comm.broadcast_object(keep, 0):
-            self.plan = self._trial
-            mark_planned(self)
+            order, planned = self._medians[0::2], self._medians[1::2]
+            gain = statistics.median(o - p for o, p in zip(order, planned))
+            keep = gain > 0                     # (nan, unmeasured: not > 0, dropped)
+            log.info("dear: planned schedule %s: its windows took %s ms, DeAR's order's %s "
+                     "(median difference %.2f ms)", "kept" if keep else "dropped",
+                     _ms(planned), _ms(order), 1e3 * gain)
+        keep = self._comm.broadcast_object(keep, 0)
+        self._switch(keep)
         self._trial, self._clock = None, None
-
-    def _next_window(self) -> None:
-        """The window of step()s measured so far ends here (its median kept, if any)."""
-        if self._intervals:
-            self._medians.append(statistics.median(self._intervals))
-        self._intervals, self._last_step = [], None
 
     def close(self) -> None:
         """This optimizer is done: what it submitted is issued (the thread is the process's,
