@@ -6,7 +6,7 @@ an iteration as methods, each under a profiler scope `dear::<phase>`:
 1. `post_backward` (backward, a gradient hook per parameter; C++ on the native path): take the
    gradient into its bucket (`Bucket.pack`, dear/fusion/bucket.py);
 2. `launch`: a full bucket's reduce-scatter starts, every rank in the same order (through the
-   schedule's collective thread: dear/fusion/schedule.py; the backend's collective:
+   schedule's collective thread: dear/fusion/executor.py; the backend's collective:
    dear/comm/torch_dist.py for torch.distributed, wrapped by dear/comm/flight.py);
 3. `reduce` (step(), or clip_grad_norm_ earlier): the reduce-scatters finished, each shard
    averaged, then the stream check (dear/guards/stream.py);

@@ -10,7 +10,7 @@ collective is issued: one buffer, `alone`).
 
 Backward's hooks only take references to the gradients (`pack`); they are copied into the
 buffer right before the reduce-scatter is issued (`fill`), by whichever thread issues it. Under
-the planned schedule that is the collective executor (dear/fusion/schedule.py), so the copy of
+the planned schedule that is the collective executor (dear/fusion/executor.py), so the copy of
 every gradient runs beside backward instead of lengthening it, as a GPU's copy on a side
 stream would. With gradient_as_bucket_view (dear/fusion/views.py) the gradients already live in
 the buffer (`user_views`) and there is nothing to copy.
