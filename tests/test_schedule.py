@@ -427,11 +427,12 @@ def test_plan_checked_against_the_link_and_made_again() -> None:
 VERIFY_STEPS = 22   # learn 2, planned 2 (its check), 3 x (2 in DeAR's order, 2 planned), decided
 
 
-def _verified_run(planned_step_s: float, host_bound: bool) -> dict:
+def _verified_run(planned_step_s: float, host_bound: bool, sharded: bool = False) -> dict:
     """Adam with the planned schedule under a virtual clock between step()s: each iteration
     takes 1 s in DeAR's order and `planned_step_s` while a plan is in force. `host_bound`: the
     probe finds a link so fast that every chunk fits, whose collectives cost the host a core,
-    on a rank of almost no cores (plan.contention 1)."""
+    on a rank of almost no cores (plan.contention 1). `sharded`: shard_optimizer_state (the
+    chunks carry parameters updated early)."""
     import dataclasses
     schedule = dear.fusion.schedule
     now = [0.0]
@@ -447,7 +448,8 @@ def _verified_run(planned_step_s: float, host_bound: bool) -> dict:
     assert dear.comm.runtime.replace_communicator(inner, recorder)
     model = make_net()
     opt = dear.DistributedOptimizer(OPTIMIZERS["adam"](model.parameters()), model=model,
-                                    fusion_threshold=1024, schedule="planned")
+                                    fusion_threshold=1024, schedule="planned",
+                                    shard_optimizer_state=sharded)
     driver = opt.dear_engine.schedule
     plans, threaded = [], []
     for step in range(VERIFY_STEPS):
@@ -465,20 +467,22 @@ def _verified_run(planned_step_s: float, host_bound: bool) -> dict:
     return out
 
 
-@pytest.mark.parametrize("planned_step_s,verify,contention,host_bound,kept", [
-    (2.0, "1", "1", False, False), (0.5, "1", "1", False, True), (2.0, "0", "1", False, True),
-    (2.0, "0", "0.5", True, False), (0.5, "0", "0.5", True, True),
-    (2.0, "0", "1", True, True)])
+@pytest.mark.parametrize("planned_step_s,verify,contention,host_bound,kept,sharded", [
+    (2.0, "1", "1", False, False, False), (0.5, "1", "1", False, True, False),
+    (2.0, "0", "1", False, True, False), (2.0, "0", "0.5", True, False, False),
+    (0.5, "0", "0.5", True, True, False), (2.0, "0", "1", True, True, False),
+    (2.0, "0", "0.5", True, False, True), (0.5, "0", "0.5", True, True, True)])
 def test_a_plan_slower_than_dears_order_is_dropped(planned_step_s: float, verify: str,
                                                    contention: str, host_bound: bool,
-                                                   kept: bool) -> None:
+                                                   kept: bool, sharded: bool) -> None:
     """A virtual clock, so no timing. A plan is verified with DEAR_PLAN_VERIFY=1, or where
     its link time would come out of backward's compute (a host-bound link, above
     DEAR_PLAN_CONTENTION): after its check it alternates with DeAR's order (backward's
     collectives then issued by the training thread) and is kept only if its iterations were
     faster, on every rank at the same step. Otherwise a slower plan runs on. Training equals
-    the single process either way."""
-    ranks = run_distributed(_verified_run, 2, planned_step_s, host_bound, timeout=180,
+    the single process either way, with shard_optimizer_state too (its early updates come and
+    go with the plan)."""
+    ranks = run_distributed(_verified_run, 2, planned_step_s, host_bound, sharded, timeout=180,
                             env={"DEAR_PLAN_AFTER": "2", "DEAR_PLAN_VERIFY": verify,
                                  "DEAR_PLAN_CONTENTION": contention})
     ref = reference("adam", 2, VERIFY_STEPS)
