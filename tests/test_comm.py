@@ -19,6 +19,7 @@ import datetime
 import hashlib
 import os
 import re
+import sys
 from typing import Any, Callable
 
 import pytest
@@ -372,3 +373,36 @@ def test_which_backends_carry_cpu_tensors_on_gloo() -> None:
     assert carries_cpu_on_gloo("cuda:nccl, cpu:gloo")
     assert not carries_cpu_on_gloo("nccl") and not carries_cpu_on_gloo("cuda:gloo")
     assert default_backend() == ("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
+
+
+LOG_SCRIPT = """
+import logging, sys, torch, dear
+if sys.argv[1] == "configured":
+    logging.basicConfig(format="USER %(message)s")
+dear.init()
+model = torch.nn.Linear(4, 2)
+opt = dear.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model)
+model(torch.randn(3, 4)).sum().backward()
+opt.step()
+dear.shutdown()
+dear.init()
+dear.shutdown()
+"""
+
+
+@pytest.mark.parametrize("logging_setup", ["none", "configured"])
+def test_log_level_info_is_printed_once(logging_setup: str) -> None:
+    """DEAR_LOG_LEVEL=INFO prints dear's messages (the bucket layout) in a script that did not
+    configure logging, after the rank, once however often dear.init() runs; where the script
+    configured logging, through its handlers only. At the default level, nothing."""
+    from tests.subprocesses import run
+    cmd = [sys.executable, "-c", LOG_SCRIPT, logging_setup]
+    out = run(cmd, timeout=120, env={"DEAR_LOG_LEVEL": "INFO"})
+    assert out.returncode == 0, out.stdout
+    prefix = "[rank 0] " if logging_setup == "none" else "USER "
+    lines = out.stdout.splitlines()
+    assert lines.count(f"{prefix}dear: rank 0 of 1 on local") == 2, out.stdout
+    assert sum(line.startswith(f"{prefix}dear: 1 buckets") for line in lines) == 1, out.stdout
+    assert not any(line.startswith("[rank 0]") for line in lines) or logging_setup == "none"
+    quiet = run(cmd, timeout=120, env={"DEAR_LOG_LEVEL": "WARNING"})
+    assert quiet.returncode == 0 and "dear:" not in quiet.stdout, quiet.stdout

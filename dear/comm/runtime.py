@@ -44,6 +44,26 @@ class _State:
 _state = _State()
 
 
+_log_handler: Optional[logging.Handler] = None
+
+
+def _show_log(rank: int) -> None:
+    """DEAR_LOG_LEVEL below WARNING where nothing would print it (no handler on the "dear"
+    logger or the root; Python's last resort prints warnings only): to stderr, each line after
+    the rank. A script that configured logging keeps its own handlers."""
+    global _log_handler
+    logger = logging.getLogger("dear")
+    if _log_handler is not None:               # an earlier init()'s
+        logger.removeHandler(_log_handler)
+        _log_handler = None
+    if (logger.getEffectiveLevel() >= logging.WARNING or logger.handlers
+            or logging.getLogger().handlers):
+        return
+    _log_handler = logging.StreamHandler()
+    _log_handler.setFormatter(logging.Formatter(f"[rank {rank}] %(message)s"))
+    logger.addHandler(_log_handler)
+
+
 def init(backend: str = "auto", **config: Any) -> None:
     """Start dear. `auto`: Horovod when launched by horovodrun (HOROVOD_RANK set); else reuse
     torch.distributed's default group, or start one from the launcher's variables (torchrun,
@@ -62,6 +82,7 @@ def init(backend: str = "auto", **config: Any) -> None:
             raise ValueError(f"DEAR_BACKEND={backend!r} is not one of {_BACKENDS}")
     logging.getLogger("dear").setLevel(cfg.log_level.upper())
     backend_comm, owns = _make_communicator(backend, cfg)
+    _show_log(backend_comm.rank)
     comm = RecordedCommunicator(backend_comm)     # the flight record: dear/comm/flight.py
     _state.reporter = HangReporter(comm, out_of_band_store(backend_comm), cfg.hang_report)
     _state.comm, _state.config, _state.owns_group = comm, cfg, owns
