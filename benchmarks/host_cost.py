@@ -9,9 +9,9 @@ core; every method built once, then timed in blocks of iterations, the methods' 
 interleaved (order rotated) so that the machine's drift hits every method alike.
 
 Per method and iteration (steady state: after the warm-up, 40 iterations by default, so dear's
-planned schedule has settled: planned after 4, checked after 8, and where the link is the cores'
-own work, as on loopback here, tried against DeAR's order for 24 more, see
-docs/planned-schedule.md):
+planned schedule has settled: planned after 4 (on loopback here, where the link is the cores'
+own work, usually no plan: DeAR's order), checked after 8, and with DEAR_PLAN_VERIFY=1 tried
+against DeAR's order for 24 more; docs/planned-schedule.md):
 - wall: median iteration time (the slower rank's);
 - host CPU: CPU time of the rank's whole process per iteration (every thread: training thread,
   dear's collective thread, Gloo's), and of the training thread alone;

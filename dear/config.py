@@ -167,16 +167,15 @@ class Config:
     #: on CPU tensors, verify every plan: after its check, it alternates with DeAR's order in
     #: windows of plan_after iterations, 3 of each, and is kept only if its windows were
     #: faster (DEAR_PLAN_VERIFY; rank 0 decides, every rank follows). Off by default: it adds
-    #: 6 x plan_after iterations before the schedule settles; plans on a host-bound link
-    #: (plan_contention) are verified anyway.
+    #: 6 x plan_after iterations before the schedule settles.
     plan_verify: bool = False
-    #: on CPU tensors, verify the plan (as plan_verify) where more than this share of the link
-    #: time it moves into backward is host work taken from backward's compute
+    #: on CPU tensors, make no plan (DeAR's order) where more than this share of the link time
+    #: it would move into backward is host work taken from backward's compute
     #: (plan.contention: the probe's CPU per second of collective, backward's busy cores, the
-    #: rank's cores; DEAR_PLAN_CONTENTION; 1: never). There the plan's model (link time is free
-    #: beside compute) does not hold: on loopback Gloo with CPU compute (0.65-0.95 measured) a
-    #: plan cost BERT-Base's layout 0-3 ms an iteration and saved ResNet-50's about 1 ms
-    #: (benchmarks/results/planned_vs_dear_order_host_bound.md); the emulated accelerator
+    #: rank's cores; DEAR_PLAN_CONTENTION; 1: plan regardless). There the plan's model (link
+    #: time is free beside compute) does not hold: on loopback Gloo with CPU compute (about 1
+    #: measured) a plan cost BERT-Base's layout 0-3 ms an iteration and ResNet-50's gained or
+    #: lost about 1 ms (benchmarks/results/host_bound_plan.md); the emulated accelerator
     #: (compute that frees the cores, a shaped link) measures 0.
     plan_contention: float = 0.5
     #: embedding tables sent as the rows some rank used (dear/fusion/rows.py): "auto" (the

@@ -26,7 +26,8 @@ def probe_link(comm: Communicator, sizes: Sequence[int] = (2 << 20, 12 << 20),
     (dear/comm/link.py's `measure_link`). Both sizes exceed what a shaped link lets through at
     once (tbf's burst: 256 KB-0.5 MB here): with 64 KB and 4 MB, the burst made a 2 Gbit/s
     link look 25-30% faster. On CPU tensors the model's `host_share` is the process's CPU time
-    over the wall time of the larger size's collectives (on a GPU the host only waits)."""
+    over the wall time of a collective of the larger size, the most of any repeat: waiting for
+    a late peer only lowers it (on a GPU the host only waits: 0)."""
     n = comm.size
     cuda = torch.device(device).type == "cuda"
     buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}   # by the full buffer's bytes
@@ -41,7 +42,7 @@ def probe_link(comm: Communicator, sizes: Sequence[int] = (2 << 20, 12 << 20),
         comm.barrier()
 
     largest = max(buffers)
-    spent = [0.0, 0.0]                           # the largest's process CPU and wall seconds
+    shares = [0.0]                               # the largest's process CPU / wall seconds
 
     def run(kind: str, nbytes: int) -> None:
         full, shard = buffers[nbytes]
@@ -52,14 +53,13 @@ def probe_link(comm: Communicator, sizes: Sequence[int] = (2 << 20, 12 << 20),
             comm.all_gather(shard, full).wait()
         if cuda:                                 # wait() only ordered the stream
             torch.cuda.synchronize(device)
-        if nbytes == largest:
-            spent[0] += time.process_time() - cpu
-            spent[1] += time.perf_counter() - wall
+        wall = time.perf_counter() - wall
+        if nbytes == largest and wall > 0:
+            shares.append((time.process_time() - cpu) / wall)
 
     model = measure_link(run, ("reduce_scatter", "all_gather"), sorted(buffers), n, repeats,
                          settle)
-    share = spent[0] / spent[1] if spent[1] > 0 and not cuda else 0.0
-    return dataclasses.replace(model, host_share=share)
+    return dataclasses.replace(model, host_share=0.0 if cuda else max(shares))
 
 
 def contention(load: float, host_share: float, cores: float) -> float:

@@ -16,10 +16,10 @@ backward (when each bucket became ready, when backward ended) with a greedy simu
 (`plan_gaps`: after each reduce-scatter, the chunks that finish before the next bucket is ready)
 and broadcasts the plan. Once the plan has run as many iterations, rank 0 checks it against the
 tail it met (how long after backward's end the reduce-scatters were back) and plans again
-where the link was slower or faster than modelled (`calibrate`). On CPU tensors, where the
-link's time would come out of backward's compute (loopback's "link" is the cores' own work:
-`contention`), or with DEAR_PLAN_VERIFY=1, the plan then alternates with DeAR's order and is
-dropped unless its iterations were faster. The plan only says WHICH
+where the link was slower or faster than modelled (`calibrate`); with DEAR_PLAN_VERIFY=1 it
+then alternates the plan with DeAR's order and drops it unless its iterations were faster. On
+CPU tensors, where the link's time would come out of backward's compute (loopback's "link" is
+the cores' own work: `contention`), no plan is made: DeAR's order. The plan only says WHICH
 chunks follow WHICH reduce-scatter; WHEN is up to readiness: a chunk cannot be sent before its
 bucket's reduce-scatter is complete, and the training thread must not wait for that. So every
 collective of a backward pass is issued by one thread (`CommExecutor`, below) in the
@@ -147,14 +147,12 @@ class ScheduleDriver:
         self._checking = False                  # a plan runs; its tail is being measured
         self._ready: list[float] = []           # rank 0: the measured backward planned from
         self._steps = 0                         # step()s measured by the current clock
-        # Verifying (Config.plan_verify, or a host-bound link, `_host_bound`): after its
-        # check, the plan alternates with DeAR's order in windows of plan_after iterations,
-        # VERIFY_ROUNDS of each, and is kept only if its windows were faster (the median of
-        # the paired differences: a machine warming up or slowing down favours neither). Only
-        # where the training thread's time is the iteration's ("thread": CPU tensors); on a
-        # GPU the host runs ahead.
-        self._verify_always = verify and mode == "thread"
-        self._verify = False                    # this layout's plan is verified (every rank)
+        # `verify` (Config.plan_verify): after its check, the plan alternates with DeAR's
+        # order in windows of plan_after iterations, VERIFY_ROUNDS of each, and is kept only if
+        # its windows were faster (the median of the paired differences: a machine warming up
+        # or slowing down favours neither). Only where the training thread's time is the
+        # iteration's ("thread": CPU tensors); on a GPU the host runs ahead.
+        self._verify = verify and mode == "thread"
         self._intervals: list[float] = []       # seconds between step()s in this window
         self._last_step: Optional[float] = None
         self._medians: list[float] = []         # per window: DeAR's order, plan, ... (rank 0)
@@ -189,7 +187,6 @@ class ScheduleDriver:
         self._clock = BackwardClock(len(buckets), self._device) if self.enabled else None
         self._prefix = {}
         self._intervals, self._last_step, self._medians, self._trial = [], None, [], None
-        self._verify = False
 
     @property
     def active(self) -> bool:
@@ -315,7 +312,7 @@ class ScheduleDriver:
             return
         largest = min(_PROBE_BYTES, max(_PROBE_MIN_BYTES, sum(self._reduce_bytes())))
         cost = probe_link(self._comm, (largest // 6, largest), device=self._device)
-        plan, host_bound = None, False
+        plan = None
         if self._comm.rank == 0 and self._clock.samples:
             self._ready, _ = self._clock.medians()
             plan = self._plan_for(cost, itemsizes)
@@ -323,9 +320,9 @@ class ScheduleDriver:
                      "time (%.1f ms predicted); link rs %.2f Gbit/s, ag %.2f Gbit/s per rank",
                      plan.num_chunks, 1e3 * plan.predicted_gap_fill_s,
                      8e-9 * cost.rate["reduce_scatter"], 8e-9 * cost.rate["all_gather"])
-            host_bound = plan.num_chunks > 0 and self._host_bound(cost)
-        self.plan, host_bound = self._comm.broadcast_object((plan, host_bound), 0)
-        self._verify = self._verify_always or host_bound
+            if plan.num_chunks and self._host_bound(cost):
+                plan = None                     # DeAR's order for this layout
+        self.plan = self._comm.broadcast_object(plan, 0)
         if self.plan is not None:               # from now on every optimizer's backward
             mark_planned(self)                   # collectives share the executor's order
         self.cost = cost                        # (rank 0's is the one planned with)
@@ -337,10 +334,10 @@ class ScheduleDriver:
     def _host_bound(self, cost: LinkModel) -> bool:
         """Whether the link time a plan moves into backward would mostly come out of backward's
         compute (rank 0): where the link is the cores' own work (loopback Gloo) and backward
-        keeps the cores busy, the chunks move that work from the next forward into backward,
-        the plan's model (link time is free beside compute) does not hold, and the plan is
-        verified by its iterations instead (measured on loopback: a plan 1 ms faster than
-        DeAR's order on ResNet-50's layout, 0-3 ms slower on BERT-Base's)."""
+        keeps the cores busy, the chunks move that work from the next forward into backward
+        and the plan's model (link time is free beside compute) does not hold. Then DeAR's
+        order (measured on loopback, benchmarks/results/host_bound_plan.md: a plan 0-3 ms an
+        iteration slower on BERT-Base's layout, within +-1 ms on ResNet-50's)."""
         assert self._clock is not None
         if self.mode != "thread":
             return False
@@ -348,10 +345,10 @@ class ScheduleDriver:
         share = contention(load, cost.host_share, cores)
         if share <= self._contention_limit:
             return False
-        log.info("dear: planned schedule on trial: %.0f%% of the link time it moves into "
+        log.info("dear: planned schedule not used: %.0f%% of the link time it would move into "
                  "backward is host work taken from backward (a collective %.2f cores, backward "
-                 "%.2f, %.2f cores per rank; DEAR_PLAN_CONTENTION=%.2f)", 100 * share,
-                 cost.host_share, load, cores, self._contention_limit)
+                 "%.2f, %.2f cores per rank; DEAR_PLAN_CONTENTION=%.2f): DeAR's order",
+                 100 * share, cost.host_share, load, cores, self._contention_limit)
         return True
 
     def _reduce_bytes(self) -> list[int]:
