@@ -320,8 +320,8 @@ class ScheduleDriver:
                      "time (%.1f ms predicted); link rs %.2f Gbit/s, ag %.2f Gbit/s per rank",
                      plan.num_chunks, 1e3 * plan.predicted_gap_fill_s,
                      8e-9 * cost.rate["reduce_scatter"], 8e-9 * cost.rate["all_gather"])
-            if plan.num_chunks and self._host_bound(cost):
-                plan = None                     # DeAR's order for this layout
+            if self._host_bound(cost):          # (an empty plan too: its check could add
+                plan = None                     # chunks, and it would run on the thread)
         self.plan = self._comm.broadcast_object(plan, 0)
         if self.plan is not None:               # from now on every optimizer's backward
             mark_planned(self)                   # collectives share the executor's order
