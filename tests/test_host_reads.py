@@ -4,9 +4,10 @@ On a GPU such a read (`Tensor.item()`, `bool(t)`, `torch.equal`, `.tolist()` of 
 tensor) stops the host until the device has caught up, so the CPU no longer runs ahead of it.
 On CPU ranks the same reads are dispatcher ops (`aten::_local_scalar_dense`, `aten::item`,
 `aten::equal`, `aten::is_nonzero`) that torch's profiler counts on every thread. Here: zero in
-steady iterations (the planned schedule in force) of a loop that reads nothing itself, on both
-hook paths (C++ and Python), in iterations that compare contents (DEAR_CHECK_EVERY=1) and with
-the default sampling; a control loop that calls `loss.item()` shows that the count sees a read.
+steady iterations (the planned schedule in force, and DeAR's order, which dear keeps where the
+link is the host's own work) of a loop that reads nothing itself, on both hook paths (C++ and
+Python), in iterations that compare contents (DEAR_CHECK_EVERY=1) and with the default
+sampling; a control loop that calls `loss.item()` shows that the count sees a read.
 On a GPU (marked cuda): the same steady iterations on a CUDA model raise no warning of
 `torch.cuda.set_sync_debug_mode`, at one rank on NCCL and with the planned schedule on a side
 stream (two ranks sharing the GPU through Gloo).
@@ -67,13 +68,17 @@ def _count() -> dict:
     return {"planned": planned, "dear": dict(dear_reads), "control": dict(control)}
 
 
+@pytest.mark.parametrize("schedule", ["planned", "dear"])
 @pytest.mark.parametrize("native", ["1", "0"])
 @pytest.mark.parametrize("check_every", ["1", "16"])
-def test_steady_iterations_read_nothing_on_the_host(native: str, check_every: str) -> None:
+def test_steady_iterations_read_nothing_on_the_host(native: str, check_every: str,
+                                                    schedule: str) -> None:
     results = run_distributed(_count, 2, timeout=240,
-                              env={"DEAR_NATIVE": native, "DEAR_CHECK_EVERY": check_every})
+                              env={"DEAR_NATIVE": native, "DEAR_CHECK_EVERY": check_every,
+                                   "DEAR_SCHEDULE": schedule})
     for r, res in enumerate(results):
-        assert res["planned"], f"rank {r}: the planned schedule was not in force"
+        assert res["planned"] == (schedule == "planned"), \
+            f"rank {r}: the planned schedule was {'not ' * (schedule == 'planned')}in force"
         assert res["dear"] == {}, f"rank {r}: dear read tensors on the host: {res['dear']}"
         assert sum(res["control"].values()) >= 6, \
             f"rank {r}: the count missed the control's loss.item() reads: {res['control']}"
