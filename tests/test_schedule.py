@@ -517,6 +517,21 @@ def test_a_host_bound_link_keeps_dears_order(contention: str, planned: bool) -> 
         assert any(res["threaded"]) == planned, res
 
 
+def test_settling_counts_the_check_and_the_trial() -> None:
+    """What the online autotuner waits for after each new layout before timing it: plan_after
+    measured, as many planned before the check, and with DEAR_PLAN_VERIFY the trial's 3
+    windows of each schedule (on CPU tensors; on a GPU there is no trial)."""
+    from types import SimpleNamespace
+
+    from dear.fusion.schedule import ScheduleDriver
+    comm = SimpleNamespace(size=2)
+    assert ScheduleDriver(lambda: comm, True, 4, 1 << 20, "stream").settling_iterations == 8
+    assert ScheduleDriver(lambda: comm, True, 4, 1 << 20, "stream",
+                          verify=True).settling_iterations == 8
+    assert ScheduleDriver(lambda: comm, True, 3, 1 << 20, "thread",
+                          verify=True).settling_iterations == 24
+
+
 def _two_optimizers() -> dict:
     """Two dear optimizers on one model (half the parameters each), both planned: their
     backward collectives share one executor, so one order on every rank."""

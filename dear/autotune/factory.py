@@ -27,8 +27,9 @@ def make_autotuner(optimizer: torch.optim.Optimizer,
     fingerprint = fusion_config.model_fingerprint(named)
     # A trial must time the layout as it will run: planned, once its plan is made and checked
     # (a new layout measures plan_after iterations, then runs the plan as many before the
-    # check), so those are part of the settling.
-    settle = (max(cfg.autotune_settle, 2 * cfg.plan_after + 1) if schedule.enabled
+    # check; with plan_verify, the trial against DeAR's order follows), so those are part of
+    # the settling.
+    settle = (max(cfg.autotune_settle, schedule.settling_iterations + 1) if schedule.enabled
               else cfg.autotune_settle)
     if mode is Autotune.OFFLINE:
         if not overlap:

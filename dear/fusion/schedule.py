@@ -172,6 +172,12 @@ class ScheduleDriver:
         return self._comm_of()
 
     @property
+    def settling_iterations(self) -> int:
+        """Iterations from a new layout until its schedule has settled: plan_after measured,
+        as many planned before the check, and with `verify` the trial's windows."""
+        return (2 + 2 * VERIFY_ROUNDS * self._verify) * self._plan_after
+
+    @property
     def searched_chunk_bytes(self) -> Optional[int]:
         """What an autotuner starts the chunk size from, or None when no plan can run here
         (DeAR's order, one rank, no issue_mode()): then the chunk size changes nothing."""
