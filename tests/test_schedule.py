@@ -8,9 +8,11 @@ is planned again. Plus the planner's greedy replay and the executor on their own
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import threading
 import time
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -25,7 +27,7 @@ from dear.fusion.fusion_config import FusionConfig
 from dear.fusion.layout import build_layout
 from dear.fusion.plan import BackwardClock, calibrate, contention, probe_link, replay_tail
 from dear.comm.link import LinkModel
-from dear.fusion.schedule import CommExecutor, Plan, chunk_columns, plan_gaps
+from dear.fusion.schedule import CommExecutor, Plan, ScheduleDriver, chunk_columns, plan_gaps
 from tests.distributed import run_distributed
 from tests.workloads import (OPTIMIZERS, batch, branch_used, init_in_issue_mode, make_net, max_diff,
                              reference, state_of)
@@ -291,6 +293,14 @@ class RecordingCommunicator(WrappedCommunicator):
         return self.inner.all_gather_object(obj)
 
 
+def record_collectives() -> RecordingCommunicator:
+    """After dear.init(): every collective of this rank from now on goes through a recorder."""
+    inner = dear.comm.runtime.current_communicator()
+    recorder = RecordingCommunicator(inner)
+    assert dear.comm.runtime.replace_communicator(inner, recorder)
+    return recorder
+
+
 def _slow_in_backward(module: torch.nn.Module, seconds: float) -> None:
     module.register_full_backward_pre_hook(lambda *_: time.sleep(seconds))
 
@@ -309,9 +319,7 @@ def _planned_run(forced: bool, relayout_at: int, mode: str = "thread", device: s
         schedule.ScheduleDriver._factor = lambda *args: check_factor
     init_in_issue_mode(mode, device)
     rank, world = dear.rank(), dear.size()
-    inner = dear.comm.runtime.current_communicator()
-    recorder = RecordingCommunicator(inner)
-    assert dear.comm.runtime.replace_communicator(inner, recorder)
+    recorder = record_collectives()
     model = make_net().to(device)
     if rank == 1:
         _slow_in_backward(model.fc1, 0.02)
@@ -433,7 +441,6 @@ def _verified_run(planned_step_s: float, host_bound: bool, sharded: bool = False
     probe finds a link so fast that every chunk fits, whose collectives cost the host a core,
     on a rank of almost no cores (plan.contention 1). `sharded`: shard_optimizer_state (the
     chunks carry parameters updated early)."""
-    import dataclasses
     schedule = dear.fusion.schedule
     now = [0.0]
     schedule._now = lambda: now[0]
@@ -443,9 +450,7 @@ def _verified_run(planned_step_s: float, host_bound: bool, sharded: bool = False
         schedule.cores_per_rank = lambda: 1e-3
     dear.init()
     rank, world = dear.rank(), dear.size()
-    inner = dear.comm.runtime.current_communicator()
-    recorder = RecordingCommunicator(inner)
-    assert dear.comm.runtime.replace_communicator(inner, recorder)
+    recorder = record_collectives()
     model = make_net()
     opt = dear.DistributedOptimizer(OPTIMIZERS["adam"](model.parameters()), model=model,
                                     fusion_threshold=1024, schedule="planned",
@@ -521,9 +526,6 @@ def test_settling_counts_the_check_and_the_trial() -> None:
     """What the online autotuner waits for after each new layout before timing it: plan_after
     measured, as many planned before the check, and with DEAR_PLAN_VERIFY the trial's 3
     windows of each schedule (on CPU tensors; on a GPU there is no trial)."""
-    from types import SimpleNamespace
-
-    from dear.fusion.schedule import ScheduleDriver
     comm = SimpleNamespace(size=2)
     assert ScheduleDriver(lambda: comm, True, 4, 1 << 20, "stream").settling_iterations == 8
     assert ScheduleDriver(lambda: comm, True, 4, 1 << 20, "stream",

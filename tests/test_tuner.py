@@ -262,7 +262,7 @@ def _train_planned(out_dir: str) -> dict:
     import os
 
     import dear.autotune.online as tuner_module
-    from tests.test_schedule import RecordingCommunicator, _slow_in_backward
+    from tests.test_schedule import _slow_in_backward, record_collectives
     from tests.workloads import state_of
     tuner_module.MIN_BYTES = 256
     tuner_module.CHUNK_MIN_BYTES, tuner_module.CHUNK_MAX_BYTES = 16, 4096
@@ -272,9 +272,7 @@ def _train_planned(out_dir: str) -> dict:
                       DEAR_AUTOTUNE_OUT=os.path.join(out_dir, "fusion.json"))
     dear.init()
     rank, world = dear.rank(), dear.size()
-    inner = dear.comm.runtime.current_communicator()
-    recorder = RecordingCommunicator(inner)
-    assert dear.comm.runtime.replace_communicator(inner, recorder)
+    recorder = record_collectives()
     model = make_net()
     for module in (model.fc1, model.fc2, model.branch, model.head):
         _slow_in_backward(module, 0.004)
