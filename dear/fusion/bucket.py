@@ -374,6 +374,13 @@ class Bucket:
         REDUCING, its update is not pending yet; step() adds the rest."""
         self._gathers.append(work)
 
+    def take_gathers(self) -> list[Work]:
+        """The all-gathers issued so far (chunks in backward), handed over: the caller makes
+        them part of the work it passes to gathering() (a quantized bucket decodes once the
+        last has landed)."""
+        gathers, self._gathers = self._gathers, []
+        return gathers
+
     def gathering(self, work: Optional[Work] = None) -> None:
         """An all-gather filling (the rest of) `wire` is `work` (possibly shared with other
         buckets; None: chunks issued earlier filled it all): the update is now pending."""
@@ -390,10 +397,11 @@ class Bucket:
             self._wait("all-gather", work)
         self._gathers = []
         self._work = None
-        return self._land()
+        return self.land()
 
-    def _land(self) -> list[bool]:
-        """The gathered wire into the buffer; which parameters any rank produced one for."""
+    def land(self) -> list[bool]:
+        """The gathered wire into the buffer; which parameters any rank produced one for
+        (finish_all_gather, once its all-gathers are done)."""
         if self._all_used_here:                # some rank (this one) used each: no flag read
             if self.wire is not self.buffer:
                 self.buffer.copy_(self.wire)

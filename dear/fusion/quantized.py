@@ -98,7 +98,181 @@ class _Slot:
         return codes + 4 * (num_blocks(quantized, codec.block_size) + tail)
 
 
+def _slots(buf: torch.Tensor, quantized: Sequence[int], width: int, slot: int,
+           codec: QuantizedCompressor) -> list[_Slot]:
+    """Slot c of `buf` holds a chunk of `quantized[c]` quantized elements and a raw tail."""
+    return [_Slot(buf[c * slot:(c + 1) * slot], q, width - q, codec)
+            for c, q in enumerate(quantized)]
+
+
+def _timed(bucket: QuantizedBucket, phase: str,
+           decode: Callable[[], None]) -> Callable[[], None]:
+    """`decode` on the decode thread, its time added to `bucket.decode_time[phase]`."""
+    def run() -> None:
+        start = time.perf_counter()
+        decode()
+        totals = bucket.decode_time[phase]
+        totals[0] += time.perf_counter() - start
+        totals[1] += bucket.buffer.numel() * bucket.buffer.element_size()
+    return run
+
+
+class _GatherSide:
+    """What a quantized bucket's all-gather carries and how it lands, chosen once per bucket;
+    the reduce side (QuantizedBucket) is the same for both. `wire` and `wire_shard` are the
+    bucket's: what the all-gather receives into and sends."""
+
+    wire: torch.Tensor
+    wire_shard: torch.Tensor
+
+    def own_residual_added(self, residual: torch.Tensor) -> None:
+        """Our own chunk just took its residual (it is summed unquantized)."""
+        raise NotImplementedError
+
+    def outgoing(self, bucket: QuantizedBucket) -> torch.Tensor:
+        """What this rank sends in the all-gather (QuantizedBucket.outgoing_shard)."""
+        raise NotImplementedError
+
+    def columns(self, bucket: QuantizedBucket, comm: Communicator, start: int,
+                length: int) -> Work:
+        """One chunk of the all-gather, columns [start, start + length) of `wire_shard`."""
+        raise NotImplementedError
+
+    def start(self, bucket: QuantizedBucket, comm: Communicator) -> None:
+        """The whole all-gather."""
+        raise NotImplementedError
+
+    def gathering(self, bucket: QuantizedBucket, work: Optional[Work]) -> None:
+        """Bucket.gathering: the update is pending once `work` (and earlier chunks) land."""
+        raise NotImplementedError
+
+    def land(self, bucket: QuantizedBucket) -> list[bool]:
+        """Bucket.land: the gathered values into the buffer; which parameters had a gradient."""
+        raise NotImplementedError
+
+    def reset(self) -> None:
+        """A dropped step: forget what this iteration's all-gather did so far."""
+
+
+class _QuantizedGather(_GatherSide):
+    """The averaged shard quantized once more into this rank's slot, every rank's slot
+    dequantized into the buffer by every rank, the owner included, so all ranks apply the same
+    gradient bit for bit. The rounding of our own chunk, in the sum's units, is its residual."""
+
+    def __init__(self, codec: QuantizedCompressor, quantized: Sequence[int], width: int,
+                 slot: int, rank: int, device: torch.device,
+                 shard: tuple[torch.Tensor, torch.Tensor], residual: Optional[torch.Tensor],
+                 grads: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.codec = codec
+        self.wire = torch.empty(len(quantized) * slot, dtype=torch.uint8, device=device)
+        self.wire_shard = torch.empty(slot, dtype=torch.uint8, device=device)
+        self._slots = _slots(self.wire, quantized, width, slot, codec)
+        self._own = _Slot(self.wire_shard, quantized[rank], width - quantized[rank], codec)
+        self._shard, self._residual, self._grads = shard, residual, list(grads)
+        self._gathered = False               # the decode thread unpacked the all-gather
+        self._chunked = False                # chunks of the all-gather went out in backward
+
+    def own_residual_added(self, residual: torch.Tensor) -> None:
+        """Nothing: the all-gather's rounding of the average refills it (`outgoing`)."""
+
+    def outgoing(self, bucket: QuantizedBucket) -> torch.Tensor:
+        """Our averaged shard quantized into our slot; its rounding, in the sum's units, is our
+        own chunk's residual for the next iteration."""
+        values, tail = self._shard
+        residual = self._residual
+        if residual is not None:
+            residual.zero_()
+        quantize(values, residual, self._own.codes, self._own.scales, self.codec.block_size,
+                 self.codec.bits)
+        if residual is not None and bucket.postscale != 1.0:
+            residual.div_(bucket.postscale)
+        self._own.raw.copy_(tail)
+        return self.wire_shard
+
+    def columns(self, bucket: QuantizedBucket, comm: Communicator, start: int,
+                length: int) -> Work:
+        """Bytes [start, start + length) of our slot; the first chunk quantizes the whole
+        averaged shard."""
+        if start == 0:
+            self.outgoing(bucket)
+        self._chunked = True
+        return comm.all_gather_columns(self.wire_shard, self.wire, start, length)
+
+    def start(self, bucket: QuantizedBucket, comm: Communicator) -> None:
+        work = comm.all_gather(self.outgoing(bucket), self.wire)
+        if self.wire.is_cuda:
+            bucket.gathering(work)
+            return
+        self._gathered = True                # decoded on the decode thread when it lands
+        bucket.gathering(_then(work, _timed(bucket, "gather", self._unpack)))
+
+    def gathering(self, bucket: QuantizedBucket, work: Optional[Work]) -> None:
+        """As a bucket's; after chunks (on CPU): decoded on the decode thread once every chunk
+        has landed, so the next forward finds the values ready."""
+        chunked, self._chunked = self._chunked, False
+        if not chunked or self.wire.is_cuda:
+            Bucket.gathering(bucket, work)
+            return
+        chunks = bucket.take_gathers() + ([work] if work is not None else [])
+        self._gathered = True
+        Bucket.gathering(bucket, _then(CallbackWork(chunks), _timed(bucket, "gather",
+                                                                    self._unpack)))
+
+    def _unpack(self) -> None:
+        """Every rank's slot dequantized into the buffer (our own too: every rank applies the
+        same values)."""
+        block, bits = self.codec.block_size, self.codec.bits
+        for got, (values, tail) in zip(self._slots, self._grads):
+            dequantize(got.codes, got.scales, values, block, bits, accumulate=False)
+            tail.copy_(got.raw)
+
+    def land(self, bucket: QuantizedBucket) -> list[bool]:
+        if not self._gathered:               # a fused group's all-gather, or on a GPU
+            self._unpack()
+        self._gathered = False
+        if bucket.all_used_here:
+            return [True] * len(bucket.params)
+        return (bucket.flags != 0).tolist()
+
+    def reset(self) -> None:
+        self._gathered = self._chunked = False
+
+
+class _ParameterGather(_GatherSide):
+    """shard_optimizer_state: the all-gather carries this rank's updated parameters, which must
+    not be rounded: fp32 through the bucket's own buffer and shard, Bucket's plain path. Our
+    own chunk is then never rounded, so its residual stays zero."""
+
+    def __init__(self, buffer: torch.Tensor, shard: torch.Tensor) -> None:
+        self.wire, self.wire_shard = buffer, shard
+
+    def own_residual_added(self, residual: torch.Tensor) -> None:
+        """Spent: no all-gather rounding refills it."""
+        residual.zero_()
+
+    def outgoing(self, bucket: QuantizedBucket) -> torch.Tensor:
+        assert bucket.outgoing is not None, "a sharded bucket gathers its updated parameters"
+        return bucket.outgoing
+
+    def columns(self, bucket: QuantizedBucket, comm: Communicator, start: int,
+                length: int) -> Work:
+        return Bucket.gather_columns(bucket, comm, start, length)
+
+    def start(self, bucket: QuantizedBucket, comm: Communicator) -> None:
+        Bucket.start_all_gather(bucket, comm)
+
+    def gathering(self, bucket: QuantizedBucket, work: Optional[Work]) -> None:
+        Bucket.gathering(bucket, work)
+
+    def land(self, bucket: QuantizedBucket) -> list[bool]:
+        return Bucket.land(bucket)
+
+
 class QuantizedBucket(Bucket):
+    """A bucket whose reduce-scatter is a block-quantized all-to-all with error feedback; its
+    all-gather side (`_GatherSide`) carries the average quantized once more or, `sharded`, the
+    updated parameters in fp32."""
+
     def __init__(self, spec: BucketSpec, params: Sequence[torch.nn.Parameter],
                  codec: QuantizedCompressor, rank: int, sparse_as_dense: bool = False,
                  native: Optional[bool] = None, views: bool = False,
@@ -115,23 +289,11 @@ class QuantizedBucket(Bucket):
         dev = spec.device
         self.send = torch.empty(n * slot, dtype=torch.uint8, device=dev)
         self.recv = torch.empty(n * slot, dtype=torch.uint8, device=dev)
-        if not sharded:                          # else the base class's: buffer and shard
-            self.wire = torch.empty(n * slot, dtype=torch.uint8, device=dev)
-            self.wire_shard = torch.empty(slot, dtype=torch.uint8, device=dev)
         self.residual = (torch.zeros(spec.padded_numel, dtype=torch.float32, device=dev)
                          if codec.error_feedback else None)
-
-        def slots(buf: torch.Tensor, chunk: Optional[int] = None) -> list[_Slot]:
-            """Slot c holds chunk c (or, what every rank sends us, our `chunk`)."""
-            q = [self.quantized[c if chunk is None else chunk] for c in range(n)]
-            return [_Slot(buf[c * slot:(c + 1) * slot], q[c], width - q[c], codec)
-                    for c in range(n)]
-        self._send = slots(self.send)
-        self._recv = slots(self.recv, chunk=rank)
+        self._send = _slots(self.send, self.quantized, width, slot, codec)
         mine = self.quantized[rank]
-        if not sharded:
-            self._wire = slots(self.wire)
-            self._own = _Slot(self.wire_shard, mine, width - mine, codec)
+        self._recv = _slots(self.recv, [mine] * n, width, slot, codec)   # every rank's for us
         chunks = self.buffer.view(n, width)
         self._grads = [(chunks[c, :q], chunks[c, q:]) for c, q in enumerate(self.quantized)]
         self._shard = (self.shard[:mine], self.shard[mine:])
@@ -139,14 +301,19 @@ class QuantizedBucket(Bucket):
         if self.residual is not None:
             res = self.residual.view(n, width)
             self._residuals = [res[c, :q] for c, q in enumerate(self.quantized)]
-        self._postscale = 1.0
+        self._gather: _GatherSide = (
+            _ParameterGather(self.buffer, self.shard) if sharded else
+            _QuantizedGather(codec, self.quantized, width, slot, rank, dev, self._shard,
+                             self._residuals[rank], self._grads))
+        self.wire, self.wire_shard = self._gather.wire, self._gather.wire_shard
+        # What finish_reduce_scatter scaled the sum by: our own chunk's residual is kept in
+        # the sum's units.
+        self.postscale = 1.0
         # Seconds and buffer bytes the decode thread spent after each transfer, per phase
         # ("reduce": the sum, "gather": the unpack): dear.diagnose's tracer reads them, and
         # its replay adds that time after the collective (dear/diagnose/engine.py's `post`).
         self.decode_time: dict[str, list[float]] = {"reduce": [0.0, 0.0], "gather": [0.0, 0.0]}
         self._summed = False                 # the decode thread summed the shard
-        self._gathered = False               # ... and unpacked the all-gather
-        self._chunked = False                # chunks of the all-gather went out in backward
 
     @property
     def reduce_bytes(self) -> int:
@@ -156,6 +323,7 @@ class QuantizedBucket(Bucket):
     def wires(self) -> tuple[torch.Tensor, ...]:
         return (self.wire, self.wire_shard, self.send, self.recv)
 
+    # ------------------------------------------------------------------ reduce side
     def _reduce(self, comm: Communicator) -> Work:
         """Quantize every other rank's chunk (its residual added and renewed), add our own
         residual to our own chunk (summed unquantized), and send the slots."""
@@ -164,25 +332,14 @@ class QuantizedBucket(Bucket):
             if c == self.rank:
                 if residual is not None:
                     values.add_(residual)
-                    if self.sharded:             # no all-gather rounding refills it
-                        residual.zero_()
+                    self._gather.own_residual_added(residual)
                 continue
             out = self._send[c]
             quantize(values, residual, out.codes, out.scales, block, bits)
             out.raw.copy_(tail)
         work = comm.all_to_all(self.send, self.recv)
         self._summed = not self.send.is_cuda
-        return _then(work, self._timed("reduce", self._sum)) if self._summed else work
-
-    def _timed(self, phase: str, decode: Callable[[], None]) -> Callable[[], None]:
-        """`decode` on the decode thread, its time added to `decode_time[phase]`."""
-        def run() -> None:
-            start = time.perf_counter()
-            decode()
-            totals = self.decode_time[phase]
-            totals[0] += time.perf_counter() - start
-            totals[1] += self.buffer.numel() * self.buffer.element_size()
-        return run
+        return _then(work, _timed(self, "reduce", self._sum)) if self._summed else work
 
     def _sum(self) -> None:
         """Our shard: every rank's chunk in rank order (our own unquantized), not yet scaled.
@@ -201,74 +358,23 @@ class QuantizedBucket(Bucket):
     def _sum_into_shard(self, postscale: float) -> None:
         if not self._summed:                 # on a GPU: its kernels queue on the stream now
             self._sum()
-        self._postscale = postscale
+        self.postscale = postscale
 
+    # ------------------------------------------------------------------ gather side
     def outgoing_shard(self) -> torch.Tensor:
-        """Our averaged shard quantized into our slot; its rounding, in the sum's units, is our
-        own chunk's residual for the next iteration. Sharded: our updated parameters, fp32."""
-        if self.sharded:
-            assert self.outgoing is not None, "a sharded bucket gathers its updated parameters"
-            return self.outgoing
-        values, tail = self._shard
-        residual = self._residuals[self.rank]
-        if residual is not None:
-            residual.zero_()
-        quantize(values, residual, self._own.codes, self._own.scales, self.codec.block_size,
-                 self.codec.bits)
-        if residual is not None and self._postscale != 1.0:
-            residual.div_(self._postscale)
-        self._own.raw.copy_(tail)
-        return self.wire_shard
+        return self._gather.outgoing(self)
 
     def gather_columns(self, comm: Communicator, start: int, length: int) -> Work:
-        """Bytes [start, start + length) of our slot (sharded: fp32 columns of the updated
-        parameters); the first chunk quantizes the whole averaged shard."""
-        if self.sharded:
-            return super().gather_columns(comm, start, length)
-        if start == 0:
-            self.outgoing_shard()
-        self._chunked = True
-        return comm.all_gather_columns(self.wire_shard, self.wire, start, length)
+        return self._gather.columns(self, comm, start, length)
 
     def start_all_gather(self, comm: Communicator) -> None:
-        if self.sharded:
-            super().start_all_gather(comm)
-            return
-        work = comm.all_gather(self.outgoing_shard(), self.wire)
-        if self.wire.is_cuda:
-            self.gathering(work)
-            return
-        self._gathered = True                # decoded on the decode thread when it lands
-        self.gathering(_then(work, self._timed("gather", self._unpack)))
+        self._gather.start(self, comm)
 
     def gathering(self, work: Optional[Work] = None) -> None:
-        """As a bucket's; after chunks (on CPU): decoded on the decode thread once every chunk
-        has landed, so the next forward finds the values ready."""
-        chunked, self._chunked = self._chunked, False
-        if not chunked or self.wire.is_cuda:
-            super().gathering(work)
-            return
-        chunks = self._gathers + ([work] if work is not None else [])
-        self._gathers, self._gathered = [], True
-        super().gathering(_then(CallbackWork(chunks), self._timed("gather", self._unpack)))
+        self._gather.gathering(self, work)
 
-    def _unpack(self) -> None:
-        """Every rank's slot dequantized into the buffer (our own too: every rank applies the
-        same values)."""
-        block, bits = self.codec.block_size, self.codec.bits
-        for got, (values, tail) in zip(self._wire, self._grads):
-            dequantize(got.codes, got.scales, values, block, bits, accumulate=False)
-            tail.copy_(got.raw)
-
-    def _land(self) -> list[bool]:
-        if self.sharded:
-            return super()._land()
-        if not self._gathered:               # a fused group's all-gather, or on a GPU
-            self._unpack()
-        self._gathered = False
-        if self._all_used_here:
-            return [True] * len(self.params)
-        return (self.flags != 0).tolist()
+    def land(self) -> list[bool]:
+        return self._gather.land(self)
 
     def drop(self) -> None:
         """A skipped or refused step: its gradient is discarded, and with it what quantizing
@@ -276,7 +382,7 @@ class QuantizedBucket(Bucket):
         try:
             super().drop()
         finally:
-            self._gathered = self._chunked = False
+            self._gather.reset()
             if self.residual is not None:
                 self.residual.zero_()
 
