@@ -1,6 +1,7 @@
 """Block-wise int8/int4 quantization with error feedback: the native kernels (csrc/quantize.cpp,
 dear._native.quantize_blocks / dequantize_blocks) against dear/fusion/quantize.py's plain-torch
-reference, bit for bit.
+reference, bit for bit, and both against the definition written out in numpy with no code of
+dear's (tests/quantize_closed_form.py: scale = max|y| / qmax per block, round half to even).
 
 Bit for bit means: codes equal (torch.equal), scales and residuals equal as int32 (so a NaN scale
 equals a NaN scale, and +0.0 differs from -0.0), for bits 8 and 4, block sizes 1, 7, 64 and 256,
@@ -15,7 +16,8 @@ the one fp32 rounding of y = x + old residual:
 
     |(float(q) * scale + residual_new) - (x + residual_old)| <= ulp(max(|x|, |residual_old|))
 
-(both sides summed exactly in float64; ulp: the fp32 spacing at that value). It holds exactly
+(both sides summed exactly in float64; ulp: the fp32 spacing at that value; the codes decoded
+and dequantized by the numpy closed form, not by dear). It holds exactly
 after that rounding: y - float(q) * scale is exact (Sterbenz: float(q) * scale is within a
 factor 2 of y, or 0), so dequantized + new residual is y itself. A block that is not finite
 sends scale NaN, codes 0, and keeps residual 0.
@@ -23,11 +25,13 @@ sends scale NaN, codes 0, and keeps residual 0.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from dear import native
 from dear.fusion import quantize as Q
+from tests import quantize_closed_form as CF
 
 _ext = native.extension()
 _missing = (f"native extension not built ({native.load_error()})" if _ext is None else
@@ -147,9 +151,9 @@ def compare(x: torch.Tensor, residual: "torch.Tensor | None", block: int, bits: 
 
 def dequantized(codes: torch.Tensor, scales: torch.Tensor, n: int, block: int,
                 bits: int) -> torch.Tensor:
-    out = torch.empty(n)
-    Q.dequantize_reference(codes, scales, out, block, bits, accumulate=False)
-    return out
+    """The codes decoded and dequantized by the numpy closed form."""
+    q = CF.unpack(codes.numpy(), n, bits)
+    return torch.from_numpy(CF.dequantize(q, scales.numpy(), block))
 
 
 def assert_error_feedback(x: torch.Tensor, old: torch.Tensor, codes: torch.Tensor,
@@ -171,8 +175,94 @@ def assert_error_feedback(x: torch.Tensor, old: torch.Tensor, codes: torch.Tenso
     # (as a value: y = -0.0 gives +0.0 + +0.0).
     y = x + old
     assert bool((lhs[finite] == y[finite].double()).all())
-    q = Q._unpack(codes, n, bits)
+    q = torch.from_numpy(CF.unpack(codes.numpy(), n, bits))
     assert bool((q[~finite] == 0).all()) and bool((new[~finite] == 0).all())
+
+
+# ----------------------------------------------------------------------------- closed form
+
+IMPLS = ["reference", pytest.param("native", marks=needs_native)]
+
+
+def _impl(name: str):
+    return Q.quantize_reference if name == "reference" else _ext.quantize_blocks
+
+
+def _dequantize_impl(name: str):
+    return Q.dequantize_reference if name == "reference" else _ext.dequantize_blocks
+
+
+def assert_closed_form(got, x: torch.Tensor, residual: "torch.Tensor | None", block: int,
+                       bits: int, what: str) -> None:
+    """(codes, scales, residual) as the numpy closed form gives them, bit for bit (a NaN scale
+    as any NaN)."""
+    q, scales, new = CF.quantize(x.numpy(), None if residual is None else residual.numpy(),
+                                 block, bits)
+    codes = torch.from_numpy(CF.pack(q, bits))
+    assert_bitwise(got[0], codes, f"{what}: codes")
+    assert_bitwise(got[1], torch.from_numpy(scales), f"{what}: scales")
+    if residual is not None:
+        assert_bitwise(got[2], torch.from_numpy(new), f"{what}: residual")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("block", BLOCKS)
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
+def test_quantize_is_the_closed_form(impl, bits, block, kind, residual) -> None:
+    """Every input of test_quantize_bit_identical (special blocks, ties, subnormals, -0.0) gives
+    the closed form's codes, scales and residual."""
+    for n in lengths(block):
+        seeds = range(FEATURES) if kind == "special" and Q.num_blocks(n, block) < 40 else [0]
+        for seed in seeds:
+            x, r = make_input(kind, n, block, seed, residual, bits)
+            got = quantize_with(_impl(impl), x, r, block, bits)
+            assert_closed_form(got, x, r, block, bits, f"{impl} n={n} seed={seed}")
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_closed_form_on_hand_worked_values(bits) -> None:
+    """The closed form itself, on values worked out by hand. Block 0: max qmax / 16 gives scale
+    1/16 (exact), and y / scale = 2.5, -2.5, 3.5, -0.5 round half to even to 2, -2, 4, -0;
+    block 1 holds an inf: scale NaN, codes 0, residual 0; block 2 is zeros: scale 0, codes 0,
+    y kept as the residual (its -0.0 too)."""
+    qmax = CF.QMAX[bits]
+    s = 1 / 16
+    x = np.array([2.5 * s, -2.5 * s, 3.5 * s, -0.5 * s, qmax * s,
+                  np.inf, 1.0, 2.0, -3.0, 4.0,
+                  0.0, -0.0, 0.0, 0.0, 0.0], dtype=np.float32)
+    r = np.zeros_like(x)
+    r[11] = -0.0                                        # so y is -0.0 there
+    q, scales, new = CF.quantize(x, r, 5, bits)
+    assert scales[0] == s and np.isnan(scales[1]) and scales[2] == 0.0
+    assert q.tolist() == [2, -2, 4, 0, qmax] + [0] * 10
+    assert new.tolist() == [s / 2, -s / 2, -s / 2, -s / 2, 0] + [0] * 10
+    assert np.signbit(new[11]) and not np.signbit(new[10])
+    codes = CF.pack(q, bits)
+    assert CF.unpack(codes, x.size, bits).tolist() == q.tolist()
+    if bits == 4:                                       # 2 in the low nibble, -2 (0xE) high
+        assert int(codes[0]) == 0xE2
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("block", BLOCKS)
+@pytest.mark.parametrize("accumulate", [False, True], ids=["write", "accumulate"])
+def test_dequantize_is_the_closed_form(impl, bits, block, accumulate) -> None:
+    """out = q * scale (accumulate: out + q * scale, each product and sum rounded once), for
+    every code (int8's -128 and int4's -8 included) and scales of every kind (0, -0.0, NaN, inf,
+    subnormals)."""
+    for n in lengths(block):
+        codes, scales = random_codes_and_scales(n, block, bits, seed=n + block)
+        g = torch.Generator().manual_seed(n)
+        out = torch.randn(n, generator=g) * 100
+        want = CF.dequantize(CF.unpack(codes.numpy(), n, bits), scales.numpy(), block)
+        if accumulate:
+            want = (out.numpy() + want).astype(np.float32)
+        got = out.clone()
+        _dequantize_impl(impl)(codes, scales, got, block, bits, accumulate)
+        assert_bitwise(got, torch.from_numpy(want), f"{impl} n={n}: dequantized")
 
 
 # ----------------------------------------------------------------------------- quantize
@@ -443,7 +533,8 @@ def test_empty_and_none() -> None:
 @pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("block", BLOCKS)
 def test_cuda_bit_identical(bits, block) -> None:
-    """csrc/cuda/quantize_kernels.cu against the reference on the CPU and on the GPU."""
+    """csrc/cuda/quantize_kernels.cu against the reference on the CPU and on the GPU, and
+    against the numpy closed form."""
     for n in lengths(block):
         seeds = range(FEATURES) if Q.num_blocks(n, block) < 40 else [0]
         for seed in seeds:
@@ -455,6 +546,8 @@ def test_cuda_bit_identical(bits, block) -> None:
                     for a, b, what in zip(got, want, ("codes", "scales", "residual")):
                         if b is not None:
                             assert_bitwise(a, b, f"{fn.__name__} n={n} seed={seed}: {what}")
+                    assert_closed_form(got, x, r, block, bits,
+                                       f"{fn.__name__} on cuda n={n} seed={seed}")
                 out = torch.randn(n)
                 want_out = out.clone()
                 Q.dequantize_reference(want[0], want[1], want_out, block, bits, True)

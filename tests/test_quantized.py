@@ -1,5 +1,6 @@
 """Quantized compression (dear.Compression.int8/int4): error feedback's algebra against a
-plain-torch reference of several ranks in one process, ranks bit-identical, the warm-up,
+reference of several ranks in one process (plain torch, quantizing with the numpy closed form of
+tests/quantize_closed_form.py, no code of dear's), ranks bit-identical, the warm-up,
 checkpoint/resume with the residuals, the settings check and the refusals."""
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import dear
-from dear.fusion.quantize import code_bytes, dequantize_reference, num_blocks, quantize_reference
+from tests import quantize_closed_form as CF
 from tests.distributed import run_distributed
 from tests.workloads import batch, make_net, max_diff, state_of
 
@@ -56,14 +57,12 @@ def _train_linear(compression, steps: int = STEPS, passes: int = 1, early: bool 
 
 
 def _q(x: torch.Tensor, residual, bits: int, block: int) -> torch.Tensor:
-    """Quantize-dequantize with the reference quantizer (residual updated in place)."""
-    codes = torch.empty(code_bytes(x.numel(), bits),
-                        dtype=torch.int8 if bits == 8 else torch.uint8)
-    scales = torch.empty(num_blocks(x.numel(), block))
-    quantize_reference(x, residual, codes, scales, block, bits)
-    out = torch.empty_like(x)
-    dequantize_reference(codes, scales, out, block, bits, accumulate=False)
-    return out
+    """Quantize-dequantize with the numpy closed form (residual updated in place)."""
+    out, new = CF.round_trip(x.numpy(), None if residual is None else residual.numpy(), block,
+                             bits)
+    if residual is not None:
+        residual.copy_(torch.from_numpy(new))
+    return torch.from_numpy(out)
 
 
 def _reference(world: int, bits: int, block: int, steps: int = STEPS,
