@@ -6,6 +6,7 @@ checkpoint/resume with the residuals, the settings check and the refusals."""
 from __future__ import annotations
 
 import functools
+import math
 import os
 import tempfile
 from typing import Optional
@@ -15,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import dear
+from tests import kfac_workloads as W
 from tests import quantize_closed_form as CF
 from tests.distributed import run_distributed
 from tests.workloads import batch, make_net, max_diff, state_of
@@ -473,32 +475,145 @@ def test_gradscaler_skips_a_step_with_inf_on_every_rank(early):
     assert all(bool(torch.isfinite(t).all()) for t in ranks[0]["params"].values())
 
 
+KFAC_ARGS = {**W.ARGS, "inv_update_freq": 2}
+KFAC_SGD_LR = 0.05
+
+
 def _kfac_int8() -> tuple:
-    from tests import kfac_workloads as W
+    from dear.fusion.quantized import QuantizedBucket
     dear.init()
     rank, world = dear.rank(), dear.size()
-    model = W.make_model("mlp")
-    opt = dear.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model=model,
-                                    compression=dear.Compression.int8)
-    precond = dear.KFAC(model, strategy="comm-opt", **{**W.ARGS, "inv_update_freq": 2})
+    model = W.make_model("mlp", torch.float32)           # only fp32 buckets are quantized
+    opt = dear.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=KFAC_SGD_LR),
+                                    model=model, compression=dear.Compression.int8)
+    precond = dear.KFAC(model, strategy="comm-opt", **KFAC_ARGS)
     for step in range(4):
-        x, y = W.batch("mlp", step, world, rank)
+        x, y = W.batch("mlp", step, world, rank, dtype=torch.float32)
         opt.zero_grad()
         W.loss_fn(model(x), y).backward()
         precond.step()
         opt.step()
     opt.flush_updates()
-    return W.params_of(model), precond.overlapped_steps
+    quantized = all(isinstance(b, QuantizedBucket) for b in opt.dear_engine.buckets)
+    return W.params_of(model), precond.overlapped_steps, quantized
 
 
 def test_kfac_preconditions_the_averaged_gradient_without_the_eigenbasis_overlap():
     """dear.KFAC's eigenbasis path would carry residuals across bases: under quantization it
     preconditions after synchronize() instead (no overlapped step), and trains on every rank
-    alike."""
+    alike, every bucket quantized."""
     ranks = run_distributed(_kfac_int8, 2, timeout=120)
-    assert [overlapped for _, overlapped in ranks] == [0, 0]
+    assert [overlapped for _, overlapped, _ in ranks] == [0, 0]
+    assert all(quantized for _, _, quantized in ranks)
     assert max_diff(ranks[0][0], ranks[1][0]) == 0.0
     assert all(bool(torch.isfinite(t).all()) for t in ranks[0][0].values())
+
+
+def _first_steps() -> dict:
+    """One step from the same weights and batch: dear.KFAC under int8 and fp32, and plain SGD
+    (no K-FAC) under int8 and fp32."""
+    dear.init()
+    rank, world = dear.rank(), dear.size()
+    out = {}
+    for kfac in (True, False):
+        for comp in (dear.Compression.int8, dear.Compression.none):
+            model = W.make_model("mlp", torch.float32)
+            opt = dear.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=KFAC_SGD_LR),
+                                            model=model, compression=comp)
+            precond = dear.KFAC(model, strategy="comm-opt", **KFAC_ARGS) if kfac else None
+            x, y = W.batch("mlp", 0, world, rank, dtype=torch.float32)
+            opt.zero_grad()
+            W.loss_fn(model(x), y).backward()
+            if precond is not None:
+                precond.step()
+            opt.step()
+            opt.flush_updates()
+            out[("kfac" if kfac else "sgd", comp.name)] = W.params_of(model)
+            if precond is not None:
+                precond.remove_hooks()
+    return out
+
+
+def _distance(a: dict, b: dict) -> float:
+    return math.sqrt(sum(float(((a[k].double() - b[k].double()) ** 2).sum()) for k in a))
+
+
+def _kfac_int8_bounds(world: int) -> dict:
+    """Bounds, in parameter space (Euclidean norm over every parameter), on how far one int8
+    step lands from the fp32 one, from the first step's gradients.
+
+    The error of one element of the applied average (residuals still zero): the reduce-scatter
+    quantizes each other rank's chunk (error <= its block's scale / 2 = max|g_r| / 254 at most,
+    the block maximum bounded by the rank's whole maximum M_r), averaged over `world`; the
+    all-gather quantizes the average once more (<= max|average| / 254). So |e_i| <= b =
+    (world - 1) / world * M / 254 + (A + (world - 1) / world * M / 254) / 254, M = max_r M_r,
+    A = max|exact average|, and ||e|| <= b sqrt(n) over n elements.
+
+    Plain SGD moves by lr * e: within lr b sqrt(n).
+
+    K-FAC (kfac-pytorch's eigen method, as dear.KFAC): u = nu P g on its layers, P symmetric
+    with eigenvalues 1 / (dG_i dA_j + damping), the d's clamped at 0, so ||P|| = 1 /
+    (min dG min dA + damping) <= 1 / damping; the KL clip nu = min(1, R / |z|), z = P^(1/2) g,
+    R = sqrt(kl_clip) / lr_kfac, so u = P^(1/2) pi(z), pi the projection onto the ball of
+    radius R. Both runs have the same factors (the same weights and batch), so P is the same;
+    |z' - z| <= delta = sqrt(||P||) ||e||. With both outside the ball (checked: |z| - delta >
+    R), Dunkl-Williams (inner-product form) gives |pi(z') - pi(z)| <= 2 R delta / (|z| + |z'|)
+    <= 2 R delta / (2 |z| - delta), so ||u' - u|| <= sqrt(||P||) 2 R delta / (2 |z| - delta).
+    The LayerNorm's parameters are left to SGD: lr b sqrt(n_norm). |z| and ||P|| come from the
+    independent float64 reference K-FAC (tests/kfac_workloads.py) on the same batch, moved 1e-4
+    the unfavourable way to cover float32's rounding of them in dear's run; and each run's own
+    float32 rounding of its update (a few sums of <= 17 terms, ~100 ulps at most) is covered by
+    adding 1e-4 of the largest possible step."""
+    lr, lam = KFAC_SGD_LR, KFAC_ARGS["damping"]
+    model = W.make_model("mlp", torch.float32)
+    grads = []
+    for r in range(world):                              # each rank's fp32 gradient
+        model.zero_grad()
+        x, y = W.batch("mlp", 0, world, r, dtype=torch.float32)
+        W.loss_fn(model(x), y).backward()
+        grads.append({n: p.grad.detach().double().clone() for n, p in model.named_parameters()})
+    M = max(float(g[n].abs().max()) for g in grads for n in g)
+    average = {n: sum(g[n] for g in grads) / world for n in grads[0]}
+    A = max(float(t.abs().max()) for t in average.values())
+    hop = (world - 1) / world * M / 254
+    b = (hop + (A + hop) / 254) * (1 + 1e-4)
+    numel = {n: t.numel() for n, t in average.items()}
+    n_norm = sum(v for n, v in numel.items() if n.startswith("norm."))
+    n_kfac = sum(numel.values()) - n_norm
+    ref = W.ReferenceKFAC(W.make_model("mlp"), **KFAC_ARGS)
+    ref.backward_on_shards([(x.double(), y) for x, y in (
+        W.batch("mlp", 0, world, r, dtype=torch.float32) for r in range(world))])
+    ref.step()
+    norm_p = max(1 / (float(dg.min()) * float(da.min()) + lam)
+                 for _, da, _, dg in ref.pre.values()) * (1 + 1e-4)
+    R = math.sqrt(KFAC_ARGS["kl_clip"]) / KFAC_ARGS["lr"]
+    assert ref.last_nu < 1, "the KL clip does not act: the bound below assumes it does"
+    z = R / ref.last_nu * (1 - 1e-4)
+    delta = math.sqrt(norm_p) * b * math.sqrt(n_kfac)
+    assert z - delta > R, (z, delta, R)
+    kfac_layers = lr * math.sqrt(norm_p) * 2 * R * delta / (2 * z - delta)
+    norm_layers = lr * b * math.sqrt(n_norm)
+    g_norm = math.sqrt(sum(float((average[n] ** 2).sum()) for n in numel
+                           if n.startswith("norm.")))
+    largest = lr * (math.sqrt(norm_p) * R + g_norm + b * math.sqrt(n_norm))
+    return {"kfac": math.hypot(kfac_layers, norm_layers) + 1e-4 * largest,
+            "sgd": lr * b * math.sqrt(n_kfac + n_norm) * (1 + 1e-4)}
+
+
+def test_kfac_under_int8_is_the_fp32_step_within_int8s_error():
+    """One dear.KFAC step under int8 lands within the bound that int8's rounding allows of the
+    fp32 one (_kfac_int8_bounds), and plain SGD's int8 step within its own bound of SGD's fp32
+    one; the K-FAC step is farther than the bound from SGD's, so preconditioning the wrong
+    gradient (or none) would show."""
+    ranks = run_distributed(_first_steps, 2, timeout=180)
+    bound = _kfac_int8_bounds(2)
+    for got in ranks:
+        kfac8, kfac32 = got[("kfac", "int8")], got[("kfac", "none")]
+        sgd8, sgd32 = got[("sgd", "int8")], got[("sgd", "none")]
+        assert 0 < _distance(kfac8, kfac32) <= bound["kfac"], (_distance(kfac8, kfac32), bound)
+        assert 0 < _distance(sgd8, sgd32) <= bound["sgd"], (_distance(sgd8, sgd32), bound)
+        assert _distance(kfac8, sgd8) > 2 * bound["kfac"], (_distance(kfac8, sgd8), bound)
+        assert max_diff(kfac8, ranks[0][("kfac", "int8")]) == 0.0
 
 
 def test_memory_stats_count_the_residuals_and_messages():
