@@ -210,8 +210,19 @@ def is_initialized() -> bool:
 
 
 def communicator() -> Communicator:
+    """dear's communicator. Before dear.init(), with torch.distributed's default group
+    initialised (a DDP script that kept its dist.init_process_group()), dear starts on that
+    group exactly as dear.init() would have, and says so once."""
     if _state.comm is None:
-        raise RuntimeError("dear is not initialised: call dear.init() first")
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(
+                "dear is not initialised: call dear.init() first, or "
+                "torch.distributed.init_process_group() before this call (dear then takes "
+                "its default group, as dear.init() does)")
+        init()
+        log.info("dear: started on torch.distributed's default group, as dear.init() does "
+                 "(the script called init_process_group() and not dear.init())")
+    assert _state.comm is not None
     return _state.comm
 
 
