@@ -1,15 +1,18 @@
 """Scripts that start their process group their own way: a DDP script that keeps
-dist.init_process_group() and never calls dear.init()."""
+dist.init_process_group() and never calls dear.init(), and a Horovod script that calls
+hvd.init() before `import dear`."""
 
 from __future__ import annotations
 
 import logging
 from typing import Any
 
+import pytest
 import torch
 import torch.nn.functional as F
 
 from tests.distributed import run_distributed
+from tests.horovod_launch import run_horovod
 from tests.workloads import Net, batch, max_diff, state_of
 
 WORLD = 2
@@ -108,3 +111,50 @@ def test_wrapping_with_no_process_group_names_both_ways_to_start():
     assert "dear is not initialised" in message
     assert "dear.init()" in message
     assert "torch.distributed.init_process_group()" in message
+
+
+_HOROVOD_SCRIPT = """\
+import os, sys
+os.environ.pop("HOROVOD_GLOO_TIMEOUT_SECONDS", None)   # horovodrun sets none by default
+os.environ["DEAR_TIMEOUT"] = "20"
+import torch
+import horovod.torch as hvd
+if sys.argv[1] == "hvd-first":
+    hvd.init()
+    import dear
+else:                                      # the documented order
+    import dear
+    hvd.init()
+print("GLOO_TIMEOUT_AT_WRAP", os.environ.get("HOROVOD_GLOO_TIMEOUT_SECONDS"), flush=True)
+for attempt in range(2):                   # a second start on the same Horovod warns no more
+    model = torch.nn.Linear(4, 2)
+    opt = dear.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model)
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.randn(3, 4)).sum().backward()
+        opt.step()
+    dear.shutdown()
+print("DONE", flush=True)
+"""
+
+
+@pytest.mark.parametrize("order", ["hvd-first", "dear-first"])
+def test_horovod_started_before_dear_is_told_once_about_its_gloo_timeout(tmp_path, order):
+    """hvd.init() before `import dear` with DEAR_TIMEOUT=20: Horovod keeps its own 30 s Gloo
+    timeout (dear could not set HOROVOD_GLOO_TIMEOUT_SECONDS in time), and each rank says so
+    once, naming the variable. In the documented order dear sets it (23) and says nothing."""
+    script = tmp_path / "hvd_order.py"
+    script.write_text(_HOROVOD_SCRIPT)
+    outputs = run_horovod([str(script), order], np=2, timeout=180)
+    for rank, out in enumerate(outputs):
+        assert "DONE" in out, out
+        warnings = [line for line in out.splitlines()
+                    if "HOROVOD_GLOO_TIMEOUT_SECONDS" in line and "dear:" in line]
+        if order == "hvd-first":
+            assert "GLOO_TIMEOUT_AT_WRAP None" in out, out
+            assert len(warnings) == 1, f"rank {rank}:\n{out}"
+            assert "30 s" in warnings[0] and "before hvd.init()" in warnings[0], warnings[0]
+            assert "HOROVOD_GLOO_TIMEOUT_SECONDS=23" in warnings[0], warnings[0]
+        else:
+            assert "GLOO_TIMEOUT_AT_WRAP 23" in out, out
+            assert warnings == [], f"rank {rank}:\n{out}"

@@ -29,6 +29,7 @@ and at once when a peer's connection drops.
 from __future__ import annotations
 
 import enum
+import logging
 import time
 from typing import Any, Callable, Optional, Union
 
@@ -48,6 +49,26 @@ from .base import (
 from .torch_dist import PairwiseExchange
 
 _UNSUPPORTED = (torch.bfloat16,)
+
+log = logging.getLogger("dear")
+_timeout_warned = False
+
+
+def _warn_if_gloo_timeout_default(hvd: Any, timeout: float) -> None:
+    """Once per process, where the script started Horovod on Gloo before dear could set its
+    Gloo timeout from DEAR_TIMEOUT (launch.align_horovod_timeout): say so, naming the
+    variable. Runs when dear takes the started Horovod, never per iteration."""
+    global _timeout_warned
+    if _timeout_warned:
+        return
+    try:
+        on_gloo = bool(hvd.gloo_enabled())
+    except Exception:
+        return
+    message = launch.horovod_timeout_too_long(timeout) if on_gloo else None
+    if message is not None:
+        _timeout_warned = True
+        log.warning(message)
 
 
 def _hvd() -> Any:
@@ -110,6 +131,8 @@ class HorovodCommunicator(Communicator):
         if self._owns:
             launch.align_horovod_timeout(timeout)
             self._hvd.init()
+        elif process_set is None:
+            _warn_if_gloo_timeout_default(self._hvd, timeout)
         # Over some ranks only (Horovod's process_set=): ranks are the set's, every Horovod
         # call names the set, and a broadcast's root is given to Horovod as a global rank.
         self._set = process_set

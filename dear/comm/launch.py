@@ -28,6 +28,7 @@ import math
 import os
 import re
 import socket
+import sys
 import zlib
 from typing import Mapping, MutableMapping, Optional
 
@@ -315,14 +316,30 @@ def under_horovodrun(environ: Optional[Mapping[str, str]] = None) -> bool:
 HOROVOD_GLOO_SLACK = 3
 
 
+#: Horovod's Gloo timeout where HOROVOD_GLOO_TIMEOUT_SECONDS is unset when hvd.init() runs
+HOROVOD_GLOO_DEFAULT = 30
+
+
+def _horovod_started() -> bool:
+    """Whether hvd.init() has run in this process (horovod.torch imported and initialised)."""
+    hvd = sys.modules.get("horovod.torch")
+    try:
+        return bool(hvd is not None and hvd.is_initialized())
+    except Exception:
+        return False
+
+
 def align_horovod_timeout(timeout: Optional[float] = None,
                           environ: Optional[MutableMapping[str, str]] = None) -> None:
     """Under horovodrun, before hvd.init(): Horovod's Gloo timeout (HOROVOD_GLOO_TIMEOUT_SECONDS,
     unless set) follows DEAR_TIMEOUT (the environment's, or `timeout`), so a rank whose peer
     froze leaves within about DEAR_TIMEOUT + 5 s, not Horovod's 30. Without either, Horovod's
-    default stays."""
+    default stays. After hvd.init() it is too late, and nothing is written: Horovod read the
+    variable there, and `horovod_timeout_too_long` says so when dear takes that Horovod."""
     env = os.environ if environ is None else environ
     if not under_horovodrun(env) or "HOROVOD_GLOO_TIMEOUT_SECONDS" in env:
+        return
+    if environ is None and _horovod_started():
         return
     if timeout is None:
         try:
@@ -331,6 +348,26 @@ def align_horovod_timeout(timeout: Optional[float] = None,
             return
     if timeout > 0 and timeout != float("inf"):
         env["HOROVOD_GLOO_TIMEOUT_SECONDS"] = str(math.ceil(timeout) + HOROVOD_GLOO_SLACK)
+
+
+def horovod_timeout_too_long(timeout: float,
+                             environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    """Where Horovod runs on Gloo and was started without HOROVOD_GLOO_TIMEOUT_SECONDS
+    (hvd.init() before `import dear`, or DEAR_TIMEOUT given to dear.init() only) while
+    `timeout` (DEAR_TIMEOUT) + HOROVOD_GLOO_SLACK is shorter than Horovod's 30 s: what to tell
+    the user. Else None."""
+    env = os.environ if environ is None else environ
+    if "HOROVOD_GLOO_TIMEOUT_SECONDS" in env:
+        return None
+    wanted = math.ceil(timeout) + HOROVOD_GLOO_SLACK
+    if wanted >= HOROVOD_GLOO_DEFAULT:
+        return None
+    return (f"dear: Horovod was started (hvd.init()) without HOROVOD_GLOO_TIMEOUT_SECONDS, so "
+            f"its Gloo waits keep Horovod's {HOROVOD_GLOO_DEFAULT} s timeout: a peer that "
+            f"freezes keeps this process alive until those {HOROVOD_GLOO_DEFAULT} s run out, "
+            f"not DEAR_TIMEOUT + {HOROVOD_GLOO_SLACK} ({wanted} s). Import dear before hvd.init() "
+            f"with DEAR_TIMEOUT in the environment (dear then sets the variable), or set "
+            f"HOROVOD_GLOO_TIMEOUT_SECONDS={wanted} before hvd.init()")
 
 
 def process_env(environ: Optional[Mapping[str, str]] = None) -> Placement:
