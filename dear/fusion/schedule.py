@@ -38,6 +38,7 @@ CUDA events (the host runs ahead of the GPU).
 from __future__ import annotations
 
 import contextlib
+import enum
 import functools
 import logging
 import os
@@ -79,8 +80,9 @@ _PROBE_BYTES, _PROBE_MIN_BYTES = 12 << 20, 256 << 10
 VERIFY_ROUNDS = 3
 
 __all__ = ["BackwardClock", "CommExecutor", "FutureWork", "Plan", "ScheduleDriver",
-           "chunk_columns", "close_shared", "issue_mode", "mark_planned", "plan_gaps",
-           "planned_somewhere", "probe_link", "scope", "shared_executor"]
+           "ScheduleState", "ScheduleStateError", "chunk_columns", "close_shared", "issue_mode",
+           "mark_planned", "plan_gaps", "planned_somewhere", "probe_link", "scope",
+           "shared_executor"]
 
 
 def cores_per_rank() -> float:
@@ -117,13 +119,56 @@ def issue_mode(params: Sequence[torch.Tensor], comm: Communicator) -> Optional[s
     return None
 
 
+class ScheduleState(enum.Enum):
+    """Where a ScheduleDriver stands. Every rank makes the same transition at the same step()
+    (rank 0 decides, a broadcast tells the others), once the state has run plan_after step()s:
+
+        DISABLED                      for good: DEAR_SCHEDULE=dear, one rank, or no issue_mode()
+        NO_LAYOUT -> MEASURING        reset(): the first layout; from any state but DISABLED
+                                      a new layout or chunk size measures again
+        MEASURING -> PLANNED_CHECKING probed and planned
+                  -> DEAR_ORDER       no plan: a host-bound link, or nothing measured
+        PLANNED_CHECKING -> PLANNED   checked (planned again with calibrated costs)
+                  -> TRIAL_DEAR_ORDER ... and, with plan_verify, put on trial
+        TRIAL_DEAR_ORDER -> TRIAL_PLANNED          the trial's windows alternate
+        TRIAL_PLANNED -> TRIAL_DEAR_ORDER
+                      -> PLANNED | DEAR_ORDER      after VERIFY_ROUNDS of each: kept or dropped
+
+    The driver's `paused` and `held`, set from outside, keep a plan from running without
+    changing the state: the clock and the step count go on, and the transitions wait."""
+
+    DISABLED = "disabled"
+    NO_LAYOUT = "no layout"
+    MEASURING = "measuring"                # DeAR's order; backward's timing recorded
+    PLANNED_CHECKING = "planned, checking"  # the plan runs; the tail it meets recorded
+    TRIAL_DEAR_ORDER = "trial: DeAR's order"   # a window of the trial without the plan
+    TRIAL_PLANNED = "trial: planned"       # a window of the trial with it
+    PLANNED = "planned"                    # settled: the plan runs
+    DEAR_ORDER = "DeAR's order"            # settled: no plan
+
+    @property
+    def counts(self) -> bool:
+        """Its step()s are counted toward the next transition, and backward is timed."""
+        return self in (ScheduleState.MEASURING, ScheduleState.PLANNED_CHECKING,
+                        ScheduleState.TRIAL_DEAR_ORDER, ScheduleState.TRIAL_PLANNED)
+
+    @property
+    def on_trial(self) -> bool:
+        return self in (ScheduleState.TRIAL_DEAR_ORDER, ScheduleState.TRIAL_PLANNED)
+
+
+class ScheduleStateError(RuntimeError):
+    """A transition of the planned schedule asked for from a state it does not leave from."""
+
+
 class ScheduleDriver:
     """The planned schedule inside one dear.DistributedOptimizer: measures its first
     iterations, plans at the same step on every rank, and submits the collectives in the
     plan's order. `enabled=False` (DEAR_SCHEDULE=dear) keeps DeAR's own order. `mode`
     (issue_mode()): "thread" sends backward's collectives through the process's executor
     thread, planned or not, so every optimizer's share one order; "stream" issues them from
-    the training thread, the plan's chunks on a side stream; None: no plan can run."""
+    the training thread, the plan's chunks on a side stream; None: no plan can run. Where it
+    stands is `state` (ScheduleState); maybe_plan() makes the transitions."""
 
     def __init__(self, comm_of: Callable[[], Communicator], enabled: bool, plan_after: int,
                  chunk_bytes: int, mode: Optional[str] = "thread", slack: float = 0.1,
@@ -131,7 +176,8 @@ class ScheduleDriver:
         self._comm_of = comm_of                 # the optimizer's (dear.diagnose may wrap it)
         if comm_of().size == 1:
             mode = None                         # nothing to plan
-        self.enabled = enabled and mode is not None
+        self.state = (ScheduleState.NO_LAYOUT if enabled and mode is not None
+                      else ScheduleState.DISABLED)
         self.mode = mode
         self._plan_after = plan_after
         self.default_chunk_bytes = chunk_bytes  # Config's; a FusionConfig may carry its own
@@ -141,12 +187,12 @@ class ScheduleDriver:
         self.executor: Optional[CommExecutor] = (shared_executor() if mode == "thread"
                                                  else None)
         self._side: Optional[torch.cuda.Stream] = None   # "stream": the chunks' stream
+        # The plan in force (None: DeAR's order): the state's, or one a test forces.
         self.plan: Optional[Plan] = None
         self.cost: Optional[LinkModel] = None
-        self._clock: Optional[BackwardClock] = None   # None: nothing (more) to measure
-        self._checking = False                  # a plan runs; its tail is being measured
+        self._clock: Optional[BackwardClock] = None   # while the state counts (else None)
         self._ready: list[float] = []           # rank 0: the measured backward planned from
-        self._steps = 0                         # step()s measured by the current clock
+        self._steps = 0                         # step()s the current state has run
         # `verify` (Config.plan_verify): after its check, the plan alternates with DeAR's
         # order in windows of plan_after iterations, VERIFY_ROUNDS of each, and is kept only if
         # its windows were faster (the median of the paired differences: a machine warming up
@@ -156,10 +202,13 @@ class ScheduleDriver:
         self._intervals: list[float] = []       # seconds between step()s in this window
         self._last_step: Optional[float] = None
         self._medians: list[float] = []         # per window: DeAR's order, plan, ... (rank 0)
-        self._trial: Optional[Plan] = None      # the plan on trial (in force in its windows)
+        self._trial: Optional[Plan] = None      # on trial: the plan (in force in its windows)
         self._buckets: list[Any] = []
         self._prefix: dict[int, int] = {}       # columns of each bucket gathered in backward
-        self.paused = False                     # e.g. dear.KFAC edits the shards before gathers
+        # No plan runs, whatever the state (set from outside, the same on every rank): dear.KFAC
+        # edits the shards between the collectives, a tracer records DeAR's order, and
+        # shard_optimizer_state where no plan can run (no issue_mode()).
+        self.paused = False
         # This iteration issues no chunk (still measured and planned): with
         # shard_optimizer_state, an iteration whose step() may not run updates early.
         self.held = False
@@ -170,6 +219,30 @@ class ScheduleDriver:
     @property
     def _comm(self) -> Communicator:
         return self._comm_of()
+
+    @property
+    def enabled(self) -> bool:
+        """A plan may run here (DEAR_SCHEDULE=planned, several ranks, an issue_mode())."""
+        return self.state is not ScheduleState.DISABLED
+
+    def _leaving(self, transition: str, *sources: ScheduleState) -> None:
+        """`transition` starts: only from one of `sources`, before it does anything."""
+        if self.state not in sources:
+            names = [s.name for s in sources]
+            allowed = ", ".join(names[:-1]) + " or " + names[-1] if len(names) > 1 else names[0]
+            raise ScheduleStateError(f"dear: the planned schedule cannot {transition} from "
+                                     f"{self.state.name}, only from {allowed}")
+
+    def _enter(self, state: ScheduleState) -> None:
+        """`state` starts with no step() run: MEASURING and PLANNED_CHECKING time backward
+        afresh, the trial's windows keep the check's clock (read by nothing), and the states
+        that count nothing drop it."""
+        self.state, self._steps = state, 0
+        self._intervals, self._last_step = [], None
+        if state in (ScheduleState.MEASURING, ScheduleState.PLANNED_CHECKING):
+            self._clock = BackwardClock(len(self._buckets), self._device)
+        elif not state.counts:
+            self._clock = None
 
     @property
     def settling_iterations(self) -> int:
@@ -189,10 +262,10 @@ class ScheduleDriver:
         broadcast keep their place in every rank's order)."""
         self._chunk_bytes = self.default_chunk_bytes if chunk_bytes is None else chunk_bytes
         self._buckets = list(buckets)
-        self.plan, self._steps, self._checking = None, 0, False
-        self._clock = BackwardClock(len(buckets), self._device) if self.enabled else None
+        self.plan = None
         self._prefix = {}
-        self._intervals, self._last_step, self._medians, self._trial = [], None, [], None
+        self._medians, self._trial = [], None
+        self._enter(ScheduleState.MEASURING if self.enabled else ScheduleState.DISABLED)
 
     @property
     def active(self) -> bool:
@@ -295,9 +368,9 @@ class ScheduleDriver:
     def end_step(self) -> None:
         """After step() issued its all-gathers."""
         self._prefix = {}
-        if self._clock is not None:
+        if self.state.counts:
             self._steps += 1
-            if self._trial is not None:
+            if self.state.on_trial:
                 now = _now()
                 if self._last_step is not None:
                     self._intervals.append(now - self._last_step)
@@ -305,17 +378,23 @@ class ScheduleDriver:
 
     def maybe_plan(self, itemsizes: Sequence[int]) -> None:
         """At step(), with nothing in flight (before its all-gathers), every rank at the same
-        step (a collective): once the layout has run `plan_after` iterations, probe and plan;
-        once the plan has run as many, check it against the link it met (`_check`); then,
-        verifying, end each window of the trial (`_alternate`)."""
-        if self._clock is None or self.paused or self._steps < self._plan_after:
+        step (a collective): once the state has run `plan_after` iterations, its transition:
+        measured, probe and plan (`_plan`); planned, check the plan against the link it met
+        (`_check`); verifying, end the trial's window (`_alternate`)."""
+        if not self.state.counts or self.paused or self._steps < self._plan_after:
             return                              # (paused is the same on every rank)
-        if self._trial is not None:
-            self._alternate()
-            return
-        if self._checking:
+        if self.state is ScheduleState.MEASURING:
+            self._plan(itemsizes)
+        elif self.state is ScheduleState.PLANNED_CHECKING:
             self._check(itemsizes)
-            return
+        else:
+            self._alternate()
+
+    def _plan(self, itemsizes: Sequence[int]) -> None:
+        """MEASURING -> PLANNED_CHECKING, or DEAR_ORDER where rank 0 made no plan: every rank
+        probes the link, rank 0 plans from the backward it measured, and broadcasts."""
+        self._leaving("plan", ScheduleState.MEASURING)
+        assert self._clock is not None
         largest = min(_PROBE_BYTES, max(_PROBE_MIN_BYTES, sum(self._reduce_bytes())))
         cost = probe_link(self._comm, (largest // 6, largest), device=self._device)
         plan = None
@@ -332,10 +411,8 @@ class ScheduleDriver:
         if self.plan is not None:               # from now on every optimizer's backward
             mark_planned(self)                   # collectives share the executor's order
         self.cost = cost                        # (rank 0's is the one planned with)
-        self._checking = self.plan is not None
-        self._clock = (BackwardClock(len(self._buckets), self._device) if self._checking
-                       else None)
-        self._steps = 0
+        self._enter(ScheduleState.PLANNED_CHECKING if self.plan is not None
+                    else ScheduleState.DEAR_ORDER)
 
     def _host_bound(self, cost: LinkModel) -> bool:
         """Whether the link time a plan moves into backward would mostly come out of backward's
@@ -374,13 +451,15 @@ class ScheduleDriver:
             plan, self._ready, rs_bytes, itemsizes, world, cost.slower(f)), max(self._ready))
 
     def _check(self, itemsizes: Sequence[int]) -> None:
-        """The probe times an idle link; under the plan the link may run slower (the chunks'
-        per-message costs on the issuing thread, the cores' other work), and then chunks are
-        still on the link when backward ends, delaying the last reduce-scatters: measured,
-        ResNet-50's tail was 40 ms where the plan predicted 7. Rank 0 compares the tail the
-        planned iterations met with the plan's replay and, if they differ, plans once more
-        with the costs scaled by the factor that explains it. Broadcast either way (a
-        collective). Then, verifying, the plan goes on trial (`_alternate`)."""
+        """PLANNED_CHECKING -> PLANNED, or with `verify` TRIAL_DEAR_ORDER. The probe times an
+        idle link; under the plan the link may run slower (the chunks' per-message costs on the
+        issuing thread, the cores' other work), and then chunks are still on the link when
+        backward ends, delaying the last reduce-scatters: measured, ResNet-50's tail was 40 ms
+        where the plan predicted 7. Rank 0 compares the tail the planned iterations met with
+        the plan's replay and, if they differ, plans once more with the costs scaled by the
+        factor that explains it. Broadcast either way (a collective). Then, verifying, the plan
+        goes on trial (`_alternate`)."""
+        self._leaving("check the plan", ScheduleState.PLANNED_CHECKING)
         plan, cost = self.plan, self.cost
         assert plan is not None and cost is not None and self._clock is not None
         if self._comm.rank == 0 and self._clock.samples:
@@ -393,30 +472,34 @@ class ScheduleDriver:
                      "plan's: %d chunks", 1e3 * measured, factor, plan.num_chunks)
         self.plan = self._comm.broadcast_object(plan, 0)
         self.cost = cost
-        self._checking = False
         if not self._verify:
-            self._clock = None
+            self._enter(ScheduleState.PLANNED)
             return
         self._trial, self._medians = self.plan, []
         self._switch(False)                     # a window in DeAR's order first
 
     def _switch(self, planned: bool) -> None:
-        """Start a window of the trial: the plan in force, or DeAR's order (backward's
-        collectives issued by the training thread). Every rank at the same step."""
+        """Start a window of the trial: the plan in force (TRIAL_PLANNED), or DeAR's order
+        (TRIAL_DEAR_ORDER: backward's collectives issued by the training thread). Every rank
+        at the same step."""
+        self._leaving("start a window of the trial", ScheduleState.PLANNED_CHECKING,
+                      ScheduleState.TRIAL_DEAR_ORDER, ScheduleState.TRIAL_PLANNED)
         self.plan = self._trial if planned else None
         mark_planned(self, planned)
-        self._steps = 0
-        self._intervals, self._last_step = [], None
+        self._enter(ScheduleState.TRIAL_PLANNED if planned else ScheduleState.TRIAL_DEAR_ORDER)
 
     def _alternate(self) -> None:
         """A window of the trial ended: its median kept (rank 0's decides), then the other
         schedule's window, until VERIFY_ROUNDS of each have run; then rank 0 keeps the plan
-        if its windows were faster than DeAR's order's, by the median of the paired
-        differences. Broadcast (a collective)."""
+        (PLANNED) if its windows were faster than DeAR's order's, by the median of the paired
+        differences, else drops it (DEAR_ORDER). Broadcast (a collective)."""
+        self._leaving("end a window of the trial", ScheduleState.TRIAL_DEAR_ORDER,
+                      ScheduleState.TRIAL_PLANNED)
         self._medians.append(statistics.median(self._intervals) if self._intervals
                              else float("nan"))
-        if self.plan is None or len(self._medians) < 2 * VERIFY_ROUNDS:
-            self._switch(self.plan is None)
+        without_plan = self.state is ScheduleState.TRIAL_DEAR_ORDER
+        if without_plan or len(self._medians) < 2 * VERIFY_ROUNDS:
+            self._switch(without_plan)          # (the trial ends on a window of the plan)
             return
         keep = True
         if self._comm.rank == 0:
@@ -427,8 +510,10 @@ class ScheduleDriver:
                      "(median difference %.2f ms)", "kept" if keep else "dropped",
                      _ms(planned), _ms(order), 1e3 * gain)
         keep = self._comm.broadcast_object(keep, 0)
-        self._switch(keep)
-        self._trial, self._clock = None, None
+        self.plan = self._trial if keep else None
+        mark_planned(self, keep)
+        self._trial = None
+        self._enter(ScheduleState.PLANNED if keep else ScheduleState.DEAR_ORDER)
 
     def close(self) -> None:
         """This optimizer is done: what it submitted is issued (the thread is the process's,
