@@ -9,6 +9,9 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIN = os.path.dirname(sys.executable)
+# The skip for a missing mpirun: "not installed" makes it a failure where CI requires every
+# extra (tests/conftest.py, DEAR_REQUIRE_EXTRAS=1).
+NO_MPIRUN = "mpirun is not installed (`make setup` installs the mpich wheel and mpi4py)"
 
 
 def run(cmd: list[str], timeout: float, env: dict[str, str] | None = None,

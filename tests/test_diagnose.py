@@ -324,9 +324,9 @@ hvd.shutdown()
 
 
 def test_trace_of_horovod_run(tmp_path):
-    from tests.horovod_launch import horovod_available, run_horovod
+    from tests.horovod_launch import NO_HOROVOD, horovod_available, run_horovod
     if not horovod_available():
-        pytest.skip("Horovod with its torch extension is not installed (make horovod)")
+        pytest.skip(NO_HOROVOD)
     script = tmp_path / "hvd_trace.py"
     script.write_text(HOROVOD_SCRIPT)
     out = str(tmp_path / "trace")

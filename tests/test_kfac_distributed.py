@@ -15,7 +15,7 @@ import torch.distributed as dist
 from dear.kfac import KFAC, NetworkModel
 from tests import kfac_workloads as W
 from tests.distributed import run_distributed
-from tests.horovod_launch import horovod_available, run_horovod
+from tests.horovod_launch import NO_HOROVOD, horovod_available, run_horovod
 
 STEPS, ARGS = W.STEPS, W.ARGS
 # (model, strategy, extra KFAC options). A network with alpha = 1 s makes every small factor
@@ -155,7 +155,7 @@ def _with_ddp(strategy: str) -> list:
     return grads
 
 
-@pytest.mark.skipif(not horovod_available(), reason="Horovod with its torch extension is needed")
+@pytest.mark.skipif(not horovod_available(), reason=NO_HOROVOD)
 def test_with_horovod_distributed_optimizer():
     want = W.reference_run("mlp", 2, STEPS, **ARGS)
     with tempfile.TemporaryDirectory() as tmp:

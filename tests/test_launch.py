@@ -21,7 +21,7 @@ import time
 import pytest
 
 from dear.comm import launch
-from tests.subprocesses import BIN, ROOT, run
+from tests.subprocesses import BIN, NO_MPIRUN, ROOT, run
 
 # What each rank runs: dear.init() alone must find its place; prints one line to check.
 BODY = """
@@ -276,7 +276,7 @@ def _mpirun() -> str:
     if not os.path.exists(path):
         path = shutil.which("mpirun") or ""
     if not path:
-        pytest.skip("no mpirun: `make setup` installs the mpich wheel")
+        pytest.skip(NO_MPIRUN)
     return path
 
 

@@ -38,7 +38,7 @@ import pytest
 import torch
 
 from tests.distributed import run_distributed
-from tests.subprocesses import ROOT, run
+from tests.subprocesses import NO_MPIRUN, ROOT, run
 
 pytest.importorskip("lightning")
 
@@ -266,7 +266,7 @@ def test_mpirun_with_mpi_data_plane() -> None:
     pytest.importorskip("mpi4py")
     mpirun = os.path.join(os.path.dirname(sys.executable), "mpirun")
     if not os.path.exists(mpirun):
-        pytest.skip("no mpirun: `make setup` installs the mpich wheel")
+        pytest.skip(NO_MPIRUN)
     sums = {}
     for strategy, env in (("dear", {"DEAR_BACKEND": "mpi"}), ("ddp", {})):
         out = run([mpirun, "-np", "2", sys.executable, "examples/lightning_train.py",

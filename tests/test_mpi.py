@@ -33,7 +33,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.subprocesses import BIN, ROOT, run
+from tests.subprocesses import BIN, NO_MPIRUN, ROOT, run
 
 
 def _mpirun() -> str:
@@ -41,7 +41,7 @@ def _mpirun() -> str:
     if not os.path.exists(path):
         path = shutil.which("mpirun") or ""
     if not path:
-        pytest.skip("no mpirun: `make setup` installs the mpich wheel and mpi4py")
+        pytest.skip(NO_MPIRUN)
     return path
 
 

@@ -1,5 +1,6 @@
 """With DEAR_REQUIRE_EXTRAS=1 (CI), a test skipped because an optional package is missing fails;
-without it, it is skipped as before; a GPU-only extra (nccl4py) stays a skip either way."""
+without it, it is skipped as before; a GPU-only extra (nccl4py) stays a skip either way. The
+suite's own skips for a missing mpirun, Lightning or Horovod are among those that fail."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import subprocess
 import sys
 
 from tests.conftest import missing_extra
+from tests.horovod_launch import NO_HOROVOD
+from tests.subprocesses import NO_MPIRUN
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SAMPLE = '''
@@ -21,6 +24,14 @@ def test_needs_nccl4py():
 
 def test_skipped_for_another_reason():
     pytest.skip("needs a CUDA GPU")
+
+def test_needs_mpirun():
+    from tests.subprocesses import NO_MPIRUN
+    pytest.skip(NO_MPIRUN)
+
+def test_needs_horovod():
+    from tests.horovod_launch import NO_HOROVOD
+    pytest.skip(NO_HOROVOD)
 '''
 MODULE_LEVEL = ('import pytest\npytest.importorskip("dear_no_such_package")\n\n'
                 'def test_x():\n    pass\n')
@@ -38,16 +49,18 @@ def _run(tmp_path, source: str, require: bool) -> subprocess.CompletedProcess:
 def test_reasons() -> None:
     assert missing_extra("could not import 'lightning': No module named 'lightning'")
     assert missing_extra("Horovod is not installed")
+    assert missing_extra(NO_MPIRUN) and missing_extra(NO_HOROVOD)
     assert not missing_extra("nccl4py not installed (pip install 'dear[nccl]')")
     assert not missing_extra("needs a CUDA GPU")
 
 
 def test_a_missing_package_fails_only_where_extras_are_required(tmp_path) -> None:
     got = _run(tmp_path, SAMPLE, require=True)
-    assert "1 failed, 2 skipped" in got.stdout, got.stdout + got.stderr
-    assert "FAILED" in got.stdout and "test_needs_a_missing_package" in got.stdout, got.stdout
+    assert "3 failed, 2 skipped" in got.stdout, got.stdout + got.stderr
+    for name in ("test_needs_a_missing_package", "test_needs_mpirun", "test_needs_horovod"):
+        assert f"FAILED test_sample.py::{name}" in got.stdout, got.stdout
     got = _run(tmp_path, SAMPLE, require=False)
-    assert "3 skipped" in got.stdout and got.returncode == 0, got.stdout + got.stderr
+    assert "5 skipped" in got.stdout and got.returncode == 0, got.stdout + got.stderr
 
 
 def test_a_module_skipped_at_import_fails_where_extras_are_required(tmp_path) -> None:
