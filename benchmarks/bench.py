@@ -8,7 +8,7 @@ Without root (or `ip`/`tc`) it says so and runs on loopback with --no-shaping.
 
 Then the same methods on an emulated accelerator (benchmarks.emulated_bench: the real models'
 parameters, compute that sleeps and leaves the cores to the network, as on a GPU cluster):
-benchmarks/results/bench_emulated{,.json,.png}, its table also in bench.md. On the CPU table every
+benchmarks/results/bench_emulated.{md,json,png}, its table also in bench.md. On the CPU table every
 method's compute shares each rank's one core with the network stack (bench_analysis.md); the
 emulated table is the one that says how the schedules compare where compute runs on a device.
 

@@ -1,5 +1,5 @@
 """torch.compile with DDP and with dear, side by side: graphs, graph breaks, recompiles, cold
-compile and steady iteration time of a ResNet-18 (issue 33, item 6).
+compile and steady iteration time of a ResNet-18.
 
     python -m benchmarks.compile [--nproc 2] [--backend aot_eager|inductor] [--steps 20]
         [--width 16] [--batch 8] [--device cpu|cuda] [--name compile_resnet18]

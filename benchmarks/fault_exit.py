@@ -11,7 +11,7 @@ dear.DistributedOptimizer alone, with dear.KFAC (comm-opt: its own process group
 process group the user made with torch's 30-minute default, the fault met in `dear.allreduce`
 (user-group) or in backward's reduce-scatters (user-group-backward), on the Horovod backend
 under horovodrun (horovod) and on the MPI backend under mpirun (mpi), whose own exits are
-timed. The goal (issue 34): every rank leaves within
+timed. The goal: every rank leaves within
 DEAR_TIMEOUT + 5 s.
 """
 

@@ -187,7 +187,7 @@ void GradHook::operator()(const py::object& param) {
     return;
   }
   if (ready_->recorded(j_)) {
-    // The same words as DistributedOptimizer._post_backward's (dear/deferred.py).
+    // The same words as the engine's _passes_error (dear/engine/engine.py).
     throw std::runtime_error(
         "gradient of " + name_ + " was computed 2 times since this optimizer's last step(), "
         "but backward_passes_per_step=1. dear reduces each gradient as backward produces it, "

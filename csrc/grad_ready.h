@@ -9,7 +9,7 @@
 // would otherwise lengthen backward by the copy of every gradient.
 //
 // GradHook, below: the post-accumulate-grad hook of one parameter on the native path (the C++
-// side of DistributedOptimizer._post_backward in dear/deferred.py).
+// side of the engine's post_backward in dear/engine/engine.py).
 //
 // With a Python hook per parameter, a model of 1000 small tensors pays 1000 Python calls per
 // backward. A GradHook records the gradient in its bucket's GradReady without a Python frame and

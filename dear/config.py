@@ -14,12 +14,9 @@ _MB = 1024 * 1024
 def auto_threshold(gradient_bytes: int) -> int:
     """The default fusion threshold: 25 MB (DDP's, DeAR's), or an eighth of the gradient when
     that is smaller (at least 1 MB). With only two or three buckets the link has nothing to
-    send until a quarter of backward is over and the last reduce-scatter is large: ResNet-50
-    at 1/2 size (49 MB, 8 ranks) planned 1.91 s with 25 MB buckets, 1.70 s with 6 MB, in
-    dear.diagnose's replay of its trace; at full size the threshold changed < 2%.
-    Smaller is not better everywhere (benchmarks/results/emulated_planned.md, one run, 2 ranks):
-    4 MB took VGG-16 from 1237 to 1351 ms and ResNet-50 from 890 to 913, while BERT-Base ran
-    2419 ms at 6.5 MB against 2533 at 25 MB; the replay did not predict the penalty."""
+    send until a quarter of backward is over and the last reduce-scatter is large; smaller
+    buckets are not better everywhere, and the replay did not predict where they cost
+    (docs/benchmarks.md#the-default-fusion-threshold)."""
     return max(min(25 * _MB, gradient_bytes // 8), _MB)
 
 
@@ -160,9 +157,8 @@ class Config:
     chunk_bytes: int = 1 * _MB
     #: share of each backward gap the plan leaves free of all-gather chunks (DEAR_PLAN_SLACK):
     #: its link costs are a model (a probe, scaled to the measured iterations), and a chunk that
-    #: overruns delays every later reduce-scatter. Before that scaling, 0.25 made BERT-Base 1-8%
-    #: faster in scratch runs (2 ranks; step() waited 50-210 ms less) but ResNet-50 on 4 ranks
-    #: 3% slower in make bench's table (1.087 -> 1.123 x T_lb), so the default stayed 0.1.
+    #: overruns delays every later reduce-scatter. A larger slack helped BERT-Base but slowed
+    #: ResNet-50 on 4 ranks (docs/benchmarks.md#the-plans-slack).
     plan_slack: float = 0.1
     #: on CPU tensors, verify every plan: after its check, it alternates with DeAR's order in
     #: windows of plan_after iterations, 3 of each, and is kept only if its windows were
@@ -173,10 +169,9 @@ class Config:
     #: it would move into backward is host work taken from backward's compute
     #: (plan.contention: the probe's CPU per second of collective, backward's busy cores, the
     #: rank's cores; DEAR_PLAN_CONTENTION; 1: plan regardless). There the plan's model (link
-    #: time is free beside compute) does not hold: on loopback Gloo with CPU compute (about 1
-    #: measured) a plan cost BERT-Base's layout 0-3 ms an iteration and ResNet-50's gained or
-    #: lost about 1 ms (benchmarks/results/host_bound_plan.md); the emulated accelerator
-    #: (compute that frees the cores, a shaped link) measures 0.
+    #: time is free beside compute) does not hold: on loopback Gloo with CPU compute a plan
+    #: gained nothing, while the emulated accelerator (compute that frees the cores, a shaped
+    #: link) has no contention (docs/benchmarks.md#no-plan-where-the-link-is-host-work).
     plan_contention: float = 0.5
     #: embedding tables sent as the rows some rank used (dear/fusion/rows.py): "auto" (the
     #: model's dense, untied nn.Embedding tables of 1 MB or more; nothing without model=),

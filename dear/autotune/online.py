@@ -7,13 +7,10 @@ white-noise term, so two timings of the same point that disagree are read as noi
 cliff) with expected improvement, after 5 random points. It stops after `budget` trials, or
 earlier once `patience` guided trials in a row failed to beat the best by `min_improvement`
 (with the default budget of 12 and patience 6, only on a flat objective), then stays on the
-best. Measured on a synthetic pipeline model of iteration time with 2% noise (tests/test_tuner.py,
-10 seeds): 8 of 10 searches end within 5% of the grid optimum in 12 trials, all within 20%;
-lower patience (4) or Latin-hypercube initial points did worse (6/10). With the planned
-schedule the all-gather chunk size is a fourth dimension (log-uniform CHUNK_MIN_BYTES to
-CHUNK_MAX_BYTES); on the same model plus a chunk term, every search moved the chunk size near its
-optimum, but four dimensions in 12 trials land farther from the grid optimum than three
-(median 8%, worst 27%; 16 trials: median 4%).
+best. Those defaults, and random initial points rather than a Latin hypercube, did best on a
+synthetic pipeline model of iteration time. With the planned schedule the all-gather chunk size
+is a fourth dimension (log-uniform CHUNK_MIN_BYTES to CHUNK_MAX_BYTES), which the same budget
+tunes less closely than three (docs/benchmarks.md#the-online-tuners-budget).
 
 `OnlineAutotuner` runs the search inside training: it times iterations from step() to step(),
 drops `settle` iterations after every switch, takes the median of the next `window` as the

@@ -155,9 +155,9 @@ class HangReporter:
     def _run(self) -> None:
         """Publish once a second while this rank issues nothing new (stalled, waiting in a
         collective, or between phases), and every EVERY-th second regardless. A store write
-        each second while training made dear 1.5% slower on the emulated benchmark
-        (benchmarks/results/ab_hang_report.md); a report needs beats only from ranks that
-        stopped issuing, and a recent record of the others."""
+        each second while training slowed dear measurably
+        (docs/benchmarks.md#the-hang-reports-heartbeat); a report needs beats only from ranks
+        that stopped issuing, and a recent record of the others."""
         last: Optional[list[tuple[int, int]]] = None
         wakes = 0
         while not self._stop.wait(self._interval):

@@ -1,8 +1,8 @@
 """Horovod backend: Horovod is the control plane, dear's pairwise exchange over Gloo the data plane.
 
-Horovod 0.28.1 over Gloo is not bandwidth-optimal for DeAR's two halves (2 ranks, loopback, 100 MB
-fp32, benchmarks/results/collectives_horovod.md): hvd.reducescatter took 4.4 x an hvd.allreduce,
-hvd.allgather 1.5 x, and an alltoall plus a local sum about 2 x. So by default (DataPlane.GLOO,
+Horovod 0.28.1 over Gloo is not bandwidth-optimal for DeAR's two halves: hvd.reducescatter,
+hvd.allgather and an alltoall plus a local sum each take longer than an hvd.allreduce of the
+whole buffer (docs/benchmarks.md#horovods-data-plane). So by default (DataPlane.GLOO,
 DEAR_HOROVOD_DATA_PLANE=gloo) the reduce-scatters and all-gathers of CPU tensors run dear's
 pairwise exchange (`PairwiseExchange`, torch_dist.py) on a private pair of Gloo groups that rank 0
 starts and announces through Horovod (gloo_bootstrap.py); torch.distributed's default group stays

@@ -7,7 +7,7 @@ default group, a twin Gloo group that carries the messages from higher to lower 
 collective of one gradient's bucket is in this file.
 
 The exchange: Gloo's own reduce_scatter_tensor and all_gather_into_tensor move as many bytes as a
-whole all-reduce or more (ENVIRONMENT.md), which would make DeAR slower than an all-reduce on CPU.
+whole all-reduce or more (docs/backends.md), which would make DeAR slower than all-reduce on CPU.
 Here each rank sends and receives (N-1)/N of the buffer, the bandwidth-optimal volume, as a ring:
 N-1 steps, each sending one shard to the successor and receiving one from the predecessor
 (reduce-scatter adds its own shard and passes the partial sum on). One flow into every port at a
@@ -16,7 +16,8 @@ has the measurements). A step needs the previous one's result, so with more than
 run on the exchange's own thread (`StepThread`), one collective after another in issue order; the
 training thread only waits. With 2 ranks the one step is posted at issue. Gloo drives a group's
 sockets from one transport thread, so every message from a higher to a lower rank travels on the
-twin group: sending and receiving run on two threads (15-25% faster on 2 ranks, loopback).
+twin group: sending and receiving run on two threads, faster even on 2 ranks
+(docs/backends.md#dearinitbackendauto).
 
 The groups are anything with Gloo's `send([tensor], dst, tag)` / `recv([tensor], src, tag)`:
 torch.distributed's ProcessGroup objects (TorchCommunicator) or bare ProcessGroupGloo backends that
@@ -249,7 +250,7 @@ class TorchCommunicator(Communicator):
 def _alone(full: torch.Tensor, shard: torch.Tensor, gather: bool) -> Optional[Work]:
     """A world of one: the collective is one copy (full into shard; `gather`: shard into full),
     made here after the same checks, without the exchange's or NCCL's layers of calls (host
-    time a bucket: benchmarks/results/world_of_one_fast_path.md). None where the buffers
+    time a bucket: docs/benchmarks.md#host-cost). None where the buffers
     partly overlap: the general path says what is wrong with that."""
     same = full.data_ptr() == shard.data_ptr()
     if not same and overlaps(full, shard):

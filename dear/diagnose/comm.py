@@ -10,10 +10,9 @@ completion time is never obtained by blocking the training loop:
   calls the real `wait()` (which releases the GIL), stamps the time and releases the relay; the
   training thread still runs the local finishing step (the shard sum) itself, as untraced.
   Precision: the stamp is taken when the watcher thread gets the GIL back, i.e. within
-  `sys.getswitchinterval()` (5 ms) of completion in the worst case and well under a millisecond
-  when the training thread is inside torch kernels, which release the GIL (measured on 2 Gloo
-  ranks, benchmarks/results/diagnose_precision.md: median lag 0.4 ms while the training thread
-  runs torch kernels, 5.5 ms while it runs pure Python, message latency included). One watcher
+  `sys.getswitchinterval()` of completion in the worst case (the training thread in pure
+  Python) and far sooner when the training thread is inside torch kernels, which release the
+  GIL (docs/benchmarks.md#the-watchers-precision). One watcher
   serves collectives in issue order, so a collective that finishes before an earlier one is stamped
   when the earlier one finishes (Gloo carries them over one connection in order anyway).
 - torch collectives with a future (all_reduce; NCCL): a done-callback stamps the time (runs on

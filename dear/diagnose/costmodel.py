@@ -72,8 +72,8 @@ def _rates_per_iteration(samples: list[dict], kind: str, n: int, latency: float
                          ) -> list[float]:
     """The kind's rate in each traced iteration (bytes sent / its busy time). Their median,
     not the pooled rate, is the fit when there are 3 or more: on a shared machine one iteration
-    whose transport threads lost their cores (measured: one of four at 0.80 Gbit/s, the others
-    0.93 on a 0.96 Gbit/s link) otherwise slows every replayed iteration."""
+    whose transport threads lost their cores otherwise slows every replayed iteration
+    (docs/benchmarks.md#the-link-rate-a-median-of-iterations)."""
     by_it: dict[int, list[float]] = {}
     for s in samples:
         if s.get("iteration") is None:

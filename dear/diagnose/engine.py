@@ -12,9 +12,8 @@ dear's Gloo exchange run them.
 
 `slots` k > 1: up to k collectives run at once and share the link equally (processor sharing),
 the next in issue order starting when one ends: torch's Gloo process group runs 2 at once on its
-2 worker threads, so DDP's and WFBP's buckets finish later than one at a time would (measured,
-VGG-16 at half width, 2 ranks: the 196 MB fc1 all-reduce shares the link with the conv buckets
-issued after it and ends with them at 1170 ms, not at 1043 ms; benchmarks/gloo_concurrency.py).
+2 worker threads, so DDP's and WFBP's buckets finish later than one at a time would
+(docs/benchmarks.md#gloo-runs-two-collectives-at-once).
 Sharing delays only collectives already running, so a collective's end is final once the next
 one cannot start before it (`_SharedLink`).
 

@@ -4,7 +4,8 @@ A module's pre-forward hook waits for its buckets' all-gathers and runs the wrap
 update. Dynamo cannot trace that, and a graph break inside a submodule's hook makes dynamo compile
 every later submodule call as a frame of its own: the same `Module._call_impl` and
 `Conv2d.forward` code objects get one cache entry per module instance, the recompile limit is
-reached and the rest of the model falls back to eager (issue 33: 51 recompiles on a ResNet-18).
+reached and the rest of the model falls back to eager
+(docs/benchmarks.md#torchcompile-without-graph-breaks).
 
 So when dynamo traces the hook, the hook emits `torch.ops.dear.pre_forward(x, token)` instead: an
 op of the graph like any other, which at run time does exactly what the eager hook does and

@@ -92,9 +92,10 @@ class Hooks:
     def hook_modules(self, keep: Optional[set[torch.nn.Module]]) -> None:
         """Hook only the modules in `keep` (each bucket's first module and the root: the
         engine's choice), or every module holding trained parameters (None). A pre-hook costs
-        a module call the slow path of torch's Module.__call__, about 10 us here, for each of
-        the ~100 modules of a ResNet-50 or BERT-Base; dynamo guards on the hooks, so once a
-        compiled graph ran dear's op (dear/engine/compiled.py) they all stay."""
+        a module call the slow path of torch's Module.__call__, for each of the ~100 modules of
+        a ResNet-50 or BERT-Base (docs/benchmarks.md#module-hooks-only-where-needed); dynamo
+        guards on the hooks, so once a compiled graph ran dear's op (dear/engine/compiled.py)
+        they all stay."""
         if keep is not None and compiled.compiled_seen:
             keep = None
         kept = None if keep is None else frozenset(keep)

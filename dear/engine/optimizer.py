@@ -70,7 +70,7 @@ def _fusion_settings(named: list[tuple[str, torch.nn.Parameter]],
         raise ValueError(f"autotune={tune.value!r} tunes the bucket layout, but groups= fixes "
                          "it; pass one or the other")
     # A small first bucket by default: it is reduced last and gathered first, so its size is
-    # what stays exposed at both ends of the iteration (benchmarks/results/bench_emulated.md).
+    # what stays exposed at both ends of the iteration (docs/benchmarks.md#the-first-bucket).
     first = min(cfg.first_bucket, threshold) if cfg.first_bucket else None
     return FusionConfig(threshold, threshold, first), tune
 

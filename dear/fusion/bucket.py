@@ -272,7 +272,8 @@ class Bucket:
     def _reduce(self, comm: Communicator) -> Work:
         """The collective(s) of the filled, prescaled buffer (a row-sparse table sends its
         rows). In pieces only where the backend reads them in place: elsewhere each piece
-        would first be copied, memory spent for nothing measured (ab_rs_pieces.md)."""
+        would first be copied, memory spent for no measurable gain
+        (docs/benchmarks.md#fusion-thresholds-and-pieces)."""
         if self.alone:
             return DoneWork()
         if self.wire is not self.buffer:

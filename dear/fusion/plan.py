@@ -24,10 +24,10 @@ def probe_link(comm: Communicator, sizes: Sequence[int] = (2 << 20, 12 << 20),
     """Time a reduce-scatter and an all-gather of two sizes (float32, on `device`), on every
     rank at once (a collective: call it at the same step everywhere); the best of `repeats`
     (dear/comm/link.py's `measure_link`). Both sizes exceed what a shaped link lets through at
-    once (tbf's burst: 256 KB-0.5 MB here): with 64 KB and 4 MB, the burst made a 2 Gbit/s
-    link look 25-30% faster. On CPU tensors the model's `host_share` is the process's CPU time
-    over the wall time of a collective of the larger size, the most of any repeat: waiting for
-    a late peer only lowers it (on a GPU the host only waits: 0)."""
+    once (tbf's burst), which smaller ones would read as bandwidth
+    (docs/benchmarks.md#the-link-probes-sizes). On CPU tensors the model's `host_share` is the
+    process's CPU time over the wall time of a collective of the larger size, the most of any
+    repeat: waiting for a late peer only lowers it (on a GPU the host only waits: 0)."""
     n = comm.size
     cuda = torch.device(device).type == "cuda"
     buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}   # by the full buffer's bytes
@@ -202,8 +202,8 @@ def plan_gaps(ready: Sequence[float], rs_bytes: Sequence[float],
         while waiting:
             c = waiting[0]
             # A piece right after the previous one of its bucket joins that collective: one
-            # alpha for the run, and at 8 ranks 7 messages instead of 7 per piece (VGG-16 x8:
-            # 1.09 -> 1.04 x T_lb in a same-run comparison).
+            # alpha for the run, and at 8 ranks 7 messages instead of 7 per piece
+            # (docs/benchmarks.md#merged-all-gather-pieces).
             last = chosen[-1] if chosen else (-1, 0, 0)     # (bucket -1: joins nothing)
             joins = last[0] == c[0] and last[1] + last[2] == c[1]
             took = (cost.all_gather(world * c[2] * itemsizes[c[0]])
@@ -243,9 +243,9 @@ def calibrate(measured_tail: float, tail: Callable[[float], float], backward_s: 
     replay_tail with cost.slower(f)) to take as long as the tail the planned iterations met,
     within `bounds`: above 1 where the link was slower than the plan assumed. 1 where the
     two are within `tolerance` of the replay's tail or `noise` x the backward's duration.
-    Why the latter: a short tail (ResNet-50's or VGG-16's, one 2 MB bucket after backward) is
-    mostly host timing; scaling every cost to explain 8 ms of it (1% of backward) once cut
-    VGG-16's plan from 46 chunks to none, and a plan without chunks has no tail to undo it."""
+    Why the latter: a short tail (one small bucket after backward) is mostly host timing;
+    scaling every cost to explain it once cut a plan to no chunks, and a plan without chunks
+    has no tail to undo it (docs/benchmarks.md#checking-the-plan-against-its-tail)."""
     predicted = tail(1.0)
     if abs(measured_tail - predicted) <= max(tolerance * predicted, noise * backward_s):
         return 1.0

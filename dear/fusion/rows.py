@@ -3,8 +3,9 @@
 A word embedding's gradient is dense in memory but non-zero only in the rows of the tokens the
 batch used (a BERT fine-tune touches a few thousand of 30,522 rows), and it is the worst tensor
 to send densely: complete only at the end of backward, needed by the first layer of the next
-forward, so its whole transfer sits between the two (BERT-Base: 89 MiB, the ~1.2 x T_lb bound
-of benchmarks/results/). Here only the rows some rank touched travel:
+forward, so its whole transfer sits between the two (BERT-Base's 89 MiB table bounds every
+dense schedule: docs/benchmarks.md#bert-base-the-dependency-bound). Here only the rows some rank
+touched travel:
 
     1. every rank marks its non-zero rows; a tiny all-reduce of the marks gives the union,
        the same on every rank (so the data collective has the same size everywhere);
@@ -56,8 +57,9 @@ class RowSparseBucket(Bucket):
     @property
     def reduce_bytes(self) -> int:
         """Two all-reduces, the marks and the rows sent last time, each as long as a
-        reduce-scatter and an all-gather of its bytes. (As the whole table, BERT-Base's
-        189 ms at 2 Gbit/s made the planned schedule's check read a 2x faster link.)"""
+        reduce-scatter and an all-gather of its bytes. (Modelled as the whole table, it made
+        the planned schedule's check read a faster link:
+        docs/benchmarks.md#a-row-sparse-tables-modelled-traffic.)"""
         if self._dense:
             return super().reduce_bytes
         return 2 * self.buffer.element_size() * (self.rows + self.sent_rows * self.cols + 1)

@@ -81,7 +81,7 @@ def check_same_across_ranks(named: list[tuple[str, torch.nn.Parameter]],
                                  "same model")
 
 
-# ------------------------------------------------------------------ wrapping twice (issue 16)
+# ------------------------------------------------------------------------------ wrapping twice
 def _is_horovod_optimizer(optimizer: object) -> bool:
     """hvd.DistributedOptimizer builds a class from horovod.torch.optimizer's methods."""
     return any(getattr(klass.__dict__.get("synchronize"), "__module__", "")

@@ -4,9 +4,9 @@ upper-triangle packing of symmetric factors, and flat buckets of named slots.
 dear's `Communicator` has no reduce-to-one-rank, which PAD needs. On torch.distributed the
 transport therefore talks to torch directly, on process groups of its own (made once, by every
 rank, in KFAC's constructor), so its collectives never interleave with the optimizer's. Gloo's
-own `reduce` is slow for this use: two concurrent 10 MB reduces to different roots took 0.21 s
-on a 1 Gbit/s emulated link where one 20 MB all-reduce took 0.18 s and a direct 10 MB exchange
-0.09 s (2 ranks; `python -m benchmarks.kfac --collectives`), so on Gloo a reduce is direct
+own `reduce` is slow for this use: two concurrent reduces to different roots took longer than
+one all-reduce of both, and far longer than direct sends
+(docs/benchmarks.md#k-facs-reduce-on-gloo), so on Gloo a reduce is direct
 sends to the root (irecv-first; messages from a higher to a lower rank on a second group, so
 each direction has its own Gloo transport thread) and a local sum. With PAD each rank is the
 root of its own layers, so the reduces of all owners together move what a reduce-scatter moves.

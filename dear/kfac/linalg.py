@@ -1,6 +1,6 @@
 """Turning factors into preconditioners, and preconditioning one gradient matrix.
 
-Definitions (ANCHORS.md, kfac-pytorch's):
+Definitions (kfac-pytorch's):
   eigen:   A = QA diag(dA) QA^T, G = QG diag(dG) QG^T (eigenvalues clamped at 0),
            P(grad) = QG [ (QG^T grad QA) / (dG dA^T + damping) ] QA^T
   inverse: P(grad) = (G + damping I)^-1 grad (A + damping I)^-1
