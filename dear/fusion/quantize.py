@@ -17,7 +17,8 @@ reproduce bit for bit:
                                                      when a <= 2**-149 * qmax / 2, a subnormal)
                 scale == 0    -> q = 0              (so residual = y: all of it is delayed)
                 else          -> q = clamp(round_half_even(y / scale), -qmax, qmax)
-                finite a      -> residual = y - float(q) * scale   (fp32)
+                finite a      -> residual = y - q * scale   (fp32; q the rounded float, whose
+                                                     sign a zero keeps: y = -0.0 leaves +0.0)
     dequantized value = float(q) * scale
 
 "Bit for bit" is up to a NaN's payload: a NaN stays a NaN, but its bits are the device's (a
