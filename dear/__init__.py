@@ -5,19 +5,15 @@ tests/test_architecture.py checks): comm (backends, dear.init, the launcher, the
 -> fusion (buckets, layouts, the schedule) -> diagnose (tracer, replay) -> autotune -> guards
 (the contract's checks) -> shardops (work on the reduced shards) -> sharding -> engine (the
 optimizer and its data path) -> kfac, horovod and the integrations (lightning.py,
-huggingface.py); config.py, native.py and checkpoint.py sit under all of them.
+huggingface.py); config.py, native.py, checkpoint.py and interfaces.py sit under all of them.
 """
 
-from . import moved
-
-moved.install()                     # the old flat import paths (dear.runtime, ...) still import
-
-from . import diagnose  # noqa: E402  (the dear.diagnose subpackage: trace, report, simulate)
-from .checkpoint import atomic_save  # noqa: E402
-from .comm import launch  # noqa: E402
-from .comm.base import ReduceOp  # noqa: E402
-from .comm.compression import Compression  # noqa: E402
-from .comm.runtime import (  # noqa: E402
+from . import diagnose  # the dear.diagnose subpackage: trace, report, simulate
+from .checkpoint import atomic_save
+from .comm import launch
+from .comm.base import ReduceOp
+from .comm.compression import Compression
+from .comm.runtime import (
                            allreduce,
                            broadcast_optimizer_state,
                            broadcast_parameters,
@@ -28,10 +24,10 @@ from .comm.runtime import (  # noqa: E402
                            shutdown,
                            size,
 )
-from .engine.join import join  # noqa: E402
-from .engine.optimizer import DistributedOptimizer  # noqa: E402
-from .kfac import KFAC  # noqa: E402
-from .native import native_available  # noqa: E402
+from .engine.join import join
+from .engine.optimizer import DistributedOptimizer
+from .kfac import KFAC
+from .native import native_available
 
 launch.align_horovod_timeout()      # before a script's hvd.init(): DEAR_TIMEOUT governs Horovod's
 

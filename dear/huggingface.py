@@ -40,6 +40,7 @@ import torch
 
 from .comm import runtime
 from .engine.optimizer import DistributedOptimizer
+from .interfaces import DearOptimizer
 
 try:
     from accelerate import Accelerator
@@ -58,8 +59,7 @@ _OWN_OPTIONS = ("model", "named_parameters", "backward_passes_per_step")
 
 
 def _is_dear(optimizer: Any) -> bool:
-    return hasattr(optimizer, "dear_parameters") and callable(
-        getattr(optimizer, "flush_updates", None))
+    return isinstance(optimizer, DearOptimizer)
 
 
 def _inner(optimizer: Any) -> Any:

@@ -38,7 +38,7 @@ def _injected_loss(model: torch.nn.Module, loss: torch.Tensor, step: int) -> tor
 def _shard_owner(opt: torch.optim.Optimizer, name: str, element: int) -> int:
     """Which rank's shard holds this gradient element after the reduce-scatter."""
     i = opt.dear_engine.names.index(name)                             # type: ignore[attr-defined]
-    bucket, j = opt.dear_engine.where[i]                              # type: ignore[attr-defined]
+    bucket, j = opt.dear_layout.where[i]                            # type: ignore[attr-defined]
     return (bucket.spec.offsets[j] + element) // bucket.spec.shard_numel
 
 

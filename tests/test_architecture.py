@@ -3,8 +3,7 @@
 - no import circle among dear's modules (function-local imports included, `if TYPE_CHECKING:`
   blocks left out: they never run);
 - imports go only down the layers (LAYERS, bottom first), never up;
-- nothing in the repository imports through an old flat path, while each old path still gives
-  the same module object (dear/moved.py), and the documented import paths work;
+- the documented import paths work;
 - the module map in docs/ARCHITECTURE.md names every module and package, and nothing else;
 - the torch private names that ruff's SLF001 lets through (pyproject.toml) are not attributes any
   dear class defines, so the exemption cannot hide a read of dear's own privates.
@@ -25,7 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 #: Bottom first. A module may import from its own layer and the layers below it.
 LAYERS: list[tuple[str, ...]] = [
-    ("dear.config", "dear.native", "dear.checkpoint", "dear.moved"),
+    ("dear.config", "dear.native", "dear.checkpoint", "dear.interfaces"),
     ("dear.comm",),                       # backends, dear.init(), the launcher, the hang report
     ("dear.fusion",),                     # buckets, layouts, the planned schedule
     ("dear.diagnose",),                   # tracer, report, replay simulator, scaling curves
@@ -153,32 +152,6 @@ def test_the_layers_name_only_what_exists() -> None:
             assert prefix in MODULES, f"LAYERS names {prefix}, which is no module or package"
 
 
-def test_nothing_imports_through_an_old_path() -> None:
-    from dear.moved import MOVED
-    pattern = re.compile(r"^\s*(?:from|import)\s+(" + "|".join(map(re.escape, MOVED)) + r")\b",
-                         re.MULTILINE)
-    # `from dear import runtime` reaches the old path too (dear has no such attribute)
-    leaves = re.compile(r"^\s*from\s+(dear(?:\.\w+)*)\s+import\s+([\w, ]+)$", re.MULTILINE)
-    found = [f"{path.relative_to(ROOT)}: {m.group(0).strip()}"
-             for folder in ("dear", "tests", "benchmarks", "tools")
-             for path in (ROOT / folder).rglob("*.py") if "/src/" not in str(path)
-             for m in pattern.finditer(path.read_text())]
-    found += [f"{path.relative_to(ROOT)}: {m.group(0).strip()}"
-              for folder in ("tests", "benchmarks", "tools")
-              for path in (ROOT / folder).rglob("*.py") if "/src/" not in str(path)
-              for m in leaves.finditer(path.read_text())
-              if any(f"{m.group(1)}.{name.split(' as ')[0].strip()}" in MOVED
-                     for name in m.group(2).split(","))]
-    assert not found, "\n".join(found)
-
-
-def test_old_import_paths_give_the_same_module() -> None:
-    from dear.moved import MOVED
-    for old, new in MOVED.items():
-        assert importlib.import_module(old) is importlib.import_module(new), old
-        assert importlib.import_module(new).__spec__.name == new   # its own spec kept
-
-
 def test_documented_import_paths_and_the_public_api() -> None:
     for name in DOCUMENTED:
         importlib.import_module(name)
@@ -232,3 +205,149 @@ def test_the_slf001_exemptions_are_not_dear_attributes() -> None:
 @pytest.mark.parametrize("module", sorted(m for m in MODULES if m.count(".") >= 1))
 def test_every_module_is_in_a_layer(module: str) -> None:
     _layer(module)
+
+
+# ------------------------------------------------------------------- the engine owns its state
+ENGINE_MODULE = ROOT / "dear" / "engine" / "engine.py"
+
+
+def _rel(path: Path) -> str:
+    return str(path.relative_to(ROOT)) if ROOT in path.parents else path.name
+#: The most fields an Engine may hold (each set in its constructor).
+ENGINE_FIELDS_AT_MOST = 27
+
+
+def _stored_attributes(node: ast.AST, owner: str) -> Iterator[tuple[str, int]]:
+    """(attribute, line) of every `<owner>.<attribute> = ...` (also in tuples, augmented)."""
+    for sub in ast.walk(node):
+        if isinstance(sub, ast.Attribute) and isinstance(sub.ctx, ast.Store) \
+                and isinstance(sub.value, ast.Name) and sub.value.id == owner:
+            yield sub.attr, sub.lineno
+
+
+def _engine_class() -> ast.ClassDef:
+    tree = ast.parse(ENGINE_MODULE.read_text())
+    return next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Engine")
+
+
+def engine_fields() -> tuple[set[str], list[str], list[str]]:
+    """(fields set in Engine.__init__, fields only declared in the class body, fields first set
+    by another method)."""
+    cls = _engine_class()
+    declared = [n.target.id for n in cls.body if isinstance(n, ast.AnnAssign)
+                and n.value is None and isinstance(n.target, ast.Name)]
+    methods = [n for n in cls.body if isinstance(n, ast.FunctionDef)]
+    init = next(m for m in methods if m.name == "__init__")
+    built = {name for name, _ in _stored_attributes(init, "self")}
+    later = sorted({f"{name} (line {line})" for m in methods if m is not init
+                    for name, line in _stored_attributes(m, "self") if name not in built})
+    return built, declared, later
+
+
+def test_the_engine_is_built_complete_in_its_constructor() -> None:
+    built, declared, later = engine_fields()
+    assert not declared, f"Engine declares fields its constructor does not set: {declared}"
+    assert not later, f"Engine's methods create fields its constructor does not: {later}"
+    assert len(built) <= ENGINE_FIELDS_AT_MOST, \
+        f"Engine holds {len(built)} fields (at most {ENGINE_FIELDS_AT_MOST}): {sorted(built)}"
+
+
+def _engine_expression(node: ast.AST) -> bool:
+    """`engine`, or anything's `.dear_engine`."""
+    return (isinstance(node, ast.Name) and node.id == "engine") or \
+        (isinstance(node, ast.Attribute) and node.attr == "dear_engine")
+
+
+def outside_writes() -> list[str]:
+    """Assignments to an engine's fields (`engine.x = ...`, `opt.dear_engine.x = ...`,
+    setattr) anywhere in dear/ but the engine's own module."""
+    found = []
+    for path in MODULES.values():
+        if path == ENGINE_MODULE:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) \
+                    and _engine_expression(node.value):
+                found.append(f"{_rel(path)}:{node.lineno} sets .{node.attr}")
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) \
+                    and node.func.id in ("setattr", "delattr") and node.args \
+                    and _engine_expression(node.args[0]):
+                found.append(f"{_rel(path)}:{node.lineno} {node.func.id}")
+    return found
+
+
+def test_nothing_outside_the_engine_module_assigns_its_fields() -> None:
+    found = outside_writes()
+    assert not found, "\n".join(found)
+
+
+# ------------------------------------------------------------------------------- one door
+#: Private names of other libraries that dear reads by name, and why.
+THIRD_PARTY_PRIVATES = {
+    "_allreduce_grad_async": "horovod.torch's optimizer: the tracer times its all-reduces",
+    "_handles": "horovod.torch's optimizer: how the tracer recognises it",
+    "_comm_hooks": "DDP's registered communication hooks: the tracer will not trace over one",
+    "_orig_mod": "torch.compile's OptimizedModule: the module it compiled",
+    "_wrapped_by_lr_sched": "torch's LRScheduler marks an optimizer's step it patched",
+    "_fields": "collections.namedtuple's field names (public API despite the underscore)",
+}
+#: Attributes a user sets on their own optimizer class, read by name on purpose.
+USER_MARKERS = {"dear_elementwise": "the class's author vouches that its update is elementwise "
+                                    "(dear/sharding/state.py)"}
+
+
+def by_name_reads() -> list[str]:
+    """getattr/hasattr/setattr/delattr of a dear_ name (the Protocol in dear/interfaces.py
+    names those) or of a private name that is not a listed third party's."""
+    found = []
+    for path in MODULES.values():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                    and node.func.id in ("getattr", "hasattr", "setattr", "delattr")
+                    and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant)
+                    and isinstance(node.args[1].value, str)):
+                continue
+            name = node.args[1].value
+            private = name.startswith("_") and not name.startswith("__")
+            if (name.startswith("dear_") and name not in USER_MARKERS) or \
+                    (private and name not in THIRD_PARTY_PRIVATES):
+                found.append(f"{_rel(path)}:{node.lineno} {node.func.id} {name!r}")
+    return found
+
+
+def test_no_attribute_of_dear_is_read_by_name() -> None:
+    found = by_name_reads()
+    assert not found, "\n".join(found)
+
+
+def back_doors() -> list[str]:
+    """`.dear_engine` reached from outside dear/engine/: the engine's collaborators use the
+    extension points (dear/engine/extension.py, typed by dear/interfaces.py)."""
+    inside = ROOT / "dear" / "engine"
+    return [f"{_rel(path)}:{node.lineno}"
+            for path in MODULES.values() if inside not in path.parents
+            for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Attribute) and node.attr == "dear_engine"]
+
+
+def test_only_the_engine_package_reaches_the_engine() -> None:
+    found = back_doors()
+    assert not found, "\n".join(found)
+
+
+def test_the_checks_above_catch_what_they_look_for(tmp_path: Path) -> None:
+    """Each check finds a planted instance (so an empty answer means none, not a blind check)."""
+    source = ("def f(opt, engine):\n    engine.layout = None\n    opt.dear_engine.phase = 1\n"
+              "    getattr(opt, 'dear_layout')\n    getattr(opt, '_mine')\n")
+    tree = ast.parse(source)
+    writes = [n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)
+              and isinstance(n.ctx, ast.Store) and _engine_expression(n.value)]
+    assert writes == ["layout", "phase"]
+    planted = tmp_path / "planted.py"
+    planted.write_text(source)
+    MODULES["planted"] = planted
+    try:
+        assert len(by_name_reads()) == 2 and len(back_doors()) == 1
+        assert len(outside_writes()) == 2
+    finally:
+        del MODULES["planted"]

@@ -148,7 +148,7 @@ def _train(autotune: object, out_dir: str, world: int, steps: int = STEPS,
     def observe(model: torch.nn.Module, opt: object) -> tuple:
         return (opt.dear_engine.layout.signature(), _hooks(model, opt),  # type: ignore[attr-defined]
                 type(opt.dear_communicator).__name__ == "TracingCommunicator"  # type: ignore
-                or bool(opt.dear_engine.update_observers))  # type: ignore[attr-defined]
+                or bool(opt.dear_engine.listeners.updates))  # type: ignore[attr-defined]
     model, opt, seen = train_autotuned(
         autotune, out_dir, world, steps,
         dict(DEAR_AUTOTUNE_WINDOW="2", DEAR_AUTOTUNE_SETTLE="1",

@@ -132,7 +132,7 @@ def _alone(setting: str) -> dict:
     opt.flush_updates()
     engine = opt.dear_engine
     out = {"diff": max_diff(state_of(model), state_of(plain)), "buckets": len(engine.buckets),
-           "groups": len(engine.gather_groups), "buffers": opt.memory_stats()["buffers"],
+           "groups": len(engine.layout.gather_groups), "buffers": opt.memory_stats()["buffers"],
            "one_each": sum(b.buffer.numel() * b.buffer.element_size() for b in engine.buckets)}
     dear.shutdown()
     return out

@@ -35,7 +35,7 @@ def _train(opt: str, steps: int, views: bool, schedule: str) -> tuple[dict, torc
 
 
 def _buffer_of(optimizer: torch.optim.Optimizer, p: torch.nn.Parameter) -> torch.Tensor:
-    bucket, _ = optimizer.dear_engine.where[optimizer.dear_engine.index[p]]      # type: ignore[attr-defined]
+    bucket, _ = optimizer.dear_layout.where[optimizer.dear_parameter_index[p]]      # type: ignore[attr-defined]
     return bucket.buffer
 
 

@@ -35,7 +35,7 @@ def test_seventh_positional_argument_is_num_groups(local_dear) -> None:
     with pytest.warns(DeprecationWarning, match="num_groups"):
         opt = dear.DistributedOptimizer(sgd, model.named_parameters(), dear.Compression.none, 1,
                                         dear.Average, 1.0, 2)
-    assert opt.dear_engine.groups == 2                    # as Horovod: num_groups becomes groups
+    assert opt.dear_engine.options.groups == 2       # as Horovod: num_groups becomes groups
     x, y = batch(0, 1, 0)
     F.mse_loss(model(x), y).backward()
     opt.step()
@@ -46,7 +46,8 @@ def test_seventh_positional_argument_is_num_groups(local_dear) -> None:
     opt = dear.DistributedOptimizer(OPTIMIZERS["sgd"](model.parameters()),
                                     model.named_parameters(), dear.Compression.none, 1,
                                     dear.Average, 1.0, 0, lists, True)
-    assert opt.dear_engine.groups == [[2, 3]] and opt.dear_engine.sparse_as_dense is True
+    options = opt.dear_engine.options
+    assert options.groups == [[2, 3]] and options.sparse_as_dense is True
 
 
 def test_process_set_global_is_accepted_unregistered_refused(local_dear) -> None:

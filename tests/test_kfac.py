@@ -317,9 +317,8 @@ def test_kfac_joining_dear_training_late_replans_and_matches_horovods_loop():
                         opt.step()
             opt.flush_updates()
             conv = model.conv1
-            engine = opt.dear_engine
-            together = engine.where[engine.index[conv.weight]][0] is engine.where[
-                engine.index[conv.bias]][0]
+            where, index = opt.dear_layout.where, opt.dear_parameter_index
+            together = where[index[conv.weight]][0] is where[index[conv.bias]][0]
             return W.params_of(model), precond.overlapped_steps, together
         finally:
             dear.shutdown()

@@ -50,7 +50,7 @@ def _train(cases: list, native: bool) -> list:
                 params.append(W.params_of(model))
         opt.flush_updates()
         params.append(W.params_of(model))
-        where, index = opt.dear_engine.where, opt.dear_engine.index
+        where, index = opt.dear_layout.where, opt.dear_parameter_index
         ties = all(where[index[m.weight]][0] is where[index[m.bias]][0]
                    for m in model.modules() if getattr(m, "bias", None) is not None
                    and hasattr(m, "weight"))

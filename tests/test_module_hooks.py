@@ -96,7 +96,7 @@ def _train(swap_steps: tuple[int, ...], norm: bool) -> dict:
         hooked.append(sum(h.attached for h in hooks.modules.values()))
     out = {"params": {k: v.detach().clone() for k, v in model.state_dict().items()},
            "hooked": hooked, "modules": len(opt.dear_engine.hooks.modules),
-           "buckets": len(opt.dear_engine.buckets), "varies": opt.dear_engine.order_varies,
+           "buckets": len(opt.dear_engine.buckets), "varies": opt.dear_engine.layout.order_varies,
            "compared": None}
     dear.shutdown()
     return out

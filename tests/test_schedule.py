@@ -20,7 +20,6 @@ import torch
 import torch.nn.functional as F
 
 import dear
-from dear.engine.layout import relayout
 from dear.comm.base import Communicator, DoneWork, Work, WrappedCommunicator
 from dear.comm.compression import Compression
 from dear.fusion.fusion_config import FusionConfig
@@ -329,7 +328,7 @@ def _planned_run(forced: bool, relayout_at: int, mode: str = "thread", device: s
     for step in range(STEPS):
         if step == relayout_at:                # what the autotuner does between steps
             opt.flush_updates()
-            relayout(opt.dear_engine, FusionConfig.single(512))
+            opt.dear_engine.relayout(FusionConfig.single(512))
         if forced and opt.dear_engine.buckets is not None and opt.dear_engine.schedule.plan is None:
             opt.dear_engine.schedule.plan = Plan(after={
                 b.spec.index: tuple((b.spec.index, s, n)

@@ -93,7 +93,7 @@ class DataPlane(enum.Enum):
 class HorovodWork(Work):
     def __init__(self, handle: Any, finish: Optional[Callable[[Any], object]] = None,
                  timeout: float = 300.0) -> None:
-        self._handle = handle
+        self.handle = handle                   # Horovod's (dear.diagnose polls it)
         self._finish = finish
         self._timeout = timeout
         self._done = False
@@ -103,13 +103,13 @@ class HorovodWork(Work):
             return
         hvd = _hvd()
         deadline, delay = time.monotonic() + self._timeout, 2e-5
-        while not hvd.poll(self._handle):
+        while not hvd.poll(self.handle):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"Horovod collective not complete after {self._timeout:g} s "
                                    "(DEAR_TIMEOUT): another rank stalled or died")
             time.sleep(delay)
             delay = min(2 * delay, 1e-3)
-        result = hvd.synchronize(self._handle)
+        result = hvd.synchronize(self.handle)
         if self._finish is not None:
             self._finish(result)
         self._done = True

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import Config
+from ..interfaces import DearOptimizer
 from . import launch
 from .base import Communicator, ReduceOp, resolve_op
 from .flight import FlightChannel, RecordedCommunicator, mark_phase
@@ -38,7 +39,7 @@ class _State:
     config: Config = Config()
     owns_group: bool = False
     reporter: Optional[HangReporter] = None       # dear/comm/hang.py
-    optimizers: "weakref.WeakSet[Any]" = weakref.WeakSet()
+    optimizers: "weakref.WeakSet[DearOptimizer]" = weakref.WeakSet()
 
 
 _state = _State()
@@ -190,7 +191,7 @@ def shutdown() -> None:
     if _state.comm is None:
         return
     for opt in list(_state.optimizers):
-        opt.dear_engine.shutdown()
+        opt.dear_shutdown()
     for release in list(_at_shutdown):         # e.g. the collective thread (fusion/schedule.py)
         release()
     if _state.reporter is not None:
@@ -261,12 +262,12 @@ def flight_channel(name: str, members: list[int]) -> Optional[FlightChannel]:
     return reporter.channel(name, members) if reporter is not None else None
 
 
-def optimizers() -> list[Any]:
+def optimizers() -> list[DearOptimizer]:
     """The live dear.DistributedOptimizers (dear.KFAC finds the ones training its layers)."""
     return list(_state.optimizers)
 
 
-def register_optimizer(opt: Any) -> None:
+def register_optimizer(opt: DearOptimizer) -> None:
     _state.optimizers.add(opt)
 
 

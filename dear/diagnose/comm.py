@@ -33,6 +33,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from ..comm.base import Communicator, DoneWork, Work, WrappedCommunicator
+from ..comm.horovod import HorovodWork
 from .recorder import CollectiveKind, CollectiveRecord, Ev, Recorder
 
 _POLL_S = 0.0005
@@ -164,7 +165,7 @@ class TracingCommunicator(WrappedCommunicator):
     def _track(self, rec: CollectiveRecord, issued: Work, cuda: bool) -> None:
         work: Any = getattr(issued, "backend_work", issued)    # under the flight record
         inner = getattr(work, "inner", None)            # dear.comm.base.CallbackWork
-        handle = getattr(work, "_handle", None)         # dear.comm.horovod.HorovodWork
+        handle = work.handle if isinstance(work, HorovodWork) else None
         if isinstance(work, DoneWork) or (isinstance(inner, list) and not inner):
             rec.complete(self._recorder.clock(), "issue")
         elif isinstance(inner, list) and all(hasattr(h, "wait") for h in inner):

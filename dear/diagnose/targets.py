@@ -7,7 +7,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..fusion.fusion_config import FusionConfig
+from ..interfaces import DearOptimizer
 
 
 def collect_params(model: Optional[torch.nn.Module], optimizer: Any
@@ -26,9 +26,9 @@ def collect_params(model: Optional[torch.nn.Module], optimizer: Any
             if p.requires_grad and id(p) not in seen:
                 seen.add(id(p))
                 named.append((f"param{len(named)}", p))
-    opt_names = getattr(optimizer, "dear_parameter_names", None)
-    if opt_names is not None:
-        by_id = {id(p): n for n, p in zip(opt_names, optimizer.dear_parameters)}
+    if isinstance(optimizer, DearOptimizer):
+        by_id = {id(p): n for n, p in zip(optimizer.dear_parameter_names,
+                                          optimizer.dear_parameters)}
         named = [(by_id.get(id(p), n) if n.startswith("param") else n, p) for n, p in named]
     return named
 
@@ -38,13 +38,13 @@ def describe(model: Optional[torch.nn.Module], optimizer: Any,
              modules: list[tuple[str, torch.nn.Module]]) -> dict[str, Any]:
     """The trace's `dear` metadata besides the events: parameters, modules, buckets, schedule."""
     index = {id(p): i for i, (_, p) in enumerate(params)}
-    layout = getattr(optimizer, "dear_layout", None)
+    dear_opt = isinstance(optimizer, DearOptimizer)
+    layout = optimizer.dear_layout if dear_opt else None
     buckets = [[index.get(id(p), -1) for p in b.params] for b in layout.buckets] \
         if layout is not None else []
     gather_groups = [[b.spec.index for b in g.buckets] for g in layout.gather_groups] \
         if layout is not None else []
-    fusion = getattr(optimizer, "dear_fusion", None)
-    fusion = fusion if isinstance(fusion, FusionConfig) else None     # dear's layout
+    fusion = optimizer.dear_fusion if dear_opt else None
     table = [{"name": name or "<root>", "leaf": next(m.children(), None) is None,
               "params": [index[id(p)] for p in m.parameters(recurse=False) if id(p) in index]}
              for name, m in modules]
@@ -57,7 +57,7 @@ def describe(model: Optional[torch.nn.Module], optimizer: Any,
 
 
 def schedule_of(model: Any, optimizer: Any) -> str:
-    if optimizer is not None and hasattr(optimizer, "dear_layout"):
+    if isinstance(optimizer, DearOptimizer):
         return "dear"
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         return "ddp"

@@ -26,6 +26,7 @@ from typing import Any, Iterator, Optional
 
 import torch
 
+from ..interfaces import DearOptimizer
 from .align import clock_offset, current_group
 from .comm import CompletionWatcher, TracingCommunicator, ddp_comm_hook
 from .recorder import Clock, CollectiveKind, Ev, Recorder
@@ -92,6 +93,8 @@ class Tracer:
         self._seen_forward = False
         self._patched: list[str] = []
         self._unobserve: list[Any] = []         # dear_observe_updates' removers
+        self._schedule_was_paused = False
+        self._named_modules: list[tuple[str, torch.nn.Module]] = []
         # Quantized buckets' decode-thread totals when the first recorded iteration began
         self._decode_at_start: Optional[tuple[Any, dict[str, list[float]]]] = None
         self.path: Optional[str] = None
@@ -177,7 +180,7 @@ class Tracer:
 
     def _install_comm(self) -> Optional[TracingCommunicator]:
         from ..comm import runtime
-        dear_opt = hasattr(self.optimizer, "dear_communicator")
+        dear_opt = isinstance(self.optimizer, DearOptimizer)
         opt_comm = self.optimizer.dear_communicator if dear_opt else None
         rt_comm = runtime.current_communicator()
         target = opt_comm if opt_comm is not None else rt_comm
@@ -188,7 +191,7 @@ class Tracer:
                                     self._bucket_of, self._buffer_bytes_of)
         if opt_comm is not None:
             self.optimizer.dear_communicator = proxy
-        schedule = getattr(self.optimizer, "dear_schedule", None)
+        schedule = self.optimizer.dear_schedule if dear_opt else None
         if schedule is not None:               # the replay models DeAR's order: trace that
             self._schedule_was_paused, schedule.paused = schedule.paused, True
         if rt_comm is target:
@@ -202,11 +205,10 @@ class Tracer:
         if proxy is None:
             return
         inner = proxy.inner
-        if getattr(self.optimizer, "dear_communicator", None) is proxy:
-            self.optimizer.dear_communicator = inner
-        schedule = getattr(self.optimizer, "dear_schedule", None)
-        if schedule is not None:
-            schedule.paused = getattr(self, "_schedule_was_paused", False)
+        if isinstance(self.optimizer, DearOptimizer):
+            if self.optimizer.dear_communicator is proxy:
+                self.optimizer.dear_communicator = inner
+            self.optimizer.dear_schedule.paused = self._schedule_was_paused
         runtime.replace_communicator(proxy, inner)
 
     # ------------------------------------------------------------------------- iterations
@@ -274,8 +276,7 @@ class Tracer:
         if callable(allreduce) and hasattr(optimizer, "_handles"):  # horovod.torch's optimizer
             optimizer._allreduce_grad_async = self._traced_horovod(allreduce)  # horovod.torch's  # noqa: SLF001
             self._patched.append("_allreduce_grad_async")
-        observe = getattr(optimizer, "dear_observe_updates", None)
-        if observe is not None:                # dear: per-bucket updates
+        if isinstance(optimizer, DearOptimizer):   # dear: per-bucket updates
             @contextlib.contextmanager
             def timed_update(bucket: Any) -> Iterator[None]:
                 it = self._recording
@@ -288,7 +289,7 @@ class Tracer:
                 finally:
                     self.recorder.events.append((Ev.UPDATE, it, start, self.recorder.clock(),
                                                  bucket.spec.index))
-            self._unobserve.append(observe(timed_update))
+            self._unobserve.append(optimizer.dear_observe_updates(timed_update))
 
     def _traced_horovod(self, allreduce: Any) -> Any:
         """Record each of Horovod's per-tensor all-reduces; the watcher polls its handle."""
@@ -370,7 +371,8 @@ class Tracer:
         return self._bucket_entry(tensor)[1]
 
     def _bucket_entry(self, tensor: torch.Tensor) -> tuple[Optional[int], Optional[int]]:
-        layout = getattr(self.optimizer, "dear_layout", None)
+        layout = self.optimizer.dear_layout if isinstance(self.optimizer, DearOptimizer) \
+            else None
         if layout is None or not layout.buckets:
             return None, None
         buckets = layout.buckets
@@ -383,7 +385,7 @@ class Tracer:
                 for t in b.wires:
                     table[t.data_ptr()] = (b.spec.index, _buffer_bytes(b.buffer, t, slots))
             for g in layout.gather_groups:                       # fused all-gathers:
-                send = getattr(g, "_send", None)                     # named by first bucket
+                send = g.send_buffer                                 # named by first bucket
                 if send is not None:
                     first = g.buckets[0]
                     table[send.data_ptr()] = (first.spec.index,
@@ -394,7 +396,7 @@ class Tracer:
     # ------------------------------------------------------------------------------ output
     def describe(self) -> dict[str, Any]:
         return {**self.meta, **describe(self.model, self.optimizer, self._params,
-                                        getattr(self, "_named_modules", [])),
+                                        self._named_modules),
                 "iterations": [self.iterations.start, self.iterations.stop],
                 "decode_s_per_byte": self._decode_rates()}
 
@@ -426,7 +428,7 @@ class Tracer:
 def decode_totals(optimizer: Any) -> Optional[tuple[Any, dict[str, list[float]]]]:
     """(the layout's buckets, per phase [seconds, bytes]) summed over its quantized buckets'
     `decode_time` (dear/fusion/quantized.py); None without a dear layout."""
-    layout = getattr(optimizer, "dear_layout", None)
+    layout = optimizer.dear_layout if isinstance(optimizer, DearOptimizer) else None
     if layout is None or not layout.buckets:
         return None
     totals: dict[str, list[float]] = {"reduce": [0.0, 0.0], "gather": [0.0, 0.0]}

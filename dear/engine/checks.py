@@ -15,7 +15,7 @@ fall between them (`contents_checked`).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 
@@ -132,7 +132,7 @@ def refuse_edited_grads(engine: "Engine") -> None:
         i = edited_parameter(engine)
     if i is None:
         return
-    del engine.late_edits[queued:]   # this iteration's own verdicts: it is refused already
+    engine.late_edits.drop_from(queued)   # this iteration's own verdicts: it is refused already
     engine.abandon_iteration()
     p = engine.params[i]
     raise edited_grad_error(engine.names[i], p,
@@ -189,12 +189,31 @@ def _compare_contents(engine: "Engine", taken: dict[int, Fingerprint]) -> Option
     if not verdict.on_device:
         k = verdict.first()
         return None if k is None else list(taken)[k]
-    engine.late_edits.append((list(taken), verdict))
+    engine.late_edits.add(list(taken), verdict)
     return None
 
 
 def _late_edit(engine: "Engine") -> Optional[int]:
     """A gradient edit of an earlier iteration whose verdict came back from the device since
     (or, at a flush, all of them), or None."""
-    found, engine.late_edits = first_settled(engine.late_edits)
-    return found
+    return engine.late_edits.first_settled()
+
+
+class LateEdits:
+    """Gradient contents compared on a GPU, whose verdicts are read at a later step()."""
+
+    def __init__(self) -> None:
+        self._queue: list[tuple[Sequence[int], Verdict]] = []
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def add(self, taken: Sequence[int], verdict: Verdict) -> None:
+        self._queue.append((taken, verdict))
+
+    def drop_from(self, count: int) -> None:
+        del self._queue[count:]
+
+    def first_settled(self) -> Optional[int]:
+        found, self._queue = first_settled(self._queue)
+        return found

@@ -27,114 +27,162 @@ dear/engine/checks.py, the layout's construction in dear/engine/layout.py.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import weakref
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
+from ..autotune.factory import make_autotuner
 from ..comm import flight, runtime
 from ..comm.base import Communicator
-from ..comm.compression import Compressor
 from ..fusion.bucket import Bucket, Stage
 from ..fusion.fusion_config import FusionConfig
-from ..fusion.layout import GatherGroup, Layout
 from ..fusion.rows import RowSparseBucket
-from ..fusion.schedule import ScheduleDriver, scope
+from ..fusion.schedule import ScheduleDriver, issue_mode, scope
 from ..fusion.views import GradientViews
 from ..guards.stream import StreamCheck
-from ..guards.written import Verdict, fingerprint, fingerprints
+from ..guards.written import fingerprint, fingerprints
+from ..sharding.state import ShardedState
 from . import checks, layout
 from .buffers import BufferBroadcast, issue_pending
+from .checks import LateEdits
 from .feedback import ErrorFeedback
-from .hooks import Hooks
+from .hooks import Hooks, remove_hooks
+from .layout import ModelLayout
+from .options import EngineOptions
+from .params import ParameterSet
 from .sparse import SparseGradients
-from .state import VIEW, Iteration, Pending, Phase, hyperparameters
-from .updates import Updates
+from .state import (
+    VIEW,
+    ForwardOrder,
+    Iteration,
+    Pending,
+    Phase,
+    check_transition,
+    hyperparameters,
+)
+from .updates import ShardedUpdates, Updates
 
 log = logging.getLogger("dear")
 
 class Engine:
     """Buckets, layout, schedule, the iteration in progress and what is pending from step() to
-    the next forward, for one wrapped optimizer (`opt`). Built by dear/engine/setup.py."""
+    the next forward, for one wrapped optimizer (`opt`). Built complete here from the wrap's
+    settings (`EngineOptions`) and what it trains (`ParameterSet`); only its own methods assign
+    its fields (tests/test_architecture.py checks this)."""
 
-    buckets: Optional[list[Bucket]]
-    layout: Optional[Layout]
-    buffer_sync: Optional[BufferBroadcast]
-    sparse: Optional[SparseGradients]
-
-    schedule: ScheduleDriver                  # set right after construction (it reads .comm)
-    # From the wrap's arguments (dear/engine/wrapper.py's attach):
-    fusion: FusionConfig                      # the thresholds in force
-    compression: Compressor
-    sparse_as_dense: bool
-    groups: Any                               # Horovod's groups= (explicit buckets), or None
-    row_sparse_setting: Any                   # row_sparse= / DEAR_ROW_SPARSE, and what it chose
-    row_sparse_explicit: bool
-    row_sparse: Any
-    autotuner: Any                            # dear/autotune/factory.py's, or None
-    sparse_ids: set[int]                      # Embedding(sparse=True) weights: not in buckets
-
-    def __init__(self, opt: torch.optim.Optimizer, comm: Communicator,
-                 named: list[tuple[str, torch.nn.Parameter]], model: Optional[torch.nn.Module],
-                 updates: Updates, inner_step: Callable[[Any], Any], passes: int,
-                 prescale: float, postscale: float) -> None:
+    def __init__(self, opt: torch.optim.Optimizer, comm: Communicator, options: EngineOptions,
+                 trained: ParameterSet, model: Optional[torch.nn.Module],
+                 inner_step: Callable[[Any], Any], *, owned_comm: Optional[Communicator] = None,
+                 buffer_sync: Optional[BufferBroadcast] = None,
+                 sparse: Optional[SparseGradients] = None) -> None:
+        cfg = runtime.config()
         self.opt = opt
-        self.comm = comm
-        self.owned_comm: Optional[Communicator] = None   # a process set's, shut down with it
+        self.comm = comm                    # every collective's (a tracer may swap in a proxy)
+        self.owned_comm = owned_comm        # a process set's, shut down with the engine
         self.model = model
-        self.updates = updates
+        self.options = options
+        self.trained = trained
         self.inner_step = inner_step        # the wrapped class's step, without step hooks
-        self.names = [n for n, _ in named]
-        self.params = [p for _, p in named]
-        self.index = {p: i for i, p in enumerate(self.params)}
-        self.name_of = {p: n for n, p in named}
-        self.passes_needed = passes
-        self.prescale, self.postscale = prescale, postscale
-        self.phase = Phase.LEARNING
-        self.check_every = runtime.config().check_every
-        self.layout_steps = 0               # step()s since the layout was built (checks.py)
-        self.iteration = Iteration.start(len(self.params))
-        self.pending = Pending()
-        self.buckets, self.layout = None, None
-        self.where: list[tuple[Bucket, int]] = []
-        self.gather_groups: list[GatherGroup] = []
-        self.triggers: dict[torch.nn.Module, list[Bucket]] = {}
-        self.views: Optional[GradientViews] = None
-        self.buffer_sync, self.sparse = None, None
-        self.overlap = model is not None
-        self.provisional = False            # plan built before any forward: thrown away
-        self.forward_order: list[int] = []  # parameters in first-execution order
-        self.forward_seen: set[int] = set()
-        self.forward_modules: dict[torch.nn.Module, None] = {}   # modules, first-run order
-        # Each bucket's first module in that order (and the root): in eager mode only these
-        # stay hooked once the modules were seen to run in that order (dear/engine/hooks.py).
-        self.first_module: dict[int, torch.nn.Module] = {}
-        self.order_varies = False           # a module ran before its bucket's first module
-        self.grad_order: list[int] = []     # parameters in first-gradient order
-        self.skip_sync = False
+        self.passes_needed = options.passes
+        self.skip_sync = False              # inside skip_synchronize()
+        self.buffer_sync, self.sparse = buffer_sync, sparse
+        self.updates: Updates = ShardedUpdates(ShardedState(comm)) if options.sharded \
+            else Updates()
+        # Which collective goes on the link when (dear/fusion/schedule.py): DeAR's order, or a
+        # plan that also fills backward's idle link time with all-gather chunks. It reads the
+        # engine's communicator, which a tracer may swap for its recording proxy.
+        self.schedule = ScheduleDriver(_comm_of(self), options.planned, cfg.plan_after,
+                                       cfg.chunk_bytes, issue_mode(trained.params, comm),
+                                       cfg.plan_slack, cfg.plan_verify, cfg.plan_contention)
+        if isinstance(self.updates, ShardedUpdates):
+            # Each rank updates its shards and the all-gathers carry parameters, so a chunk
+            # gathered in backward needs its bucket's update first: run early, undone at
+            # step() unless nothing it assumed changed (ShardedUpdates.settle). On the executor
+            # thread (CPU tensors) or, on a GPU, on the chunks' side stream, ordered before
+            # step() by the schedule's drain().
+            if self.schedule.mode is None:
+                self.schedule.paused = True
+            self.schedule.before_gather = _early_updater(self, self.updates)
         # Quantized compression's warm-up count and residuals (dear/engine/feedback.py)
-        self.feedback: Optional[ErrorFeedback] = None
+        self.feedback = ErrorFeedback(options.compression) \
+            if options.compression.quantizes else None
+        self.autotuner = (make_autotuner(opt, list(zip(trained.names, trained.params)),
+                                         options.autotune, cfg, comm, options.fusion,
+                                         self.schedule, overlap=options.overlap,
+                                         passes_per_step=options.passes)
+                          if options.autotune else None)
+        # gradient_as_bucket_view: .grad lives in the bucket buffers (dear/fusion/views.py)
+        self.views = GradientViews() if options.views else None
         # dear.KFAC's eigenbasis path (dear/kfac/overlap.py): it edits buckets before the
-        # reduce-scatter and after the all-gather, and needs `ties` kept in one bucket each.
-        self.transform: Any = None
-        self.ties: list[list[int]] = []
-        self.order: list[int] = []          # rank 0's parameter order, for re-layouts
-        self.relayout_wanted = False        # new ties: re-plan when nothing is in flight
-        self.param_key: tuple[int, ...] = ()   # the trained parameters' stream-check digest
-        self.param_digest = 0
-        # The parameter set as the layout was built (dear/engine/layout.py's cheap test).
-        self.groups_key: list[tuple[int, int]] = []
-        self.untrained: list[torch.nn.Parameter] = []
-        self.update_observers: list[Callable[[Bucket], Any]] = []   # dear_observe_updates
-        self.step_listeners: list[Callable[[Any], Any]] = []        # dear/shardops/amp.py's
-        self.read_warned = False            # dear/guards/model_guard.py said it once
-        # .grad edits whose contents were compared on a GPU: read at a later step() (steps.py)
-        self.late_edits: list[tuple[Sequence[int], Verdict]] = []
-        self.hooks = Hooks()                # where dear is called from (dear/engine/hooks.py)
+        # reduce-scatter and after the all-gather, and needs its ties kept in one bucket each.
+        self.transform: Optional[Transform] = None
+        self.phase = Phase.LEARNING
+        self.learned = ForwardOrder()       # the first iterations' order, until a layout
+        self.layout: Optional[ModelLayout] = None
+        self.iteration = Iteration.start(len(trained.params))
+        self.pending = Pending()
+        # .grad edits whose contents were compared on a GPU: read at a later step() (checks.py)
+        self.late_edits = LateEdits()
+        self.listeners = Listeners()
         # One tiny all-gather per iteration checks that the ranks' collectives still pair up
         # (dear/guards/stream.py); it also carries a digest of the trained parameters.
         self.stream = StreamCheck(comm)
+        self.hooks = Hooks()                # where dear is called from (dear/engine/hooks.py)
+        self.hooks.register(self)
+        weakref.finalize(self, remove_hooks, self.hooks.handles)
+        if self.trained.row_sparse:
+            log.info("dear: sent as the rows some rank used (row_sparse; DEAR_ROW_SPARSE=off "
+                     "sends them whole): %s", ", ".join(trained.names[i]
+                                                       for i in sorted(trained.row_sparse)))
+
+    # -------------------------------------------------------------- reading the state
+    @property
+    def params(self) -> list[torch.nn.Parameter]:
+        return self.trained.params
+
+    @property
+    def names(self) -> list[str]:
+        return self.trained.names
+
+    @property
+    def index(self) -> dict[torch.nn.Parameter, int]:
+        return self.trained.index
+
+    @property
+    def name_of(self) -> dict[torch.nn.Parameter, str]:
+        return self.trained.name_of
+
+    @property
+    def buckets(self) -> Optional[list[Bucket]]:
+        """The layout's buckets in forward order; None until the first step() builds them."""
+        return None if self.layout is None else self.layout.buckets
+
+    @property
+    def fusion(self) -> FusionConfig:
+        """The thresholds in force (the autotuner's latest, or the wrap's)."""
+        return self.options.fusion if self.layout is None else self.layout.fusion
+
+    @property
+    def overlap(self) -> bool:
+        return self.options.overlap
+
+    @property
+    def provisional(self) -> bool:
+        """The layout was built before any forward (a step() with no order yet): thrown away
+        after that step."""
+        return self.layout is not None and self.layout.provisional
+
+    @property
+    def ties(self) -> list[list[int]]:
+        return [] if self.transform is None else self.transform.ties
+
+    @property
+    def row_sparse(self) -> set[int]:
+        """The tables the layout sends as rows (none under dear.KFAC: it rotates every row)."""
+        return self.trained.row_sparse if self.transform is None else set()
 
     # ------------------------------------------------------------------------------ hooks
     def arm_hooks(self) -> None:
@@ -142,7 +190,7 @@ class Engine:
         self.hooks.arm(self.buckets, self.provisional, self.iteration, self.passes_needed)
 
     def bind_hooks(self) -> None:
-        self.hooks.bind(self.buckets, self.where)
+        self.hooks.bind(self.buckets, self.layout.where if self.layout is not None else [])
         self.arm_hooks()
 
     @property
@@ -173,11 +221,11 @@ class Engine:
             if it.passes[i] > self.passes_needed:
                 raise RuntimeError(_passes_error(self.names[i], it.passes[i], self.passes_needed))
             it.grads_since_step = True
-            if self.buckets is None:          # first iteration: the plan is built in step()
+            if self.layout is None:           # first iteration: the plan is built in step()
                 self.take(i, param.grad)
-                self.grad_order.append(i)
+                self.learned.grads.append(i)
                 return
-            bucket, j = self.where[i]
+            bucket, j = self.layout.where[i]
             if bucket.stage is Stage.GATHERING:    # its module did not run in this forward
                 if bucket.exposes_views and param.grad is bucket.user_views[j]:
                     raise RuntimeError(
@@ -214,7 +262,7 @@ class Engine:
             flight.mark("backward", self.step_number)
             buckets = self.buckets
             assert buckets is not None
-            self.phase = Phase.BACKWARD
+            self._enter(Phase.BACKWARD, "a reduce-scatter's launch")
             it = self.iteration
             while it.next_launch < len(buckets):
                 bucket = buckets[len(buckets) - 1 - it.next_launch]
@@ -226,10 +274,11 @@ class Engine:
                     bucket.send_dense = self.schedule.paused
                 if self.transform is not None:      # it rotates the packed gradients
                     bucket.fill()
-                    self.transform.before_reduce(bucket)
+                    self.transform.rotation.before_reduce(bucket)
                 self.updates.launched(self, bucket)
-                bucket.start_reduce_scatter(self.comm, self.prescale, self.schedule.submitter())
-                self.schedule.reduce_scatter_submitted(bucket, self.postscale)
+                bucket.start_reduce_scatter(self.comm, self.options.prescale,
+                                            self.schedule.submitter())
+                self.schedule.reduce_scatter_submitted(bucket, self.options.postscale)
                 it.next_launch += 1
 
     # ------------------------------------------------------------- 3. reduce
@@ -243,8 +292,8 @@ class Engine:
                 self.verify_stream()
             return
         with scope("dear::reduce"):
-            if self.buckets is None:
-                layout.build_buckets(self)
+            if self.layout is None:
+                self.build_layout()
             buckets = self.buckets
             assert buckets is not None
             self.flush()                       # buffers are about to be reused
@@ -264,10 +313,10 @@ class Engine:
             flight.mark_phase("reduced")       # the stream check, clipping's all-reduce
             with scope("dear::wait_reduce_scatter"):
                 for bucket in reversed(buckets):
-                    bucket.finish_reduce_scatter(self.postscale)
+                    bucket.finish_reduce_scatter(self.options.postscale)
             self.schedule.reduced()
             self.iteration.reduced = True
-            self.phase = Phase.REDUCED
+            self._enter(Phase.REDUCED, "the reduce-scatters' end")
             self.arm_hooks()
             if verify:
                 self.verify_stream()
@@ -281,7 +330,8 @@ class Engine:
         self.iteration.stream_verified = True
         issue_pending()                        # every optimizer's backward: ours goes after
         count = len(self.buckets or ())
-        self.stream.issue(self.had_gradients, layout.trainable_digest(self),
+        digest = self.trained.current_digest(self.opt, self.model, self.iteration.check_contents)
+        self.stream.issue(self.had_gradients, digest,
                           f"the reduce-scatters of buckets 0-{count - 1}" if count else "",
                           all(b.all_used_here for b in self.buckets or ()))
 
@@ -293,13 +343,15 @@ class Engine:
         with scope("dear::gather"):
             buckets = self.buckets
             assert buckets is not None
+            if self.phase is not Phase.REDUCED:
+                check_transition(self.phase, Phase.PENDING, "step()'s all-gathers")
             if not skip:
                 flight.mark_phase("step")
                 update = self.updates.updater(self, gradients)
                 self.schedule.maybe_plan([b.wire.element_size() for b in buckets])
                 # forward order, 0 needed first; sharded: each group's update right before its
                 # all-gather, so the link starts after the first group's, not after all of them
-                self.schedule.gather_rest(self.gather_groups, update)
+                self.schedule.gather_rest(self.layout.gather_groups, update)  # type: ignore[union-attr]
                 self.updates.end_step()
                 # The update runs later, after e.g. an LR scheduler has moved on: it must use
                 # the hyperparameters that were in force when step() was called.
@@ -313,7 +365,7 @@ class Engine:
                         k = bucket.spec.index
                         pending.writes.note_step(k, bucket.params, prints.get(k),
                                                  self.iteration.check_contents)
-                self.phase = Phase.PENDING
+                self._enter(Phase.PENDING, "step()'s all-gathers")
             self.schedule.end_step()
             self.end_iteration()
 
@@ -324,12 +376,13 @@ class Engine:
         for bucket in self.buckets or ():
             if bucket.stage is Stage.REDUCING:  # a skipped step: nothing to gather or apply
                 bucket.drop()
-        if self.buckets is not None and not self.provisional:
-            self.layout_steps += 1
-        check = checks.contents_checked(self.layout_steps, self.stream.steps + 1,
-                                        self.check_every)
+        layout = self.layout
+        if layout is not None and not layout.provisional:
+            layout.steps += 1
+        check = checks.contents_checked(0 if layout is None else layout.steps,
+                                        self.stream.steps + 1, self.options.check_every)
         self.iteration = Iteration.start(len(self.params), check)
-        self.phase = (Phase.LEARNING if self.buckets is None else
+        self.phase = (Phase.LEARNING if layout is None else
                       Phase.PENDING if self.pending.count else Phase.IDLE)
         self.hooks.any = False
         self.arm_hooks()
@@ -339,9 +392,10 @@ class Engine:
         """Every module holding parameters hooked while the layout is new, in iterations that
         compare contents (checks.py) and when the modules did not keep the first forward's
         order; else only each bucket's first module and the root (hooks.py says why)."""
-        narrow = (self.buckets is not None and not self.provisional and self.first_module
-                  and not self.iteration.check_contents and not self.order_varies)
-        keep = {*self.first_module.values(), self.model} if narrow else None
+        layout = self.layout
+        narrow = (layout is not None and not layout.provisional and layout.first_module
+                  and not self.iteration.check_contents and not layout.order_varies)
+        keep = {*layout.first_module.values(), self.model} if narrow else None  # type: ignore[union-attr]
         self.hooks.hook_modules(keep)  # type: ignore[arg-type]
 
     def abandon_iteration(self) -> None:
@@ -352,8 +406,8 @@ class Engine:
             if bucket.stage is not Stage.GATHERING:   # a pending update of the last step stays
                 bucket.drop()
         self.schedule.drain()
-        if self.buckets is None:
-            self.grad_order = []
+        if self.layout is None:
+            self.learned.grads.clear()
         self.end_iteration()
 
     # ------------------------------------------------------------- 5. next forward
@@ -367,26 +421,22 @@ class Engine:
 
     def _pre_forward(self, module: torch.nn.Module, args: Any) -> None:
         model = self.model
+        layout = self.layout
         if module is model:
             self._before_model(module, args)
         if module is model and not module.training:
             self.flush()                           # evaluation reads every parameter
-        elif self.pending.count:
-            for bucket in self.triggers.get(module, ()):
+        elif self.pending.count and layout is not None:
+            for bucket in layout.triggers.get(module, ()):
                 if bucket.stage is Stage.GATHERING:
-                    if module is not self.first_module.get(bucket.spec.index, module) \
-                            and not self.order_varies:
-                        self.order_varies = True   # every module stays hooked (hooks.py)
+                    if module is not layout.first_module.get(bucket.spec.index, module) \
+                            and not layout.order_varies:
+                        layout.order_varies = True   # every module stays hooked (hooks.py)
                         log.info("dear: a module ran before the first module of its bucket "
                                  "in the first forward; every module keeps its hook")
                     self.apply(bucket)
-        elif self.buckets is None:                 # first iteration: learn the execution order
-            self.forward_modules.setdefault(module)
-            for p in module.parameters(recurse=False):
-                i = self.index.get(p)
-                if i is not None and i not in self.forward_seen:
-                    self.forward_seen.add(i)
-                    self.forward_order.append(i)
+        elif layout is None:                       # first iteration: learn the execution order
+            self.learned.saw_module(module, self.index)
 
     def _before_model(self, model: torch.nn.Module, args: Any) -> None:
         """The root's own work before its forward: the autotuner learns the batch size, and
@@ -409,7 +459,7 @@ class Engine:
         all-gather is a local copy, done when issued, so there is nothing for the updates to
         overlap: every pending bucket is updated in this one call of the optimizer, as torch's
         own step() would (one call a bucket costs the optimizer's per-call host time once per
-        bucket; benchmarks/results/world_of_one_updates.md)."""
+        bucket; docs/benchmarks.md#host-cost)."""
         together = [bucket]
         if self.comm.size == 1 and self.buckets is not None and not self.updates.sharded:
             together += [b for b in self.buckets
@@ -421,7 +471,7 @@ class Engine:
                 raise checks.written_error(self.names[b.spec.params[j]], "in place")
         with scope("dear::apply"), contextlib.ExitStack() as observed:
             for b in together:
-                observed.enter_context(_observed(self.update_observers, b))
+                observed.enter_context(_observed(self.listeners.updates, b))
             self.updates.apply(self, bucket, together[1:])
 
     def applied(self, bucket: Bucket) -> None:
@@ -431,7 +481,7 @@ class Engine:
         bucket.reset()
         self.pending.count -= 1
         if not self.pending.count and self.phase is Phase.PENDING:
-            self.phase = Phase.IDLE
+            self._enter(Phase.IDLE, "the last pending update")
 
     def finish_all_gather(self, bucket: Bucket) -> list[bool]:
         """The averaged gradients in the bucket's buffer (dear.KFAC's rotation undone); which
@@ -441,7 +491,7 @@ class Engine:
             self.stream.settle()
             used = bucket.finish_all_gather()
             if self.transform is not None:
-                self.transform.after_gather(bucket)
+                self.transform.rotation.after_gather(bucket)
             return used
 
     def apply_deferred(self, bucket: Bucket) -> None:
@@ -476,6 +526,161 @@ class Engine:
                 return f"bucket {bucket.spec.index} ({len(bucket.params)} parameters)"
         return None
 
+    # ------------------------------------------------------------- the layout
+    def build_layout(self) -> None:
+        """The first step(): the layout from the order the first forward showed (rank 0's:
+        ranks may have run different branches, everyone adopts rank 0's decision)."""
+        order, provisional = layout.first_order(self.learned, len(self.params), self.overlap)
+        order, provisional = self.comm.broadcast_object((order, provisional), 0)
+        self._adopt_layout(order, provisional, self.fusion)
+        self._enter(Phase.IDLE, "the first layout")
+        for i, p in enumerate(self.params):
+            if self.iteration.passes[i] > 0 or p.grad is not None:
+                bucket, j = self.layout.where[i]  # type: ignore[union-attr]
+                bucket.pack(j, p.grad)
+
+    def relayout(self, fusion: FusionConfig) -> None:
+        """Buckets and all-gather groups rebuilt from the same order with `fusion` (autotuner,
+        dear.KFAC's ties, the end of quantization's warm-up, a loaded state); nothing may be
+        in flight. Deterministic given the order, so every rank builds the same layout."""
+        assert self.layout is not None
+        self._adopt_layout(self.layout.order, self.layout.provisional, fusion)
+
+    def relayout_if_wanted(self, also: bool = False) -> None:
+        """After a synchronized step (nothing in flight): the layout dear.KFAC's new ties asked
+        for, or (`also`) one for another reason."""
+        wanted = self.transform is not None and self.transform.relayout_wanted
+        if wanted or also:
+            if self.transform is not None:
+                self.transform.relayout_wanted = False
+            self.relayout(self.fusion)
+
+    def _adopt_layout(self, order: list[int], provisional: bool, fusion: FusionConfig) -> None:
+        self.updates.unshard(self)             # the state follows the new shards (absorb)
+        feedback = self.feedback               # quantized: residuals follow their parameters
+        if feedback is not None:
+            feedback.collect(self)
+        self.layout = layout.build(
+            self.params, order, provisional, fusion, self.options, self.comm, self.ties,
+            self.options.compression if feedback is None else feedback.wire_compression(),
+            self.row_sparse, self.model, self.learned, self.index)
+        self.pending.writes.forget()           # keyed by bucket: nothing is pending now
+        if feedback is not None:
+            feedback.restore(self)
+        self.iteration.check_contents = True   # the checks compare contents for a while
+        if self.views is not None:             # .grad moves into the new buffers
+            self.views.attach(self.layout.buckets)
+            self.iteration.taken_into_views(self.views, self.params, self.layout.where)
+        self.schedule.reset(self.layout.buckets, fusion.chunk_bytes)  # re-planned, its chunks
+        self.updates.layout(self.layout.buckets)
+        self.bind_hooks()
+        self.hook_modules()
+        log.info("dear: %s (%s)", self.layout.describe(), fusion.describe())
+
+    def discard_provisional_layout(self) -> None:
+        """After the step() that ran before any forward: its layout is thrown away and the
+        next forward's order makes the real one."""
+        if not self.provisional:
+            return
+        self.updates.unshard(self)
+        self.updates.clear()
+        self.layout = None
+        self.learned = ForwardOrder()
+        self.phase = Phase.LEARNING
+        self.bind_hooks()
+        self.hook_modules()
+
+    def adopt_parameter_set(self) -> None:
+        """The trained parameters changed (add_param_group, requires_grad flipped): hooks,
+        names and indices for those trained now; buckets built at the next step() from the
+        order the next forward shows."""
+        old = self.trained
+        named = old.trainable_named(self.opt, self.model)
+        self.hooks.remove()
+        self.trained = ParameterSet.build(self.opt, named, self.model, old.sparse_ids,
+                                          self.options.row_sparse,
+                                          self.options.row_sparse_explicit, self.comm.size,
+                                          name_of=old.name_of)
+        self.iteration = Iteration.start(len(self.params))
+        self.layout = None
+        self.learned = ForwardOrder()
+        self.phase = Phase.LEARNING
+        if self.views is not None:
+            self.views = GradientViews()
+        self.hooks.register(self)
+        self.bind_hooks()
+        log.info("dear: the trained parameters changed (%d now); the layout is rebuilt at the "
+                 "next step", len(self.params))
+
+    # ------------------------------------------------------------- settings changed by calls
+    def attach_transform(self, rotation: Any, ties: list[list[int]]) -> None:
+        """dear.KFAC's eigenbasis path (the optimizer's dear_attach_transform)."""
+        assert self.views is None, "dear.KFAC preconditions after synchronize() with views"
+        self.updates.check_transform()
+        if self.options.compression.quantizes:
+            raise ValueError(
+                f"dear.KFAC's eigenbasis path rotates the gradients before the reduce-scatter, "
+                f"and {self.options.compression!r}'s error feedback would carry residuals "
+                "from one basis into the next: wrap the optimizer with compression=dear."
+                "Compression.none or .fp16 for dear.KFAC")
+        self.transform = Transform(rotation, ties, relayout_wanted=(
+            self.layout is not None and not rotation.layout_fits()))
+        self.schedule.paused = True            # it edits the shards between the collectives
+
+    def set_passes(self, passes: int) -> None:
+        """Horovod's set_backward_passes_per_step, between step() and the next backward."""
+        if passes < 1:
+            raise ValueError(f"backward_passes_per_step must be >= 1, got {passes}")
+        if self.had_gradients or any(self.iteration.passes):
+            raise RuntimeError("set_backward_passes_per_step() between backward and step(): "
+                               "call it after step(), before the next backward")
+        self.passes_needed = passes
+        self.arm_hooks()
+
+    @contextlib.contextmanager
+    def skipping_synchronize(self) -> Iterator[None]:
+        """Horovod's skip_synchronize(): step() inside applies what synchronize() averaged."""
+        self.skip_sync = True
+        try:
+            yield
+        finally:
+            self.skip_sync = False
+
+    def use_communicator(self, comm: Communicator) -> None:
+        """A tracer's recording proxy in place of the communicator, or the original back."""
+        self.comm = comm
+
+    def gathered_by_hand(self) -> None:
+        """synchronize() waited for every all-gather itself and put the averages in .grad:
+        nothing is pending."""
+        self.pending.count = 0
+        if self.phase is Phase.PENDING:
+            self._enter(Phase.IDLE, "synchronize()")
+
+    def forget_pending(self) -> int:
+        """After a collective failed: the pending update is dropped (the optimizer's
+        discard_pending_updates()). Returns how many buckets' updates were dropped."""
+        buckets = self.buckets or []
+        if not self.pending.count:
+            return 0
+        self.updates.check_discard()
+        if self.pending.count != len(buckets):
+            applied = len(buckets) - self.pending.count
+            raise RuntimeError(
+                f"dear: {applied} of the {len(buckets)} buckets of the last step were already "
+                "applied when its collectives failed, so the model mixes two steps and no whole "
+                "step can be saved; resume from the last checkpoint instead")
+        for bucket in buckets:
+            bucket.reset()                     # the failed collectives are not waited for
+        self.pending.writes.forget()
+        self.pending.count = 0
+        self.end_iteration()                   # nothing is REDUCING now: it waits for nothing
+        return len(buckets)
+
+    def _enter(self, phase: Phase, what: str) -> None:
+        check_transition(self.phase, phase, what)
+        self.phase = phase
+
     def shutdown(self) -> None:
         """dear.shutdown(): apply what is pending; an offline autotune still tracing detaches
         its tracer (its hooks would otherwise stay on the model)."""
@@ -486,6 +691,41 @@ class Engine:
         if self.owned_comm is not None:        # a process set's communicator
             self.owned_comm.shutdown()
             self.owned_comm = None
+
+
+@dataclasses.dataclass
+class Transform:
+    """dear.KFAC's eigenbasis path attached to the engine: `rotation.before_reduce` and
+    `after_gather` edit each bucket around its collectives; `ties` share a bucket."""
+
+    rotation: Any
+    ties: list[list[int]]
+    relayout_wanted: bool = False              # new ties: re-plan when nothing is in flight
+
+
+@dataclasses.dataclass
+class Listeners:
+    """Collaborators' callbacks (the optimizer's extension points)."""
+
+    #: each returns a context manager entered around one bucket's update (dear_observe_updates)
+    updates: list[Callable[[Bucket], Any]] = dataclasses.field(default_factory=list)
+    #: called with step()'s grad_scaler first thing in step() (dear_on_step: dear.KFAC's scale)
+    steps: list[Callable[[Any], Any]] = dataclasses.field(default_factory=list)
+
+
+def _comm_of(engine: Engine) -> Callable[[], Communicator]:
+    ref = weakref.ref(engine)                  # the engine holds the schedule
+    return lambda: ref().comm  # type: ignore[union-attr]
+
+
+def _early_updater(engine: Engine, updates: ShardedUpdates) -> Callable[[Any], None]:
+    ref = weakref.ref(engine)
+
+    def before_gather(bucket: Any) -> None:
+        live = ref()
+        if live is not None:
+            updates.before_gather(live, bucket)
+    return before_gather
 
 
 def _observed(observers: list[Callable[[Bucket], Any]], bucket: Bucket) -> Any:

@@ -10,12 +10,14 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import torch
 
 from .state import Iteration
+from .updates import ShardedUpdates
 
 if TYPE_CHECKING:
     from ..fusion.bucket import Bucket
     from ..fusion.fusion_config import FusionConfig
     from ..fusion.layout import Layout
     from ..fusion.schedule import ScheduleDriver
+    from ..sharding.state import ShardedState
     from .buffers import BufferBroadcast
     from .engine import Engine
 
@@ -62,14 +64,15 @@ class ExtensionPoints:
 
     @property
     def dear_order(self) -> list[int]:
-        """Rank 0's forward order of the parameters, which the layout was planned from."""
-        return self.dear_engine.order
+        """Rank 0's forward order of the parameters, which the layout was planned from
+        (empty before the first layout)."""
+        layout = self.dear_engine.layout
+        return [] if layout is None else layout.order
 
     @property
     def dear_row_sparse(self) -> Any:
         """Indices of the parameters the layout sends as rows (none under dear.KFAC)."""
-        engine = self.dear_engine
-        return engine.row_sparse if engine.transform is None else ()
+        return self.dear_engine.row_sparse
 
     @property
     def dear_schedule(self) -> ScheduleDriver:
@@ -88,7 +91,7 @@ class ExtensionPoints:
     @property
     def dear_compression(self) -> Any:
         """The compressor in force (dear.Compression's); `.quantizes` for int8/int4."""
-        return self.dear_engine.compression
+        return self.dear_engine.options.compression
 
     @property
     def dear_had_gradients(self) -> bool:
@@ -103,7 +106,7 @@ class ExtensionPoints:
 
     @dear_communicator.setter
     def dear_communicator(self, comm: Any) -> None:
-        self.dear_engine.comm = comm
+        self.dear_engine.use_communicator(comm)
 
     def dear_finish_reduce(self, verify: bool = True) -> None:
         """Finish this iteration's reduce-scatters now (dear.join, dear.KFAC's clip)."""
@@ -114,22 +117,32 @@ class ExtensionPoints:
         `after_gather` edit each bucket around its collectives; `ties` share a bucket. With
         buckets already planned, `ties` take effect at the next synchronized step() (dear.KFAC
         synchronizes until the layout fits)."""
-        engine = self.dear_engine
-        assert engine.views is None, "dear.KFAC preconditions after synchronize() with views"
-        engine.updates.check_transform()
-        if engine.compression.quantizes:
-            raise ValueError(
-                f"dear.KFAC's eigenbasis path rotates the gradients before the reduce-scatter, "
-                f"and {engine.compression!r}'s error feedback would carry residuals from one "
-                "basis into the next: wrap the optimizer with compression=dear.Compression."
-                "none or .fp16 for dear.KFAC")
-        engine.transform, engine.ties = transform, ties
-        engine.schedule.paused = True          # it edits the shards between the collectives
-        engine.relayout_wanted = engine.buckets is not None and not transform.layout_fits()
+        self.dear_engine.attach_transform(transform, ties)
+
+    @property
+    def dear_sharded_state(self) -> Optional["ShardedState"]:
+        """With shard_optimizer_state: this rank's shards of the state (dear/sharding/); else
+        None."""
+        updates = self.dear_engine.updates
+        return updates.state if isinstance(updates, ShardedUpdates) else None
+
+    def dear_on_step(self, listener: Callable[[Any], Any]) -> None:
+        """`listener(grad_scaler)` is called first thing in every step() (dear.KFAC learns the
+        loss scale there: dear/shardops/amp.py)."""
+        self.dear_engine.listeners.steps.append(listener)
+
+    def dear_inner_step(self) -> None:
+        """The wrapped optimizer's own step() on every parameter, now (e.g. to create empty
+        state the way torch does): no collective, no dear bookkeeping."""
+        self.dear_engine.inner_step(self)
+
+    def dear_shutdown(self) -> None:
+        """dear.shutdown(): apply what is pending, close the schedule and the autotuner."""
+        self.dear_engine.shutdown()
 
     def dear_observe_updates(self, observer: Callable[[Bucket], Any]) -> Callable[[], None]:
         """`observer(bucket)` returns a context manager entered around each bucket's update
         (the tracer times them); returns the function that removes it."""
-        observers = self.dear_engine.update_observers
+        observers = self.dear_engine.listeners.updates
         observers.append(observer)
         return lambda: observers.remove(observer)

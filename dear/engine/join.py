@@ -50,6 +50,7 @@ import torch
 
 from ..guards import model_guard
 from ..guards.validation import broadcast_model
+from ..interfaces import DearOptimizer
 from .buffers import issue_pending
 
 
@@ -63,7 +64,7 @@ class join:  # noqa: N801 (used like a function: `with dear.join(optimizer):`)
         whose forward starts an iteration (default: the first optimizer's model=)."""
         opts: list[Any] = (list(optimizer) if isinstance(optimizer, (list, tuple))
                            else [optimizer])
-        if not opts or not all("dear_engine" in getattr(o, "__dict__", {}) for o in opts):
+        if not opts or not all(isinstance(o, DearOptimizer) for o in opts):
             raise TypeError("dear.join() takes the optimizer(s) dear.DistributedOptimizer "
                             "returned")
         if model is None:

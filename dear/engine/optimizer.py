@@ -32,6 +32,7 @@ from ..guards.validation import (
     check_same_across_ranks,
     check_settings_match,
     collective_knobs,
+    explicit_groups,
     horovod_groups,
     model_settings,
     named_params_of,
@@ -40,6 +41,7 @@ from ..guards.validation import (
 )
 from ..sharding.state import check_shardable
 from .buffers import BufferBroadcast
+from .options import EngineOptions
 from .sparse import SparseGradients, sparse_parameters
 from .wrapper import _DistributedOptimizer, attach
 
@@ -274,6 +276,22 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         raise ValueError(f"dear: autotune output on rank 0: {output_problem}")
     if model is not None and init_sync:
         broadcast_model(model, comm)
+    if overlap_allgather and model is None:
+        log.info("dear: no model= given, so all-gathers complete inside step(); pass "
+                 "model= to overlap them with the next forward pass")
+    cfg = runtime.config()
+    options = EngineOptions(
+        fusion=fusion, compression=compressor, passes=backward_passes_per_step,
+        prescale=1.0 / gradient_predivide_factor,
+        postscale=gradient_predivide_factor / comm.size if op is ReduceOp.Average else 1.0,
+        overlap=overlap_allgather and model is not None, views=views, sharded=sharded,
+        sparse_as_dense=sparse_as_dense,
+        groups=explicit_groups(groups, {p: i for i, (_, p) in enumerate(named)}),
+        # sharded: each rank updates a slice of every table, so tables are sent whole
+        row_sparse="off" if sharded else (cfg.row_sparse if row_sparse is None else row_sparse),
+        row_sparse_explicit=row_sparse is not None,
+        planned=(cfg.schedule if schedule is None else schedule) == "planned",
+        autotune=tune, check_every=cfg.check_every)
     # One object: the user's optimizer becomes dear's in place (its class is swapped for a
     # subclass mixing in the data path), so every holder (LR schedulers made before or after,
     # GradScaler, resume code, kfac-pytorch's scheduler) sees the same param_groups and state.
@@ -292,10 +310,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                        if BufferBroadcast.wanted(model, broadcast_buffers) else None)
         sparse = (SparseGradients(wrapped, sparse_named, comm, sparse_as_dense)
                   if sparse_named else None)
-        attach(wrapped, named, model, backward_passes_per_step, op, gradient_predivide_factor,
-               fusion, overlap_allgather, compressor, groups, sparse_as_dense, tune,
-               schedule, row_sparse, views, comm=comm, owns_comm=set_comm is not None,
-               shard_optimizer_state=sharded, buffer_sync=buffer_sync, sparse=sparse)
+        attach(wrapped, named, model, options, comm, frozenset(sparse_ids),
+               owned_comm=set_comm, buffer_sync=buffer_sync, sparse=sparse)
     except BaseException:
         wrapped.__class__ = original_class     # nothing half-converted is left behind
         wrapped.__dict__.pop("dear_engine", None)

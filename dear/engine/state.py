@@ -17,13 +17,40 @@ from ..guards.written import Fingerprint, PendingWrites
 VIEW = -2   # `Iteration.taken`'s version of a gradient view: its bucket's version is checked
 
 class Phase(enum.Enum):
-    """Where the engine's iteration is (for errors, tests and debuggers: no branch of the data
-    path reads it); the phase methods set it."""
+    """Where the engine's iteration is. The phase methods move it along `TRANSITIONS` (and
+    raise `PhaseError` on any other move), so a phase method called out of turn fails at once,
+    naming both phases, instead of corrupting a bucket."""
     LEARNING = "learning"      # no layout yet: the first forward records the execution order
-    IDLE = "idle"              # nothing launched since the last step(), nothing pending
+    IDLE = "idle"              # a layout, nothing launched since the last step(), nothing pending
     BACKWARD = "backward"      # reduce-scatters launched as buckets fill
     REDUCED = "reduced"        # every reduce-scatter finished and averaged (clip, GradScaler)
     PENDING = "pending"        # step() returned; all-gathers in flight, updates not applied
+
+
+#: The moves the phase methods make. From LEARNING: the layout is built (IDLE). A bucket whose
+#: module skipped the forward keeps its update pending into the next backward (PENDING to
+#: BACKWARD); step() without a backward reduces nothing new (IDLE or PENDING to REDUCED).
+#: Ending an iteration (step() done, or abandoned) starts the next from any phase.
+TRANSITIONS: dict[Phase, frozenset[Phase]] = {
+    Phase.LEARNING: frozenset({Phase.IDLE}),
+    Phase.IDLE: frozenset({Phase.BACKWARD, Phase.REDUCED}),
+    Phase.BACKWARD: frozenset({Phase.BACKWARD, Phase.REDUCED}),
+    Phase.REDUCED: frozenset({Phase.PENDING}),
+    Phase.PENDING: frozenset({Phase.IDLE, Phase.BACKWARD, Phase.REDUCED}),
+}
+
+
+class PhaseError(RuntimeError):
+    """A phase method called in a phase it cannot follow: a bug in dear or in a collaborator
+    driving the engine (docs/ARCHITECTURE.md, "Extension points")."""
+
+
+def check_transition(now: Phase, to: Phase, what: str) -> None:
+    if to not in TRANSITIONS[now]:
+        raise PhaseError(f"dear: {what} in phase {now.value!r}, which it cannot follow "
+                         f"(from {now.value!r} the engine goes to "
+                         f"{sorted(p.value for p in TRANSITIONS[now])}); this is a bug in dear "
+                         "or in code driving its engine directly: please report it")
 
 
 @dataclasses.dataclass
@@ -67,6 +94,19 @@ class Iteration:
     def start(cls, num_params: int, check_contents: bool = True) -> "Iteration":
         return cls(passes=[0] * num_params, check_contents=check_contents)
 
+    def taken_into_views(self, views: Any, params: list[torch.nn.Parameter],
+                         where: list[tuple[Any, int]]) -> None:
+        """Gradients taken before the buckets existed, now views of the new buffers
+        (gradient_as_bucket_view): their buckets' versions are checked, not their contents
+        (dear writes the buffers)."""
+        for i in self.taken:
+            p = params[i]
+            if views.owns(p) and p.grad is not None:
+                self.taken[i] = (weakref.ref(p.grad), VIEW)
+                self.fingerprints.pop(i, None)
+                bucket = where[i][0]
+                bucket.taken_version = bucket.user_version()
+
 
 @dataclasses.dataclass
 class Pending:
@@ -79,6 +119,26 @@ class Pending:
     hyper: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     deferred: list[torch.Tensor] = dataclasses.field(default_factory=list)
     writes: PendingWrites = dataclasses.field(default_factory=PendingWrites)
+
+
+@dataclasses.dataclass
+class ForwardOrder:
+    """What the iterations before the first layout show: the parameters in first-execution
+    order and the modules in first-run order (the forward), or the gradients' order (without
+    model=); rank 0's becomes the layout's order."""
+
+    params: list[int] = dataclasses.field(default_factory=list)
+    seen: set[int] = dataclasses.field(default_factory=set)
+    modules: dict[torch.nn.Module, None] = dataclasses.field(default_factory=dict)
+    grads: list[int] = dataclasses.field(default_factory=list)
+
+    def saw_module(self, module: torch.nn.Module, index: dict[torch.nn.Parameter, int]) -> None:
+        self.modules.setdefault(module)
+        for p in module.parameters(recurse=False):
+            i = index.get(p)
+            if i is not None and i not in self.seen:
+                self.seen.add(i)
+                self.params.append(i)
 
 
 def hyperparameters(group: dict[str, Any]) -> dict[str, Any]:

@@ -11,9 +11,11 @@ from __future__ import annotations
 import warnings
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
+import torch
+
 from ..comm import flight
 from ..shardops import amp
-from . import amp_clip, checks, layout
+from . import amp_clip, checks
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -26,7 +28,7 @@ def step(engine: "Engine", closure: Optional[Callable[[], float]] = None,
         raise ValueError("dear.DistributedOptimizer.step() does not take a closure: the "
                          "update is applied later, in the next forward pass")
     flight.mark("step", engine.step_number)
-    for listener in engine.step_listeners:     # dear.KFAC learns the loss scale (amp.py)
+    for listener in engine.listeners.steps:    # dear.KFAC learns the loss scale (amp.py)
         listener(grad_scaler)
     amp.check_contract(engine.opt, grad_scaler)
     it = engine.iteration
@@ -50,7 +52,7 @@ def step(engine: "Engine", closure: Optional[Callable[[], float]] = None,
         engine.updates.check_step_without_backward()
         engine.inner_step(engine.opt)
         return
-    if not it.synchronized and layout.parameter_set_changed(engine):
+    if not it.synchronized and engine.trained.changed(engine.opt, it.check_contents):
         step_with_new_parameters(engine, grad_scaler)
         return
     if it.synchronized:                        # Horovod loop: .grad already holds the average
@@ -64,9 +66,7 @@ def step(engine: "Engine", closure: Optional[Callable[[], float]] = None,
         if grad_scaler is None or not amp.unscale_averaged_grads(grad_scaler, engine.opt):
             engine.inner_step(engine.opt)
         warmed = engine.feedback is not None and engine.feedback.after_step(engine)
-        if engine.relayout_wanted or warmed:   # nothing is in flight after a synchronized step
-            engine.relayout_wanted = False
-            layout.relayout(engine, engine.fusion)
+        engine.relayout_if_wanted(also=warmed)   # nothing is in flight after a synchronized step
         return
     if engine.skip_sync:
         raise RuntimeError("step() inside skip_synchronize() needs optimizer.synchronize() "
@@ -77,15 +77,15 @@ def step(engine: "Engine", closure: Optional[Callable[[], float]] = None,
         engine.sparse.apply(engine.opt, grad_scaler)
     if not engine.overlap or engine.provisional:
         engine.flush()
-    layout.discard_provisional_plan(engine)
+    engine.discard_provisional_layout()
     if engine.autotuner is not None and engine.buckets is not None:
         switch = engine.autotuner.on_step()
         if switch is not None:                 # same step() on every rank
             engine.flush()                     # no bucket may be in flight while re-planned
-            layout.relayout(engine, switch)
+            engine.relayout(switch)
     if engine.feedback is not None and engine.feedback.after_step(engine):
         engine.flush()                         # the warm-up is over: quantized buckets now
-        layout.relayout(engine, engine.fusion)
+        engine.relayout(engine.fusion)
 
 
 def communicate(engine: "Engine", grad_scaler: Optional[Any] = None,
@@ -100,7 +100,7 @@ def communicate(engine: "Engine", grad_scaler: Optional[Any] = None,
         engine.buffer_sync(rescan=engine.iteration.check_contents)
     # dear/engine/sparse.py: Embedding(sparse=True) weights
     if engine.sparse is not None:
-        engine.sparse.reduce(engine.prescale, engine.postscale)
+        engine.sparse.reduce(engine.options.prescale, engine.options.postscale)
     skip = grad_scaler is not None and amp_clip.amp_skips(engine, grad_scaler)
     engine.gather(skip=skip, gradients=gradients)
 
@@ -118,9 +118,9 @@ def step_with_new_parameters(engine: "Engine", grad_scaler: Optional[Any]) -> No
     now (as single-process training); the layout is rebuilt for the next iteration, its
     order learnt again in the next forward. The stream check inside makes sure every rank
     changed the same way."""
-    if engine.groups is not None or engine.transform is not None \
+    if engine.options.groups is not None or engine.transform is not None \
             or engine.autotuner is not None:
-        what = ("groups=" if engine.groups is not None else
+        what = ("groups=" if engine.options.groups is not None else
                 "dear.KFAC" if engine.transform is not None else "autotune")
         raise RuntimeError(
             "dear: the optimizer's trained parameters changed (add_param_group or "
@@ -129,11 +129,42 @@ def step_with_new_parameters(engine: "Engine", grad_scaler: Optional[Any]) -> No
     synchronize_now(engine)               # checks every rank's new parameter set
     engine.iteration.synchronized = False
     engine.updates.unshard(engine)
-    layout.average_outside_layout(
-        engine, [p for p in layout.trainable(engine) if p not in engine.index])
+    _average_outside_layout(
+        engine, [p for p in engine.trained.trainable(engine.opt) if p not in engine.index])
     if grad_scaler is None or not amp.unscale_averaged_grads(grad_scaler, engine.opt):
         engine.inner_step(engine.opt)
-    layout.adopt_parameter_set(engine)
+    engine.adopt_parameter_set()
+
+
+def _average_outside_layout(engine: "Engine", params: list[torch.nn.Parameter]) -> None:
+    """Average the gradients of parameters the layout does not hold (one all-reduce per
+    dtype); a parameter no rank produced a gradient for keeps None."""
+    comm = engine.comm
+    by_kind: dict[tuple[torch.dtype, torch.device], list[torch.nn.Parameter]] = {}
+    for p in params:
+        if p.grad is not None and p.grad.is_sparse:
+            raise RuntimeError("dear: a sparse gradient on a parameter added after the "
+                               "wrap; wrap with every sparse parameter from the start")
+        by_kind.setdefault((p.dtype, p.device), []).append(p)
+    for (dtype, device), group in by_kind.items():
+        comm.check_dtype(dtype)
+        numel = sum(p.numel() for p in group)
+        flat = torch.zeros(numel + len(group), dtype=dtype, device=device)
+        offset = 0
+        for k, p in enumerate(group):
+            if p.grad is not None:
+                flat[offset:offset + p.numel()].copy_(p.grad.reshape(-1))
+                flat[numel + k] = 1
+            offset += p.numel()
+        flat[:numel].mul_(engine.options.prescale)
+        if comm.size > 1:
+            comm.all_reduce(flat).wait()
+        flat[:numel].mul_(engine.options.postscale)
+        offset = 0
+        for k, p in enumerate(group):
+            if flat[numel + k].item() > 0:
+                p.grad = flat[offset:offset + p.numel()].view_as(p).clone()
+            offset += p.numel()
 
 
 # ------------------------------------------------------------------ Horovod's synchronize()
@@ -166,31 +197,11 @@ def synchronize_now(engine: "Engine") -> None:
             elif p.grad.data_ptr() != view.data_ptr():   # a view of the buffer: in place
                 p.grad.copy_(view)
         bucket.reset()
-    engine.pending.count = 0
+    engine.gathered_by_hand()
     engine.iteration.synchronized = True
-    layout.discard_provisional_plan(engine)
+    engine.discard_provisional_layout()
 
 
-def discard_pending_updates(engine: "Engine") -> int:
-    """After a collective failed: forget the pending update (see the optimizer's method)."""
-    buckets = engine.buckets or []
-    if not engine.pending.count:
-        return 0
-    engine.updates.check_discard()
-    if engine.pending.count != len(buckets):
-        applied = len(buckets) - engine.pending.count
-        raise RuntimeError(
-            f"dear: {applied} of the {len(buckets)} buckets of the last step were already "
-            "applied when its collectives failed, so the model mixes two steps and no whole "
-            "step can be saved; resume from the last checkpoint instead")
-    for bucket in buckets:
-        bucket.reset()                         # the failed collectives are not waited for
-    engine.pending.writes.forget()
-    engine.pending.count = 0
-    engine.end_iteration()                     # nothing is REDUCING now: it waits for nothing
-    return len(buckets)
-
-
-__all__ = ["communicate", "discard_pending_updates", "step",
+__all__ = ["communicate", "step",
            "synchronize", "synchronize_now"]
 

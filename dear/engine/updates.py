@@ -14,6 +14,7 @@ they assumed changed (`settle`).
 
 from __future__ import annotations
 
+import collections
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import torch
@@ -84,6 +85,16 @@ class Updates:
                 b.swap_grads(grads)
                 b.zero_pending_views()         # zero_grad() while it was pending
                 engine.applied(b)
+
+    def state_dict(self, engine: "Engine", torch_state_dict: Callable[[], dict[str, Any]]
+                   ) -> dict[str, Any]:
+        """optimizer.state_dict(): torch's, of the state the optimizer holds."""
+        return torch_state_dict()
+
+    def loaded(self, engine: "Engine") -> None:
+        """optimizer.load_state_dict() ran: the param groups may be others now."""
+        for bucket in engine.buckets or ():
+            bucket.group_members = None  # type: ignore[attr-defined]
 
     def undo_early(self, engine: "Engine") -> None:
         """Nothing runs early."""
@@ -234,6 +245,30 @@ class ShardedUpdates(Updates):
             engine.flush()
             self.undo_early(engine)
             engine.opt.state.update(self.state.take_full())  # type: ignore[arg-type]
+
+    def state_dict(self, engine: "Engine", torch_state_dict: Callable[[], dict[str, Any]]
+                   ) -> dict[str, Any]:
+        """The whole (unsharded) state, gathered from every rank (a collective: every rank
+        calls optimizer.state_dict()), in torch's form."""
+        if not self.state.buckets:
+            return torch_state_dict()
+        full = self.gather_full(engine, "optimizer.state_dict()")
+        opt = engine.opt
+        kept = opt.state
+        merged: Any = collections.defaultdict(dict, kept)
+        merged.update(full)
+        opt.state = merged
+        try:
+            return torch_state_dict()
+        finally:
+            opt.state = kept
+
+    def loaded(self, engine: "Engine") -> None:
+        """optimizer.load_state_dict() ran: this rank keeps only its shards of the state."""
+        super().loaded(engine)
+        if self.state.buckets:
+            self.state.state.clear()
+            self.state.absorb(engine.opt.state)
 
     def gather_full(self, engine: "Engine", what: str) -> dict[Any, dict[str, Any]]:
         """Every rank's shards of the state, unsharded (a collective, after the ranks met through

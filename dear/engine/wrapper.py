@@ -5,32 +5,28 @@ the user's optimizer class."""
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import logging
-import weakref
-from typing import Any, Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 import torch
 
-from ..autotune.factory import make_autotuner
 from ..comm import runtime
-from ..comm.base import Communicator, ReduceOp
-from ..comm.compression import Compressor
-from ..config import Autotune
-from ..fusion.fusion_config import FusionConfig
-from ..fusion.rows import RowSparseBucket, resolve_row_sparse
-from ..fusion.schedule import ScheduleDriver, issue_mode, scope
-from ..fusion.views import GradientViews
-from ..guards.stream import parameter_digest
-from ..guards.validation import explicit_groups, refuse_construction
+from ..comm.base import Communicator
+from ..fusion.rows import RowSparseBucket
+from ..fusion.schedule import scope
+from ..guards.validation import refuse_construction
+from ..interfaces import DearOptimizer
 from ..sharding import checkpoint as sharded_checkpoint
-from ..sharding.state import ShardedState, tensor_bytes
-from . import amp_clip, feedback, layout, steps
+from ..sharding.state import tensor_bytes
+from . import amp_clip, feedback, steps
+from .buffers import BufferBroadcast
 from .engine import Engine
 from .extension import ExtensionPoints
-from .hooks import remove_hooks, weak_method
-from .updates import ShardedUpdates, Updates
+from .hooks import weak_method
+from .options import EngineOptions
+from .params import ParameterSet
+from .sparse import SparseGradients
 
 log = logging.getLogger("dear")
 
@@ -72,23 +68,13 @@ class _DistributedOptimizer(ExtensionPoints, torch.optim.Optimizer):
     @contextlib.contextmanager
     def skip_synchronize(self) -> Iterator[None]:
         """Horovod's: step() inside applies the gradients synchronize() averaged."""
-        self.dear_engine.skip_sync = True
-        try:
+        with self.dear_engine.skipping_synchronize():
             yield
-        finally:
-            self.dear_engine.skip_sync = False
 
     def set_backward_passes_per_step(self, passes: int) -> None:
         """Horovod's: reduce after `passes` backward passes from the next step on; call it
         between step() and the next backward, on every rank."""
-        engine = self.dear_engine
-        if passes < 1:
-            raise ValueError(f"backward_passes_per_step must be >= 1, got {passes}")
-        if engine.had_gradients or any(engine.iteration.passes):
-            raise RuntimeError("set_backward_passes_per_step() between backward and step(): "
-                               "call it after step(), before the next backward")
-        engine.passes_needed = passes
-        engine.arm_hooks()
+        self.dear_engine.set_passes(passes)
 
     def discard_pending_updates(self) -> int:
         """After a collective failed (a peer died or stalled): forget the pending update whose
@@ -98,7 +84,7 @@ class _DistributedOptimizer(ExtensionPoints, torch.optim.Optimizer):
         part of that step was already applied (the model would mix two steps): then no whole
         step exists to save. On healthy ranks it would throw away a step's work: use
         flush_updates() there."""
-        return steps.discard_pending_updates(self.dear_engine)
+        return self.dear_engine.forget_pending()
 
     def dear_synchronize_for_preconditioner(self) -> None:
         """dear.KFAC on a step that preconditions .grad: synchronize(), and the step() that
@@ -108,7 +94,7 @@ class _DistributedOptimizer(ExtensionPoints, torch.optim.Optimizer):
             self.synchronize()
             engine.iteration.preconditioner_synced = engine.iteration.synchronized
 
-    # ------------------------------------------------- clipping and GradScaler (reduced.py)
+    # ------------------------------------------------ clipping and GradScaler (amp_clip.py)
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False, *,
                         grad_scaler: Optional[Any] = None) -> torch.Tensor:
@@ -167,21 +153,7 @@ class _DistributedOptimizer(ExtensionPoints, torch.optim.Optimizer):
         rank: call it on every rank."""
         engine = self.dear_engine
         engine.flush()
-        updates = engine.updates
-        if not isinstance(updates, ShardedUpdates) or not updates.state.buckets:
-            state = super().state_dict()
-            if engine.feedback is not None:    # quantized compression: this rank's residuals
-                state[feedback.STATE_KEY] = engine.feedback.state(engine)
-            return state
-        full = updates.gather_full(engine, "optimizer.state_dict()")
-        kept = self.state
-        merged: Any = collections.defaultdict(dict, kept)
-        merged.update(full)
-        self.state = merged
-        try:
-            state = super().state_dict()
-        finally:
-            self.state = kept
+        state = engine.updates.state_dict(engine, super().state_dict)
         if engine.feedback is not None:        # quantized compression: this rank's residuals
             state[feedback.STATE_KEY] = engine.feedback.state(engine)
         return state
@@ -196,12 +168,7 @@ class _DistributedOptimizer(ExtensionPoints, torch.optim.Optimizer):
             state_dict = {k: v for k, v in state_dict.items() if k != feedback.STATE_KEY}
         super().load_state_dict(state_dict)
         self._reload_feedback(lambda fb: fb.load(engine, saved))
-        for bucket in engine.buckets or ():
-            bucket.group_members = None  # type: ignore[attr-defined]
-        updates = engine.updates
-        if isinstance(updates, ShardedUpdates) and updates.state.buckets:
-            updates.state.state.clear()
-            updates.state.absorb(self.state)
+        engine.updates.loaded(engine)
 
     def sharded_state_dict(self) -> dict[str, Any]:
         """With shard_optimizer_state: this rank's pieces of the state as ShardedTensors, for
@@ -239,10 +206,11 @@ class _DistributedOptimizer(ExtensionPoints, torch.optim.Optimizer):
         warm = engine.feedback.warm
         load(engine.feedback)
         if engine.buckets is not None and engine.feedback.warm != warm:
-            layout.relayout(engine, engine.fusion)
+            engine.relayout(engine.fusion)
 
     def _trained_names(self) -> dict[Any, str]:
-        return {p: n for n, p in layout.trainable_named(self.dear_engine)}
+        engine = self.dear_engine
+        return {p: n for n, p in engine.trained.trainable_named(self, engine.model)}
 
     # ------------------------------------------------------------------------ reading back
     @property
@@ -287,104 +255,33 @@ class _DistributedOptimizer(ExtensionPoints, torch.optim.Optimizer):
 
 
 def attach(opt: Any, named: list[tuple[str, torch.nn.Parameter]],
-           model: Optional[torch.nn.Module], backward_passes_per_step: int, op: ReduceOp,
-           gradient_predivide_factor: float, fusion: FusionConfig, overlap_allgather: bool,
-           compression: Compressor, groups: Any, sparse_as_dense: bool, autotune: Autotune,
-           schedule: Optional[str] = None, row_sparse: Any = None,
-           gradient_as_bucket_view: bool = False, comm: Optional[Communicator] = None,
-           owns_comm: bool = False, shard_optimizer_state: bool = False,
-           buffer_sync: Any = None, sparse: Any = None) -> Engine:
-    """The engine of `opt` (already converted to the dear class): built, hooked, registered."""
-    comm = runtime.communicator() if comm is None else comm   # a process set's, or dear's
+           model: Optional[torch.nn.Module], options: EngineOptions, comm: Communicator,
+           sparse_ids: frozenset[int], owned_comm: Optional[Communicator] = None,
+           buffer_sync: Optional[BufferBroadcast] = None,
+           sparse: Optional[SparseGradients] = None) -> Engine:
+    """The engine of `opt` (already converted to the dear class): built, registered."""
     step = super(_DistributedOptimizer, type(opt)).step
     # The wrapped class's step minus its profiling/step-hook layer: step hooks run once, in
     # our step(), not once per bucket. The inner layer keeps torch's no_grad handling.
     inner_step = getattr(step, "__wrapped__") if getattr(step, "hooked", False) else step
-    cfg = runtime.config()
-    params = [p for _, p in named]
-    updates: Updates = (ShardedUpdates(ShardedState(comm)) if shard_optimizer_state
-                        else Updates())
-    postscale = gradient_predivide_factor / comm.size if op is ReduceOp.Average else 1.0
-    engine = Engine(opt, comm, named, model, updates, inner_step, backward_passes_per_step,
-                    1.0 / gradient_predivide_factor, postscale)
-    # Which collective goes on the link when (dear/fusion/schedule.py): DeAR's order, or a
-    # plan that also fills backward's idle link time with all-gather chunks. It reads the
-    # engine's communicator, which a tracer may swap for its recording proxy.
-    planned = (cfg.schedule if schedule is None else schedule) == "planned"
-    engine.schedule = ScheduleDriver(_comm_of(engine), planned, cfg.plan_after,
-                                     cfg.chunk_bytes, issue_mode(params, comm), cfg.plan_slack,
-                                     cfg.plan_verify, cfg.plan_contention)
-    driver = engine.schedule
-    engine.owned_comm = comm if owns_comm else None
-    engine.buffer_sync, engine.sparse = buffer_sync, sparse
+    trained = ParameterSet.build(opt, named, model, sparse_ids, options.row_sparse,
+                                 options.row_sparse_explicit, comm.size)
+    engine = Engine(opt, comm, options, trained, model, inner_step, owned_comm=owned_comm,
+                    buffer_sync=buffer_sync, sparse=sparse)
     recorder = getattr(comm, "recorder", None)   # the flight record (dear/comm/flight.py)
     if recorder is not None:
         recorder.describers.append(weak_method(engine.describe_buffer))
-    engine.fusion = fusion
-    engine.compression = compression
-    if compression.quantizes:
-        engine.feedback = feedback.ErrorFeedback(compression)
-    engine.sparse_as_dense = sparse_as_dense
-    engine.groups = explicit_groups(groups, engine.index)
-    engine.overlap = overlap_allgather and model is not None
-    if overlap_allgather and model is None:
-        log.info("dear: no model= given, so all-gathers complete inside step(); pass "
-                 "model= to overlap them with the next forward pass")
-    # gradient_as_bucket_view: .grad lives in the bucket buffers (dear/fusion/views.py)
-    engine.views = GradientViews() if gradient_as_bucket_view else None
-    engine.order = []                          # rank 0's parameter order, for re-layouts
-    if isinstance(updates, ShardedUpdates):
-        # Each rank updates its shards and the all-gathers carry parameters, so a chunk
-        # gathered in backward needs its bucket's update first: run early, undone at step()
-        # unless nothing it assumed changed (ShardedUpdates.settle). On the executor thread
-        # (CPU tensors) or, on a GPU, on the chunks' side stream, ordered before step() by
-        # the schedule's drain().
-        if driver.mode is None:
-            driver.paused = True
-        driver.before_gather = _early_updater(engine, updates)
-        row_sparse = "off"
-    # Embedding tables sent as the rows some rank used (dear/fusion/rows.py).
-    engine.row_sparse_setting = cfg.row_sparse if row_sparse is None else row_sparse
-    engine.row_sparse_explicit = row_sparse is not None
-    engine.row_sparse = resolve_row_sparse(engine.row_sparse_setting, named, model,
-                                           explicit=engine.row_sparse_explicit,
-                                           world_size=engine.comm.size)
-    if engine.row_sparse:
-        log.info("dear: sent as the rows some rank used (row_sparse; DEAR_ROW_SPARSE=off "
-                 "sends them whole): %s", ", ".join(engine.names[i]
-                                                   for i in sorted(engine.row_sparse)))
-    engine.autotuner = (make_autotuner(opt, named, autotune, cfg, comm, fusion, driver,
-                                       overlap=engine.overlap,
-                                       passes_per_step=backward_passes_per_step)
-                        if autotune else None)
-    engine.relayout_wanted = False             # new ties: re-plan when nothing is in flight
     if model is not None:
         from ..guards import model_guard
         model_guard.guard(model, opt)
-    engine.sparse_ids = {id(p) for p in (sparse.params if sparse else ())}
-    engine.param_key = tuple(id(p) for p in params)
-    engine.param_digest = parameter_digest(named)
-    layout.note_parameter_set(engine)
     opt.dear_engine = engine
-    engine.hooks.register(engine)
-    weakref.finalize(engine, remove_hooks, engine.hooks.handles)
     runtime.register_optimizer(opt)
     return engine
 
 
-def _comm_of(engine: Engine) -> Callable[[], Communicator]:
-    ref = weakref.ref(engine)                  # the engine holds the schedule
-    return lambda: ref().comm  # type: ignore[union-attr]
-
-
-def _early_updater(engine: Engine, updates: ShardedUpdates) -> Callable[[Any], None]:
-    ref = weakref.ref(engine)
-
-    def before_gather(bucket: Any) -> None:
-        live = ref()
-        if live is not None:
-            updates.before_gather(live, bucket)
-    return before_gather
+if TYPE_CHECKING:
+    def _offers_the_extension_points(opt: _DistributedOptimizer) -> DearOptimizer:
+        return opt                             # mypy checks the class against the Protocol
 
 
 _DistributedOptimizer.step.hooked = True  # type: ignore[attr-defined]  # torch must not re-wrap

@@ -36,6 +36,7 @@ class GatherGroup:
     def __init__(self, buckets: Sequence[Bucket], world_size: int) -> None:
         self.buckets = list(buckets)
         self._world = world_size
+        self._send: Optional[torch.Tensor] = None
         if len(self.buckets) > 1 and world_size > 1:
             first = self.buckets[0].wire_shard
             self._sizes = [b.wire_shard.numel() for b in self.buckets]
@@ -48,14 +49,21 @@ class GatherGroup:
     def nbytes(self) -> int:
         return sum(b.wire.numel() * b.wire.element_size() for b in self.buckets)
 
+    @property
+    def send_buffer(self) -> Optional[torch.Tensor]:
+        """The message a fused group sends (its buckets' shards, copied); None when the
+        group's one bucket sends its own shard."""
+        return self._send
+
     def start(self, comm: Communicator) -> None:
-        if len(self.buckets) == 1 or self._world == 1:   # alone: nothing to fuse, no copies
+        send = self._send
+        if send is None:                       # alone: nothing to fuse, no copies
             for bucket in self.buckets:
                 bucket.start_all_gather(comm)
             return
         for bucket, part in zip(self.buckets, self._send_parts):
             part.copy_(bucket.outgoing_shard())
-        shared = _OnceWork(comm.all_gather(self._send, self._recv), self._scatter)
+        shared = _OnceWork(comm.all_gather(send, self._recv), self._scatter)
         for bucket in self.buckets:
             bucket.gathering(shared)
 

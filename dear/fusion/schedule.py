@@ -419,8 +419,8 @@ class ScheduleDriver:
         compute (rank 0): where the link is the cores' own work (loopback Gloo) and backward
         keeps the cores busy, the chunks move that work from the next forward into backward
         and the plan's model (link time is free beside compute) does not hold. Then DeAR's
-        order (measured on loopback, benchmarks/results/host_bound_plan.md: a plan 0-3 ms an
-        iteration slower on BERT-Base's layout, within +-1 ms on ResNet-50's)."""
+        order: there a plan gained nothing
+        (docs/benchmarks.md#no-plan-where-the-link-is-host-work)."""
         assert self._clock is not None
         if self.mode != "thread":
             return False
@@ -454,11 +454,11 @@ class ScheduleDriver:
         """PLANNED_CHECKING -> PLANNED, or with `verify` TRIAL_DEAR_ORDER. The probe times an
         idle link; under the plan the link may run slower (the chunks' per-message costs on the
         issuing thread, the cores' other work), and then chunks are still on the link when
-        backward ends, delaying the last reduce-scatters: measured, ResNet-50's tail was 40 ms
-        where the plan predicted 7. Rank 0 compares the tail the planned iterations met with
-        the plan's replay and, if they differ, plans once more with the costs scaled by the
-        factor that explains it. Broadcast either way (a collective). Then, verifying, the plan
-        goes on trial (`_alternate`)."""
+        backward ends, delaying the last reduce-scatters
+        (docs/benchmarks.md#checking-the-plan-against-its-tail). Rank 0 compares the tail the
+        planned iterations met with the plan's replay and, if they differ, plans once more with
+        the costs scaled by the factor that explains it. Broadcast either way (a collective).
+        Then, verifying, the plan goes on trial (`_alternate`)."""
         self._leaving("check the plan", ScheduleState.PLANNED_CHECKING)
         plan, cost = self.plan, self.cost
         assert plan is not None and cost is not None and self._clock is not None

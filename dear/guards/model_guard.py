@@ -74,6 +74,10 @@ def guard(model: torch.nn.Module, optimizer: Any) -> None:
     owners.add(optimizer)
 
 
+#: the optimizers whose early application `flush_for_read` has reported (once each)
+_warned: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
 def flush_for_read(model: torch.nn.Module, what: str) -> None:
     """Apply the pending updates of every dear optimizer of `model` before `what` reads it."""
     if getattr(_quiet, "on", False) or _in_forward.get(model, 0):
@@ -81,9 +85,8 @@ def flush_for_read(model: torch.nn.Module, what: str) -> None:
     for opt in list(_owners.get(model, ())):
         start = time.perf_counter()
         applied = opt.flush_updates()
-        engine = opt.dear_engine
-        if applied and not engine.read_warned:
-            engine.read_warned = True
+        if applied and opt not in _warned:
+            _warned.add(opt)
             log.warning(
                 "dear: %s read the model while the last step()'s update was pending, so it was "
                 "applied now (%d buckets, %.1f ms): the all-gathers that overlap the next "

@@ -11,6 +11,7 @@ from typing import Any, Iterable, Optional
 import torch
 
 from ..comm.base import Communicator
+from ..interfaces import DearOptimizer, DearProcessSet
 
 
 def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
@@ -90,7 +91,7 @@ def _is_horovod_optimizer(optimizer: object) -> bool:
 
 def check_not_wrapped(optimizer: torch.optim.Optimizer) -> None:
     """dear over dear, or dear over hvd.DistributedOptimizer: refused with what to do."""
-    if "dear_engine" in getattr(optimizer, "__dict__", {}):
+    if isinstance(optimizer, DearOptimizer):
         raise TypeError(
             "this optimizer is already a dear.DistributedOptimizer; wrap the plain torch "
             "optimizer once and use the result (wrapping twice would average every gradient "
@@ -164,9 +165,8 @@ def process_set_communicator(process_set: object, timeout: float) -> Optional[An
     rank outside the set, a world of one (Horovod's optimizer there averages nothing)."""
     if process_set is None or getattr(process_set, "process_set_id", None) == 0:
         return None                            # the global set
-    make = getattr(process_set, "dear_communicator", None)
-    if callable(make):                         # dear.horovod's ProcessSet
-        return make(timeout)
+    if isinstance(process_set, DearProcessSet):   # dear.horovod's ProcessSet
+        return process_set.dear_communicator(timeout)
     hvd = sys.modules.get("horovod.torch")
     if hvd is None or not callable(getattr(process_set, "included", None)):
         raise ValueError(f"process_set={process_set!r} is not a Horovod process set: pass one "

@@ -82,6 +82,11 @@ class Transport:
         # communicator records the others), so a stalled peer is named here too.
         self._flight = self._flight_channel() if torch_dist and self.size > 1 else None
 
+    @property
+    def on_torch_distributed(self) -> bool:
+        """Its groups are torch.distributed's (else dear's communicator of another backend)."""
+        return self._torch
+
     def _flight_channel(self) -> FlightChannel | None:
         world = dist.get_world_size()
         members = (dist.get_process_group_ranks(self._group) if self._group is not None

@@ -17,7 +17,7 @@ from .comm import Transport, group_timeout
 
 def grid_transports(world: Transport, columns: int) -> tuple[Transport, Transport]:
     """This rank's column and row transports."""
-    if not getattr(world, "_torch", False):
+    if not world.on_torch_distributed:
         raise NotImplementedError(
             "dear.KFAC: hybrid-opt (0 < grad_worker_fraction < 1 other than 1/world) needs "
             f"torch.distributed; this run uses the {world.name} backend. Use comm-opt "

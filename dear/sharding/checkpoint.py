@@ -22,6 +22,7 @@ from typing import Any, Optional
 
 import torch
 
+from ..interfaces import DearOptimizer
 from .state import ShardedState, flat, pieces
 
 _STATE, _GROUPS = "state", "param_groups"
@@ -59,7 +60,7 @@ def _pieces(sharded: ShardedState, world: int) -> dict[Any, list[tuple[int, int,
 def sharded_state_dict(optimizer: Any, names: dict[Any, str], rank: int,
                        world: int) -> dict[str, Any]:
     """This rank's part of the state, for DCP (see the module's docstring)."""
-    sharded: ShardedState = optimizer.dear_engine.updates.state
+    sharded = _sharded(optimizer)
     full_groups = [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"}
                    | {"params": [names[p] for p in g["params"] if p in names]}
                    for g in optimizer.param_groups]
@@ -87,11 +88,17 @@ def sharded_state_dict(optimizer: Any, names: dict[Any, str], rank: int,
     return {_STATE: state, _GROUPS: full_groups}
 
 
+def _sharded(optimizer: DearOptimizer) -> ShardedState:
+    state = optimizer.dear_sharded_state
+    assert state is not None, "the optimizer's callers check shard_optimizer_state"
+    return state
+
+
 def _initialize(optimizer: Any) -> None:
     """Create the state's entries with a step of zero gradients at lr 0 (parameters unchanged),
     on this rank's segments if there is a layout, else on whole parameters; loading overwrites
     every entry."""
-    sharded: ShardedState = optimizer.dear_engine.updates.state
+    sharded = _sharded(optimizer)
     groups = optimizer.param_groups
     saved = [(g["params"], g.get("lr")) for g in groups]
     kept_state = optimizer.state
@@ -116,7 +123,7 @@ def _initialize(optimizer: Any) -> None:
             t.grad = torch.zeros_like(t)
         for g in groups:
             g["lr"] = 0.0 if not isinstance(g.get("lr"), torch.Tensor) else g["lr"] * 0
-        optimizer.dear_engine.inner_step(optimizer)
+        optimizer.dear_inner_step()
         for t, grad in zip(tensors, grads):
             t.grad = None if sharded.buckets else grad
     finally:
@@ -131,7 +138,7 @@ def load_sharded_state_dict(optimizer: Any, state_dict: dict[str, Any],
                             names: dict[Any, str]) -> None:
     """What DCP loaded into sharded_state_dict()'s template, put in place: this rank's pieces
     into its segments, whole tensors into the optimizer's (unsharded) state."""
-    sharded: ShardedState = optimizer.dear_engine.updates.state
+    sharded = _sharded(optimizer)
     by_name = {n: p for p, n in names.items()}
     groups = state_dict.get(_GROUPS) or []
     if len(groups) != len(optimizer.param_groups):

@@ -24,6 +24,7 @@ from torch.amp.grad_scaler import OptState
 
 from ..comm.base import Communicator
 from ..fusion.bucket import Bucket
+from ..interfaces import DearOptimizer
 from .shards import gather_small, gradient_slices
 
 # GradScaler warns, once per call site, that it will stop passing itself to such optimizers. The
@@ -91,10 +92,10 @@ def unscale_averaged_grads(scaler: Any, optimizer: torch.optim.Optimizer) -> boo
     return bool(sum(v.item() for v in found.values()))
 
 
-def add_step_listener(optimizer: torch.optim.Optimizer, listener: Any) -> None:
+def add_step_listener(optimizer: DearOptimizer, listener: Any) -> None:
     """dear.KFAC (dear/kfac/scaling.py) learns the loss scale from here: `listener(grad_scaler)`
     is called at the start of every step() of this optimizer, before anything is unscaled."""
-    optimizer.dear_engine.step_listeners.append(listener)  # type: ignore[attr-defined]
+    optimizer.dear_on_step(listener)
 
 
 def check_contract(optimizer: torch.optim.Optimizer, grad_scaler: Any) -> None:

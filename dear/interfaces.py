@@ -1,0 +1,83 @@
+"""What a dear.DistributedOptimizer offers the rest of dear, as a `typing.Protocol`: its
+extension points (docs/ARCHITECTURE.md, "Extension points"; dear/engine/extension.py implements
+them). Modules below the engine (the runtime, the tracer, the sharded checkpoint, GradScaler's
+contract) name the optimizer through it, so mypy checks every use and none reaches past it into
+the engine; `isinstance(obj, DearOptimizer)` tells dear's optimizer from any other."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, runtime_checkable
+
+import torch
+
+if TYPE_CHECKING:
+    from .comm.base import Communicator
+    from .engine.buffers import BufferBroadcast
+    from .engine.state import Iteration
+    from .fusion.bucket import Bucket
+    from .fusion.fusion_config import FusionConfig
+    from .fusion.layout import Layout
+    from .fusion.schedule import ScheduleDriver
+    from .sharding.state import ShardedState
+
+
+@runtime_checkable
+class DearOptimizer(Protocol):
+    """The members of dear's optimizer class that dear's own modules use (all named dear_*,
+    so that they cannot collide with the wrapped optimizer's attributes)."""
+
+    param_groups: list[dict[str, Any]]
+
+    @property
+    def dear_iteration(self) -> "Iteration": ...
+    @property
+    def dear_model(self) -> Optional[torch.nn.Module]: ...
+    @property
+    def dear_parameters(self) -> list[torch.nn.Parameter]: ...
+    @property
+    def dear_parameter_names(self) -> list[str]: ...
+    @property
+    def dear_parameter_index(self) -> dict[torch.nn.Parameter, int]: ...
+    @property
+    def dear_layout(self) -> Optional["Layout"]: ...
+    @property
+    def dear_fusion(self) -> "FusionConfig": ...
+    @property
+    def dear_order(self) -> list[int]: ...
+    @property
+    def dear_row_sparse(self) -> Any: ...
+    @property
+    def dear_schedule(self) -> "ScheduleDriver": ...
+    @property
+    def dear_buffer_sync(self) -> Optional["BufferBroadcast"]: ...
+    @property
+    def dear_synchronized(self) -> bool: ...
+    @property
+    def dear_compression(self) -> Any: ...
+    @property
+    def dear_had_gradients(self) -> bool: ...
+    @property
+    def dear_communicator(self) -> "Communicator": ...
+    @dear_communicator.setter
+    def dear_communicator(self, comm: "Communicator") -> None: ...
+    @property
+    def dear_sharded_state(self) -> Optional["ShardedState"]: ...
+
+    def dear_finish_reduce(self, verify: bool = True) -> None: ...
+    def dear_attach_transform(self, transform: Any, ties: list[list[int]]) -> None: ...
+    def dear_observe_updates(self, observer: Callable[["Bucket"], Any]
+                             ) -> Callable[[], None]: ...
+    def dear_on_step(self, listener: Callable[[Any], Any]) -> None: ...
+    def dear_inner_step(self) -> None: ...
+    def dear_shutdown(self) -> None: ...
+    def flush_updates(self) -> int: ...
+
+
+@runtime_checkable
+class DearProcessSet(Protocol):
+    """dear.horovod's ProcessSet: what dear.DistributedOptimizer(process_set=) averages over."""
+
+    def dear_communicator(self, timeout: float) -> Any: ...
+
+
+__all__ = ["DearOptimizer", "DearProcessSet"]
