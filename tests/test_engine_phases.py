@@ -10,7 +10,14 @@ import torch.nn.functional as F
 
 import dear
 from tests.distributed import run_distributed
-from tests.workloads import batch, make_net, max_diff, state_of
+from tests.workloads import (
+    assert_float32_close,
+    batch,
+    make_net,
+    max_diff,
+    reference,
+    state_of,
+)
 
 
 def _phases() -> dict:
@@ -51,6 +58,52 @@ def test_phases_of_an_iteration() -> None:
         assert all(seen[f"step {s}"] == "pending" for s in range(3)), seen
         assert seen["flushed"] == "idle"
         assert seen["added"] == ["dear_engine"], seen["added"]
+
+
+def _out_of_turn() -> dict:
+    """Phase methods called where they cannot follow: each raises PhaseError naming both phases,
+    before touching a bucket, and the iteration goes on as if nothing was called."""
+    from dear.engine.state import PhaseError
+    dear.init()
+    rank, world = dear.rank(), dear.size()
+    model = make_net()
+    opt = dear.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model,
+                                    fusion_threshold=2048)
+    engine = opt.dear_engine
+    errors = {}
+    for step in range(3):
+        opt.zero_grad()
+        x, y = batch(step, world, rank)
+        F.mse_loss(model(x), y).backward()
+        if step == 1:                          # a layout, a backward: not reduced yet
+            try:
+                engine.gather()                # step()'s all-gathers before the reduce
+            except PhaseError as exc:
+                errors["gather"] = (engine.phase.value, str(exc))
+        opt.step()
+        if step == 1:                          # pending: step()'s all-gathers are in flight
+            try:
+                engine.gather()
+            except PhaseError as exc:
+                errors["again"] = (engine.phase.value, str(exc))
+    opt.flush_updates()
+    out = {"errors": errors, "state": state_of(model)}
+    dear.shutdown()
+    return out
+
+
+def test_a_phase_method_out_of_turn_raises_and_changes_nothing() -> None:
+    results = run_distributed(_out_of_turn, 2, timeout=120)
+    for r in results:
+        phase, text = r["errors"]["gather"]
+        assert phase == "backward"
+        assert "step()'s all-gathers in phase 'backward'" in text and "'reduced'" in text
+        phase, text = r["errors"]["again"]
+        assert phase == "pending" and "step()'s all-gathers in phase 'pending'" in text
+    sgd = lambda ps: torch.optim.SGD(ps, lr=0.1)  # noqa: E731
+    assert_float32_close(results[0]["state"], reference(sgd, 2, 3, dtype=torch.float64),
+                         reference(sgd, 2, 3), what="after the refused calls")
+    assert max_diff(results[0]["state"], results[1]["state"]) == 0
 
 
 def _optimizer_calls(kind: str) -> dict:
