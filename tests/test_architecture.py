@@ -347,7 +347,7 @@ def test_the_checks_above_catch_what_they_look_for(tmp_path: Path) -> None:
     planted.write_text(source)
     MODULES["planted"] = planted
     try:
-        assert len(by_name_reads()) == 2 and len(back_doors()) == 1
-        assert len(outside_writes()) == 2
+        found = [by_name_reads(), back_doors(), outside_writes()]
     finally:
         del MODULES["planted"]
+    assert [sum(x.startswith("planted.py") for x in f) for f in found] == [2, 1, 2], found

@@ -25,18 +25,9 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
-from ..comm import runtime
 from ..comm.base import Communicator
+from ..fusion.executor import issue_pending
 from ..guards import model_guard
-
-
-def issue_pending() -> None:
-    """Before a collective issued from the main thread inside dear (buffers, sparse gradients,
-    dear.join): every optimizer's collective thread has issued what backward gave it, so this
-    collective keeps its place in the order on every rank (as runtime.flush_all does for the
-    user's collectives)."""
-    for opt in runtime.optimizers():
-        opt.dear_schedule.drain()
 
 
 class BufferBroadcast:

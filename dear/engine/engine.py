@@ -38,6 +38,7 @@ from ..autotune.factory import make_autotuner
 from ..comm import flight, runtime
 from ..comm.base import Communicator
 from ..fusion.bucket import Bucket, Stage
+from ..fusion.executor import issue_pending
 from ..fusion.fusion_config import FusionConfig
 from ..fusion.rows import RowSparseBucket
 from ..fusion.schedule import ScheduleDriver, issue_mode, scope
@@ -46,7 +47,7 @@ from ..guards.stream import StreamCheck
 from ..guards.written import fingerprint, fingerprints
 from ..sharding.state import ShardedState
 from . import checks, layout
-from .buffers import BufferBroadcast, issue_pending
+from .buffers import BufferBroadcast
 from .checks import LateEdits
 from .feedback import ErrorFeedback
 from .hooks import Hooks, remove_hooks

@@ -48,10 +48,10 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 
+from ..fusion.executor import issue_pending
 from ..guards import model_guard
 from ..guards.validation import broadcast_model
 from ..interfaces import DearOptimizer
-from .buffers import issue_pending
 
 
 class join:  # noqa: N801 (used like a function: `with dear.join(optimizer):`)

@@ -33,7 +33,7 @@ from typing import Any, Optional
 import torch
 
 from ..comm.base import Communicator
-from .buffers import issue_pending
+from ..fusion.executor import issue_pending
 
 _SPARSE_MODULES = (torch.nn.Embedding, torch.nn.EmbeddingBag)
 

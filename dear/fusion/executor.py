@@ -9,6 +9,7 @@ import atexit
 import collections
 import contextlib
 import threading
+import weakref
 from typing import Any, Callable, ContextManager, Optional
 
 import torch
@@ -16,8 +17,8 @@ import torch
 from ..comm import runtime
 from ..comm.base import Work
 
-__all__ = ["CommExecutor", "FutureWork", "close_shared", "mark_planned", "planned_somewhere",
-           "scope", "shared_executor"]
+__all__ = ["CommExecutor", "FutureWork", "close_shared", "issue_pending", "mark_planned",
+           "planned_somewhere", "register_driver", "scope", "shared_executor"]
 
 
 def scope(name: str) -> ContextManager[Any]:
@@ -126,6 +127,7 @@ class CommExecutor:
 _shared: Optional[CommExecutor] = None
 _shared_lock = threading.Lock()
 _planners: set[int] = set()     # the drivers of this process running a plan: all go threaded
+_drivers: "weakref.WeakSet[Any]" = weakref.WeakSet()   # every live driver of this process
 
 
 def planned_somewhere() -> bool:
@@ -155,6 +157,20 @@ def shared_executor() -> CommExecutor:
             # MPI's teardown) finalizes, e.g. in a script that does not call dear.shutdown().
             atexit.register(_shared.close, 5.0)
         return _shared
+
+
+def register_driver(driver: Any) -> None:
+    """A schedule driver of this process (one per optimizer), for `issue_pending`."""
+    _drivers.add(driver)
+
+
+def issue_pending() -> None:
+    """Before a collective issued from the training thread inside dear (the stream check,
+    buffers, sparse gradients, dear.join): every optimizer's backward collectives are issued
+    (drained here, or on a GPU ordered before the stream's next work), so this one keeps its
+    place in the order on every rank (as runtime.flush_all does for the user's collectives)."""
+    for driver in list(_drivers):
+        driver.drain()
 
 
 def close_shared() -> None:

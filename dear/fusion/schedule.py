@@ -57,6 +57,7 @@ from .executor import (
     close_shared,
     mark_planned,
     planned_somewhere,
+    register_driver,
     scope,
     shared_executor,
 )
@@ -215,6 +216,7 @@ class ScheduleDriver:
         # Run after a bucket's shard is averaged and before its first chunk is gathered: with
         # shard_optimizer_state, its early update (the chunks carry parameters).
         self.before_gather: Optional[Callable[[Any], None]] = None
+        register_driver(self)                   # issue_pending() drains it
 
     @property
     def _comm(self) -> Communicator:
