@@ -204,10 +204,7 @@ def test_a_reassigned_buffer_is_the_one_broadcast(how: str, check_every: str) ->
 
 
 @pytest.mark.parametrize("check_every", ["1", "0"])
-@pytest.mark.parametrize("how", ["tensor", pytest.param("data", marks=pytest.mark.xfail(
-    reason="a buffer given new memory under .data: at the next forward rank 1 reads the "
-    "values rank 0 broadcast at the step() before (rank 0's statistics of the step before), "
-    "not its own new value"))])
+@pytest.mark.parametrize("how", ["tensor", "data"])
 def test_the_forward_after_a_replacement_reads_this_ranks_new_buffer(how: str,
                                                                      check_every: str) -> None:
     """docs/contract.md: a buffer this rank changed between step() and the next forward keeps

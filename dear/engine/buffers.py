@@ -45,7 +45,7 @@ class BufferBroadcast:
         self._model = model
         self._comm = comm
         self.root = 0                          # dear.join() moves it to an active rank
-        self._staged: list[tuple[_Group, list[int]]] = []
+        self._staged: list[tuple[_Group, list[int], list[int]]] = []
         self._groups: list[_Group] = []
         self._scanned = False
         # Each buffer as the walk found it: its module's `_buffers` dict, its name there, the
@@ -140,7 +140,8 @@ class BufferBroadcast:
             for group, work in pending:
                 work.wait()
                 if not root:
-                    staged.append((group, list(map(_VERSION, group.bufs))))
+                    staged.append((group, list(map(_VERSION, group.bufs)),
+                                   list(map(_DATA_PTR, group.bufs))))
         self._staged = staged
 
     def apply_staged(self) -> None:
@@ -148,18 +149,21 @@ class BufferBroadcast:
         follows one with gradients: here the training forward before step()), every buffer
         takes the root's value from step(), except one this rank changed since (e.g. timm's
         distribute_bn averaging the statistics on every rank at an epoch's end), which keeps
-        its new value, as DDP's broadcast would give it when every rank changed it alike."""
+        its new value (also one given new memory through .data), as DDP's broadcast would give it
+        when every rank changed it alike."""
         if not self._staged:
             return
         staged, self._staged = self._staged, []
         with torch.no_grad():                  # on the forward's critical path: few kernels
-            for group, versions in staged:
-                if list(map(_VERSION, group.bufs)) == versions:   # none changed since: one
-                    for dst, src in group.by_dtype:               # copy per dtype, no loop
+            for group, versions, ptrs in staged:
+                if list(map(_VERSION, group.bufs)) == versions \
+                        and list(map(_DATA_PTR, group.bufs)) == ptrs:   # none changed since:
+                    for dst, src in group.by_dtype:               # one copy per dtype
                         torch._foreach_copy_(dst, src)
                     continue
-                kept = [(buf, value) for buf, version, value
-                        in zip(group.bufs, versions, group.values) if buf._version == version]
+                kept = [(buf, value) for buf, version, ptr, value
+                        in zip(group.bufs, versions, ptrs, group.values)
+                        if buf._version == version and buf.data_ptr() == ptr]
                 for dst, src in _by_dtype(kept):
                     torch._foreach_copy_(dst, src)
 
