@@ -114,7 +114,7 @@ MIXED = pytest.mark.xfail(
     reason="under the planned schedule a bucket's gradients are copied in when its "
     "reduce-scatter is issued, on the collective thread, which can be after backward returned: "
     "an uncompared `.grad.data` edit is then taken for some buckets and not others, depending on "
-    "timing, where docs/contract.md says the unedited gradient")
+    "timing (docs/contract.md says so)")
 
 
 @pytest.mark.parametrize("kind,every,schedule", [
