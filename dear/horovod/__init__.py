@@ -10,6 +10,7 @@ dear.DistributedOptimizer (decoupled reduce-scatter / all-gather) behind Horovod
 docs/horovod-api.md says what differs.
 """
 
+from . import elastic as elastic
 from .autograd import (
                        allgather,
                        allreduce,

@@ -1,0 +1,358 @@
+"""How each kind of object in an elastic state is committed, restored, synchronized and
+carried to a new world size. Chosen by type, first match (Horovod's registry, extended): a
+torch module, a torch optimizer (dear's with or without shard_optimizer_state), an
+ElasticSampler, dear.KFAC, then anything with state_dict()/load_state_dict() (LR schedulers,
+GradScaler).
+
+Each handler keeps two copies of its object's state: in memory (`save`/`restore`, Horovod's
+commit within a process), and in the commit directory (`items`/`template`/`load`, which
+outlive the process). For the directory it says which items are the same on every rank
+(`replicated`: written once) and which are this rank's own (`own`: written by it, and read
+back only by the rank that takes its place at the same world size).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable, Optional
+
+import torch
+
+from .commit import pack, unpack
+from .ops import Ops
+from .sampler import ElasticSampler
+
+
+class Handler:
+    """One object of the state (see the module's docstring)."""
+
+    def __init__(self, value: Any, ops: Ops) -> None:
+        self.value = value
+        self.ops = ops
+        self.save()
+
+    def save(self) -> None:
+        raise NotImplementedError
+
+    def restore(self) -> None:
+        raise NotImplementedError
+
+    def sync(self) -> None:
+        raise NotImplementedError
+
+    def set_value(self, value: Any) -> None:
+        self.value = value
+        self.save()
+
+    # -- the commit directory: `prefix` is the handler's key in the commit
+    def replicated(self, prefix: str) -> dict[str, Any]:
+        """Items that every rank holds the same of (written once)."""
+        return {}
+
+    def own(self, prefix: str, rank: int) -> dict[str, Any]:
+        """Items that are this rank's only."""
+        return {}
+
+    def template(self, prefix: str, keys: set[str], old_world: int, rank: int,
+                 world: int) -> dict[str, Any]:
+        """What to read back from a commit made on `old_world` ranks (`keys`: its items)."""
+        return {}
+
+    def load(self, prefix: str, loaded: dict[str, Any], old_world: int, rank: int,
+             world: int) -> None:
+        """Put what template() read in place."""
+
+
+def _fresh(value: Any) -> Any:
+    return copy.deepcopy(value)
+
+
+class ModelHandler(Handler):
+    """A torch module: its state_dict (replicated: data-parallel replicas are equal)."""
+
+    def save(self) -> None:
+        self.saved = _fresh(self.value.state_dict())
+
+    def restore(self) -> None:
+        self.value.load_state_dict(self.saved)
+
+    def sync(self) -> None:
+        self.ops.broadcast_parameters(self.value.state_dict(), 0)
+
+    def replicated(self, prefix: str) -> dict[str, Any]:
+        return {prefix: self.value.state_dict()}
+
+    def template(self, prefix: str, keys: set[str], old_world: int, rank: int,
+                 world: int) -> dict[str, Any]:
+        return {prefix: {k: (v.detach().clone() if isinstance(v, torch.Tensor) else v)
+                         for k, v in self.value.state_dict().items()}}
+
+    def load(self, prefix: str, loaded: dict[str, Any], old_world: int, rank: int,
+             world: int) -> None:
+        self.value.load_state_dict(loaded[prefix])
+
+
+class OptimizerHandler(Handler):
+    """A torch optimizer, dear's included. Without shard_optimizer_state its state_dict() is
+    replicated and committed once, whole. With it, each rank commits its own pieces
+    (sharded_state_dict(): DCP reads each new rank's pieces from whichever files hold them, so
+    the state is resharded to the new size without being gathered anywhere); in memory each rank
+    keeps a copy of its pieces. Quantized compression's error-feedback residuals are per rank:
+    carried when the world size is unchanged (the rank that takes rank r's place gets rank r's),
+    dropped when it changes (their layout and their owners change; see docs/elastic.md)."""
+
+    def __init__(self, value: Any, ops: Ops) -> None:
+        from ..engine.feedback import STATE_KEY
+        self.feedback_key = STATE_KEY
+        super().__init__(value, ops)
+
+    @property
+    def sharded(self) -> bool:
+        return bool(getattr(self.value, "shard_optimizer_state", False))
+
+    @property
+    def feedback(self) -> Any:
+        engine = getattr(self.value, "dear_engine", None)
+        return None if engine is None else engine.feedback
+
+    def _without_feedback(self, state: dict[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in state.items() if k != self.feedback_key}
+
+    def _stepped(self) -> bool:
+        """Whether the optimizer has state yet. Before its first step a sharded optimizer's
+        sharded_state_dict() would create the state with a step at lr 0 (its template needs
+        every key), which counts as a step for Adam's bias correction: nothing is taken from
+        it then, and there is nothing to take."""
+        engine = getattr(self.value, "dear_engine", None)
+        return bool(self.value.state) or (engine is not None and engine.buckets is not None)
+
+    def save(self) -> None:
+        if self.sharded:
+            self.saved = _copy_sharded(self.value.sharded_state_dict()) if self._stepped() \
+                else None
+        else:
+            self.saved = _fresh(self.value.state_dict())
+
+    def restore(self) -> None:
+        if self.sharded:
+            if self.saved is not None:     # None: committed before the first step
+                self.value.load_sharded_state_dict(_copy_sharded(self.saved))
+        else:                          # torch's load_state_dict may alias what it is given
+            self.value.load_state_dict(_fresh(self.saved))
+
+    def sync(self) -> None:
+        self.ops.broadcast_optimizer_state(self.value, 0)
+
+    def replicated(self, prefix: str) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if not self.sharded:
+            out[prefix] = pack(self._without_feedback(self.value.state_dict()))
+        elif self._stepped():
+            out[prefix] = self._without_feedback(self.value.sharded_state_dict())
+        feedback = self.feedback
+        if feedback is not None:
+            out[f"{prefix}_feedback_steps"] = pack(int(feedback.steps))
+        return out
+
+    def own(self, prefix: str, rank: int) -> dict[str, Any]:
+        feedback = self.feedback
+        if feedback is None:
+            return {}
+        return {f"{prefix}_feedback_rank{rank}": pack(feedback.state(self.value.dear_engine))}
+
+    def template(self, prefix: str, keys: set[str], old_world: int, rank: int,
+                 world: int) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if not self.sharded:
+            out[prefix] = b""
+        elif any(k.startswith(prefix + ".") for k in keys):   # committed after a step
+            out[prefix] = self._without_feedback(self.value.sharded_state_dict())
+        if self.feedback is not None and f"{prefix}_feedback_steps" in keys:
+            out[f"{prefix}_feedback_steps"] = b""
+            mine = f"{prefix}_feedback_rank{rank}"
+            if old_world == world and mine in keys:
+                out[mine] = b""
+        return out
+
+    def load(self, prefix: str, loaded: dict[str, Any], old_world: int, rank: int,
+             world: int) -> None:
+        if not self.sharded:
+            self.value.load_state_dict(unpack(loaded[prefix]))
+        elif prefix in loaded:
+            self.value.load_sharded_state_dict(loaded[prefix])
+        feedback = self.feedback
+        if feedback is None or f"{prefix}_feedback_steps" not in loaded:
+            return
+        mine = loaded.get(f"{prefix}_feedback_rank{rank}")
+        state = unpack(mine) if mine is not None else {
+            "steps": unpack(loaded[f"{prefix}_feedback_steps"])}
+        engine = self.value.dear_engine
+        warm = feedback.warm
+        feedback.load(engine, state)
+        if engine.buckets is not None and feedback.warm != warm:
+            engine.relayout(engine.fusion)    # into or out of the warm-up's fp32 buckets
+
+
+def _copy_sharded(state: Any) -> Any:
+    """A sharded_state_dict() with this rank's pieces copied (ShardedTensors rebuilt around
+    clones of their local shards), so later steps cannot change it."""
+    if hasattr(state, "local_shards"):
+        from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+        shards = [Shard(s.tensor.detach().clone(), s.metadata) for s in state.local_shards()]
+        return ShardedTensor._init_from_local_shards_and_global_metadata(  # noqa: SLF001
+            shards, state.metadata())       # torch's only constructor from given pieces
+    if isinstance(state, dict):
+        return {k: _copy_sharded(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [_copy_sharded(v) for v in state]
+    if isinstance(state, torch.Tensor):
+        return state.detach().clone()
+    return copy.deepcopy(state)
+
+
+class SamplerHandler(Handler):
+    """An ElasticSampler: epoch and processed count (replicated); sync() takes rank 0's and
+    deals what is left of the epoch to the ranks of the moment."""
+
+    def save(self) -> None:
+        self.saved = _fresh(self.value.state_dict())
+
+    def restore(self) -> None:
+        self.value.load_state_dict(self.saved)
+
+    def sync(self) -> None:
+        self.value.load_state_dict(self.ops.broadcast_object(self.value.state_dict(), 0))
+
+    def replicated(self, prefix: str) -> dict[str, Any]:
+        return {prefix: pack(self.value.state_dict())}
+
+    def template(self, prefix: str, keys: set[str], old_world: int, rank: int,
+                 world: int) -> dict[str, Any]:
+        return {prefix: b""}
+
+    def load(self, prefix: str, loaded: dict[str, Any], old_world: int, rank: int,
+             world: int) -> None:
+        self.value.load_state_dict(unpack(loaded[prefix]))
+
+
+class KFACHandler(Handler):
+    """dear.KFAC: each rank commits its own state_dict (factors and the decompositions it
+    holds). At the same world size rank r gets rank r's back (the owners are the same); at
+    another size the factors (equal on every rank that holds them) are merged from the old
+    ranks, the decompositions are dropped and recomputed at the next step by the owners the
+    preconditioner, built at the new size, assigns."""
+
+    def save(self) -> None:
+        self.saved = self.value.state_dict(include_factors=True)
+
+    def restore(self) -> None:
+        self.value.load_state_dict(_fresh(self.saved))
+
+    def sync(self) -> None:
+        """Nothing: every rank loaded the same commit, and the factors are averaged anyway."""
+
+    def own(self, prefix: str, rank: int) -> dict[str, Any]:
+        return {f"{prefix}_rank{rank}": pack(self.value.state_dict(include_factors=True))}
+
+    def template(self, prefix: str, keys: set[str], old_world: int, rank: int,
+                 world: int) -> dict[str, Any]:
+        if old_world == world:
+            return {f"{prefix}_rank{rank}": b""}
+        return {f"{prefix}_rank{r}": b"" for r in range(old_world)
+                if f"{prefix}_rank{r}" in keys}
+
+    def load(self, prefix: str, loaded: dict[str, Any], old_world: int, rank: int,
+             world: int) -> None:
+        if old_world == world:
+            self.value.load_state_dict(unpack(loaded[f"{prefix}_rank{rank}"]))
+            return
+        states = [unpack(loaded[k]) for k in sorted(loaded) if k.startswith(f"{prefix}_rank")]
+        self.value.load_state_dict(merge_kfac(states))
+
+
+def merge_kfac(states: list[dict[str, Any]]) -> dict[str, Any]:
+    """One dear.KFAC state from every old rank's: the first rank's step count and
+    hyperparameters, each layer's factors from the first rank that holds them, no
+    decompositions (recomputed at the next step)."""
+    if not states:
+        raise ValueError("dear.elastic: the commit holds no dear.KFAC state")
+    merged = {k: v for k, v in states[0].items() if k != "layers"}
+    layers: dict[str, Any] = {}
+    for state in states:
+        for name, layer in (state.get("layers") or {}).items():
+            entry = layers.setdefault(name, {"A": None, "G": None, "A_dec": None,
+                                             "G_dec": None})
+            for which in ("A", "G"):
+                if entry[which] is None and layer.get(which) is not None:
+                    entry[which] = layer[which]
+    if any("layers" in s for s in states):
+        merged["layers"] = layers
+    return merged
+
+
+class StatefulHandler(Handler):
+    """Anything else with state_dict()/load_state_dict() (an LR scheduler, a GradScaler):
+    replicated, synchronized from rank 0."""
+
+    def save(self) -> None:
+        self.saved = _fresh(self.value.state_dict())
+
+    def restore(self) -> None:
+        self.value.load_state_dict(_fresh(self.saved))
+
+    def sync(self) -> None:
+        self.value.load_state_dict(self.ops.broadcast_object(self.value.state_dict(), 0))
+
+    def replicated(self, prefix: str) -> dict[str, Any]:
+        return {prefix: pack(self.value.state_dict())}
+
+    def template(self, prefix: str, keys: set[str], old_world: int, rank: int,
+                 world: int) -> dict[str, Any]:
+        return {prefix: b""}
+
+    def load(self, prefix: str, loaded: dict[str, Any], old_world: int, rank: int,
+             world: int) -> None:
+        self.value.load_state_dict(unpack(loaded[prefix]))
+
+
+def _is_kfac(value: Any) -> bool:
+    from ..kfac import KFAC
+    return isinstance(value, KFAC)
+
+
+def _is_stateful(value: Any) -> bool:
+    return callable(getattr(value, "state_dict", None)) and \
+        callable(getattr(value, "load_state_dict", None)) and not isinstance(value, type)
+
+
+#: (test, handler class), first match wins (get_handler_registry / set_handler_registry).
+Registry = list[tuple[Callable[[Any], bool], type[Handler]]]
+
+_registry: Registry = [
+    (lambda v: isinstance(v, torch.nn.Module), ModelHandler),
+    (lambda v: isinstance(v, torch.optim.Optimizer), OptimizerHandler),
+    (lambda v: isinstance(v, ElasticSampler), SamplerHandler),
+    (_is_kfac, KFACHandler),
+    (_is_stateful, StatefulHandler),
+]
+
+
+def get_handler_registry() -> Registry:
+    return _registry
+
+
+def set_handler_registry(registry: Registry) -> None:
+    global _registry
+    _registry = list(registry)
+
+
+def handler_for(value: Any, ops: Ops) -> Optional[Handler]:
+    for test, cls in _registry:
+        if test(value):
+            return cls(value, ops)
+    return None
+
+
+__all__ = ["Handler", "KFACHandler", "ModelHandler", "OptimizerHandler", "SamplerHandler",
+           "StatefulHandler", "get_handler_registry", "handler_for", "merge_kfac",
+           "set_handler_registry"]
