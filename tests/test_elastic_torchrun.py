@@ -119,6 +119,11 @@ def worker(args: argparse.Namespace) -> None:
         rank, size = dear.rank, dear.size
     import dear.elastic as dear_elastic
     agent = os.environ.get("DEAR_ELASTIC_AGENT", "?")
+    fail = options.get("fail")                  # {"ranks": [...], "step": s}: raise there
+    pause = options.get("pause_in_commit")      # {"rank": r, "step": s}: stop mid-commit
+    in_commit = [False]
+    if pause:
+        _hold_inside_dcp_writes(out, in_commit)
     log_path = out / f"log-{os.getpid()}.jsonl"
 
     def log(kind: str, **fields: Any) -> None:
@@ -164,10 +169,37 @@ def worker(args: argparse.Namespace) -> None:
                 while not (out / f"go-w{size()}-s{state.step}").exists() \
                         and not dear_elastic.stop_requested() and time.monotonic() < end:
                     time.sleep(0.02)
-            state.commit()
+            if fail and rank() in fail["ranks"] and state.step == fail["step"]:
+                raise RuntimeError(f"injected failure of rank {rank()} at step {state.step}")
+            in_commit[0] = bool(pause and rank() == pause["rank"] and state.step == pause["step"]
+                                and not (out / "inside-commit").exists())
+            try:
+                state.commit()
+            except elastic.HostsUpdatedInterrupt:   # raised once the commit is written
+                log("committed", step=state.step)
+                raise
+            log("committed", step=state.step)
 
     train(state)
     log("end", step=state.step, digests=digests(model, optimizer))
+
+
+def _hold_inside_dcp_writes(out: Path, armed: list[bool]) -> None:
+    """Make this rank stop inside a commit, after its files are written and before rank 0
+    can write the commit's metadata (DCP gathers every rank's write results first), until it
+    is killed: a worker lost in the middle of a commit."""
+    import torch.distributed.checkpoint.filesystem as fs
+    original = fs.FileSystemWriter.write_data
+
+    def write_data(self: Any, plan: Any, planner: Any) -> Any:
+        result = original(self, plan, planner)
+        if armed[0]:
+            result.wait()
+            (out / "inside-commit").write_text(str(self.path))
+            time.sleep(120)
+        return result
+
+    fs.FileSystemWriter.write_data = write_data      # type: ignore[method-assign]
 
 
 # ------------------------------------------------------------------------ the driver
@@ -187,12 +219,16 @@ def generations(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if r["event"] == "resume":             # a round: its store's address (a new port
             key = (r["round"], r["world"], r["step"])    # each round) and where it started
             gen = gens.setdefault(key, {"world": r["world"], "start": r["step"], "pids": [],
-                                        "steps": {}, "resume": {}, "end": {}})
+                                        "steps": {}, "resume": {}, "end": {},
+                                        "committed": -1})
             gen["pids"].append(r["pid"])
             gen["resume"][r["rank"]] = r["digests"]
             by_pid[r["pid"]] = gen
         elif r["event"] == "step":
             by_pid[r["pid"]]["steps"].setdefault(r["step"], {})[r["rank"]] = r["idx"]
+        elif r["event"] == "committed":
+            gen = by_pid[r["pid"]]
+            gen["committed"] = max(gen["committed"], r["step"])
         elif r["event"] == "end":
             by_pid[r["pid"]]["end"][r["rank"]] = r["digests"]
     # a round some of whose workers never resumed trained nothing: not a generation
@@ -278,6 +314,10 @@ def check(out: Path, options: dict[str, Any], steps: int) -> list[dict[str, Any]
     assert sorted(last["end"]) == list(range(last["world"])), "the last generation did not end"
     for r, d in last["end"].items():
         assert d == last["end"][0], f"rank {r} differs from rank 0 at the end"
+    for before, after in zip(gens, gens[1:]):          # nothing committed is lost
+        assert after["start"] == max(before["committed"], 0), (
+            f"a generation resumed at step {after['start']}, but the one before it had "
+            f"committed step {before['committed']}")
     hist = history(gens, steps)
     assert len(hist) == steps
     # samples: one epoch, a prefix of its permutation, nothing twice
@@ -360,11 +400,77 @@ def scenario_2_1_2(tmp: Path, options: dict[str, Any], extra_env: Optional[dict[
     return gens
 
 
+def scenario_3_2(tmp: Path, options: dict[str, Any], lost_rank: int,
+                 extra_env: Optional[dict[str, str]] = None) -> list[dict[str, Any]]:
+    """Three nodes; the node of rank `lost_rank` is lost after step 3's commit; the two
+    survivors go on at size 2 from that commit."""
+    steps = 8
+    _hold(tmp, 3, 4)
+    with _cluster(tmp, options, steps, "2:3", extra_env) as cluster:
+        agents = [cluster.start_agent() for _ in range(3)]
+        cluster.wait_for(lambda: _at(tmp, 3, 4, 3), "the three ranks at step 4")
+        lost = agents[_agent_of_rank(tmp, 3, lost_rank)]
+        cluster.kill_agent(lost)
+        _go(tmp, 3, 4)
+        codes = cluster.wait_agents([x for x in agents if x is not lost])
+        assert codes == [0, 0], cluster.logs()
+    assert not cluster.leftovers()
+    gens = check(tmp, options, steps)
+    assert [(g["world"], g["start"]) for g in gens[-2:]] == [(3, 0), (2, 3)], \
+        [(g["world"], g["start"]) for g in gens]
+    return gens
+
+
+def scenario_worker_killed(tmp: Path, options: dict[str, Any],
+                           extra_env: Optional[dict[str, str]] = None) -> list[dict[str, Any]]:
+    """Two nodes; rank 1's worker (not its agent) is killed before step 4's commit: its agent
+    restarts the workers (one of --max-restarts) and the job goes on at the same size."""
+    steps = 8
+    _hold(tmp, 2, 4)
+    with _cluster(tmp, options, steps, "1:2", extra_env) as cluster:
+        agents = [cluster.start_agent() for _ in range(2)]
+        cluster.wait_for(lambda: _at(tmp, 2, 4, 2), "both ranks at step 4")
+        cluster.kill_worker(agents[_agent_of_rank(tmp, 2, 1)])
+        _go(tmp, 2, 4)
+        codes = cluster.wait_agents()
+        assert codes == [0, 0], cluster.logs()
+    assert not cluster.leftovers()
+    gens = check(tmp, options, steps)
+    assert [(g["world"], g["start"]) for g in gens[-2:]] == [(2, 0), (2, 3)], \
+        [(g["world"], g["start"]) for g in gens]
+    return gens
+
+
 def test_2_1_2_node_lost_then_added(tmp_path: Path) -> None:
     gens = scenario_2_1_2(tmp_path, {})
     # lost at step 3 before its commit: resumed from commit 2; the add was planned: the
     # survivor committed step 6 and the pair resumed there, nothing lost
     assert [g["start"] for g in gens[-2:]] == [2, 6], [(g["world"], g["start"]) for g in gens]
+
+
+
+def test_3_2_sharded_adam(tmp_path: Path) -> None:
+    """shard_optimizer_state=True: each survivor reads its new shards of the Adam state from
+    the pieces three ranks wrote; the fault-free reference gathers and re-cuts the whole."""
+    scenario_3_2(tmp_path, {"sharded": True, "adam": True}, lost_rank=2)
+
+
+def test_3_2_int8(tmp_path: Path) -> None:
+    """compression=int8: the residuals (per rank, laid out for 3) are dropped at the change to
+    2, as the reference drops them when it loads a 3-rank state on 2 ranks."""
+    scenario_3_2(tmp_path, {"compression": "int8"}, lost_rank=1)
+
+
+def test_worker_killed_int8_keeps_residuals(tmp_path: Path) -> None:
+    """compression=int8, a restart at the same size: each rank gets its residuals back, so the
+    run equals the reference that never stopped (dropping them would not)."""
+    scenario_worker_killed(tmp_path, {"compression": "int8"})
+
+
+def test_3_2_losing_rank_0_horovod_api(tmp_path: Path) -> None:
+    """The node of rank 0 is lost; hvd.elastic.TorchState / hvd.elastic.run: nothing depended
+    on what only the old rank 0 held."""
+    scenario_3_2(tmp_path, {"api": "horovod"}, lost_rank=0)
 
 
 if __name__ == "__main__":

@@ -141,7 +141,22 @@ class OptimizerHandler(Handler):
             self.value.load_state_dict(_fresh(self.saved))
 
     def sync(self) -> None:
+        """Rank 0's state and hyperparameters on every rank; each rank keeps its own
+        error-feedback residuals (rank 0's state_dict() carries rank 0's, which are not
+        replicated state)."""
+        feedback = self.feedback
+        own = None if feedback is None else feedback.state(self.value.dear_engine)
         self.ops.broadcast_optimizer_state(self.value, 0)
+        if own is not None:
+            self._load_feedback(own)
+
+    def _load_feedback(self, state: dict[str, Any]) -> None:
+        feedback = self.feedback
+        engine = self.value.dear_engine
+        warm = feedback.warm
+        feedback.load(engine, state)
+        if engine.buckets is not None and feedback.warm != warm:
+            engine.relayout(engine.fusion)    # into or out of the warm-up's fp32 buckets
 
     def replicated(self, prefix: str) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -184,13 +199,8 @@ class OptimizerHandler(Handler):
         if feedback is None or f"{prefix}_feedback_steps" not in loaded:
             return
         mine = loaded.get(f"{prefix}_feedback_rank{rank}")
-        state = unpack(mine) if mine is not None else {
-            "steps": unpack(loaded[f"{prefix}_feedback_steps"])}
-        engine = self.value.dear_engine
-        warm = feedback.warm
-        feedback.load(engine, state)
-        if engine.buckets is not None and feedback.warm != warm:
-            engine.relayout(engine.fusion)    # into or out of the warm-up's fp32 buckets
+        self._load_feedback(unpack(mine) if mine is not None else {
+            "steps": unpack(loaded[f"{prefix}_feedback_steps"])})
 
 
 def _copy_sharded(state: Any) -> Any:
