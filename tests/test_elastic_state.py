@@ -413,3 +413,77 @@ def test_a_directory_that_is_not_shared_is_refused(tmp_path: Path) -> None:
                                expect_failure=True)
     for out in outcomes:
         assert isinstance(out, str) and "shared file system" in out, out
+
+
+def _kfac_phase(phase: str, world_before: int) -> dict[str, Any]:
+    """dear.KFAC (mem-opt: each layer's decomposition on its owner only) in an elastic State:
+    "write" trains 3 steps and commits; "read" resumes on this world and takes one step."""
+    from dear.elastic.session import Session
+    dear.init()
+    rank = dear.rank()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    optimizer = dear.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                          model=model)
+    precond = dear.KFAC(model, lr=0.1, inv_update_freq=10, strategy="mem-opt")
+    state = elastic.State(model=model, optimizer=optimizer, precond=precond, step=0)
+    launch = agent_mod.Launch(run_id="unit", restart_count=0, max_restarts=0,
+                              agent_store=False)
+    session = Session(launch, agent_mod.TermWatch(grace=60), "kfac", state.ops)
+    state.attach(session)
+    g = torch.Generator().manual_seed(rank)
+
+    def step() -> None:
+        optimizer.zero_grad()
+        model(torch.randn(4, 6, generator=g)).pow(2).mean().backward()
+        precond.step()
+        optimizer.step()
+
+    session.resume(state)
+    loaded = precond.state_dict(include_factors=True)
+    if phase == "write":
+        for _ in range(3):
+            step()
+            state.step += 1
+            state.commit()
+        loaded = precond.state_dict(include_factors=True)
+    else:
+        step()
+    out = {"loaded": loaded, "after": precond.state_dict(include_factors=True),
+           "params": [p.detach().clone() for p in model.parameters()]}
+    state.attach(None)
+    dear.shutdown()
+    return out
+
+
+def _factors(state: dict[str, Any]) -> dict[str, Any]:
+    return {name: (layer["A"], layer["G"]) for name, layer in state["layers"].items()}
+
+
+@pytest.mark.parametrize("after", [3, 2])
+def test_kfac_factors_carried_and_owners_reassigned(tmp_path: Path, after: int) -> None:
+    """3 ranks commit dear.KFAC; `after` ranks resume. Same size: every rank gets its own
+    state back, decompositions included. Two ranks: every rank gets the factors (equal on
+    every old rank) and no decomposition, which the new owners compute at the next step;
+    the replicas stay equal."""
+    env = {"DEAR_ELASTIC_DIR": str(tmp_path)}
+    before = run_distributed(_kfac_phase, 3, "write", 3, env=env, timeout=120)
+    resumed = run_distributed(_kfac_phase, after, "read", 3, env=env, timeout=120)
+    for r, out in enumerate(resumed):
+        assert out["loaded"]["steps"] == before[0]["loaded"]["steps"] == 3
+        for name, (a, g) in _factors(before[0]["loaded"]).items():
+            got_a, got_g = _factors(out["loaded"])[name]
+            assert torch.equal(got_a, a) and torch.equal(got_g, g), name
+        for name, layer in out["loaded"]["layers"].items():
+            old = before[r]["loaded"]["layers"][name] if after == 3 else None
+            for key in ("A_dec", "G_dec"):
+                if old is None:
+                    assert layer[key] is None, (name, key)
+                elif old[key] is None:
+                    assert layer[key] is None
+                else:
+                    assert all((v is None and layer[key][k] is None)
+                               or torch.equal(layer[key][k], v) for k, v in old[key].items())
+        assert any(layer["A_dec"] is not None for layer in out["after"]["layers"].values())
+        for p, q in zip(out["params"], resumed[0]["params"]):
+            assert torch.equal(p, q)

@@ -90,6 +90,12 @@ class Launch:
 
 
 # ---------------------------------------------------------------------------------- SIGTERM
+def agent_alive(agent: int) -> bool:
+    """Whether the agent that started this worker is still its parent (a worker whose agent
+    died is re-parented: its node left the job, and it must stop at the next commit)."""
+    return os.getppid() == agent
+
+
 class TermWatch:
     """SIGTERM as a request to stop at the next commit. The C-level handler wakes a thread
     through `signal.set_wakeup_fd` even while the main thread is blocked in a collective, so
@@ -191,6 +197,7 @@ class Rendezvous:
     launcher, another backend), and the worker then relies on SIGTERM alone."""
 
     def __init__(self, endpoint: str, run_id: str, timeout: float = 5.0) -> None:
+        self.agent = os.getppid()
         self.endpoint = endpoint
         self.run_id = run_id
         self.timeout = timeout
@@ -254,8 +261,8 @@ class Rendezvous:
         state = self.state()
         if state is None:
             return None, True
-        agent = os.getppid()
-        member = not state.complete or any(node.pid == agent for node in state.participants)
+        member = not state.complete or any(node.pid == self.agent
+                                           for node in state.participants)
         return len(state.wait_list), member
 
 
@@ -332,5 +339,5 @@ def exit_for_change(term: TermWatch, nodes_waiting: Optional[int]) -> NoReturn:
     os._exit(EXIT_RESTART)
 
 
-__all__ = ["EXIT_RESTART", "EXIT_TERM", "Launch", "Rendezvous", "TermWatch",
+__all__ = ["EXIT_RESTART", "EXIT_TERM", "Launch", "Rendezvous", "TermWatch", "agent_alive",
            "exit_after_failure", "exit_for_change"]

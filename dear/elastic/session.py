@@ -9,10 +9,11 @@ next commit's number, whether this generation follows a restart.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import TYPE_CHECKING, Optional
 
-from .agent import Launch, Rendezvous, TermWatch
+from .agent import Launch, Rendezvous, TermWatch, agent_alive
 from .commit import CommitDir, default_directory, pack
 from .ops import Ops
 
@@ -33,6 +34,7 @@ class Session:
         self.term = term
         self.ops = ops
         self.rendezvous = rendezvous
+        self.agent = os.getppid()
         self.directory = CommitDir(default_directory(launch.run_id), scope)
         self.next_commit = 0
         self.resumed_from: Optional[int] = None
@@ -104,10 +106,14 @@ class Session:
         """(stop: SIGTERM came, or this node was dropped from the rendezvous; nodes waiting
         to join, None where the rendezvous cannot be read)."""
         stop = self.term.requested.is_set()
+        if not agent_alive(self.agent):
+            log.warning("dear.elastic: torchrun's agent of this node died: stopping at this "
+                        "commit")
+            stop = True
         if self.rendezvous is None:
             return stop, None
         waiting, member = self.rendezvous.read()
-        if not member:
+        if not member and not stop:
             log.warning("dear.elastic: this node's agent is no longer in torchrun's rendezvous "
                         "(its heartbeat was late; the others go on without it): stopping")
         return stop or not member, waiting
