@@ -23,7 +23,7 @@ import re
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 import torch
 
@@ -61,6 +61,24 @@ def unpack(data: Any) -> Any:
     return torch.load(io.BytesIO(bytes(data)), weights_only=False)
 
 
+def nested_template(keys: Mapping[str, Any], prefix: str) -> dict[str, Any]:
+    """What DCP fills back for every item under `prefix` (`prefix.a.b` -> out["a"]["b"]):
+    empty tensors of the committed size and dtype, placeholders for objects. So a template
+    needs nothing from the live object: an optimizer without state yet reads its state."""
+    out: dict[str, Any] = {}
+    for key, meta in keys.items():
+        if not key.startswith(prefix + "."):
+            continue
+        *path, leaf = key[len(prefix) + 1:].split(".")
+        node = out
+        for part in path:
+            node = node.setdefault(part, {})
+        size = getattr(meta, "size", None)
+        node[leaf] = b"" if size is None else torch.empty(
+            tuple(size), dtype=meta.properties.dtype)
+    return out
+
+
 class CommitDir:
     """One scope's commits (each decorated function gets its own scope)."""
 
@@ -93,11 +111,12 @@ class CommitDir:
         self.path.mkdir(parents=True, exist_ok=True)
         (self.path / FINISHED).write_text("the decorated function returned on every rank\n")
 
-    def keys(self, n: int) -> set[str]:
-        """The (flattened) keys commit `n` holds, from its metadata alone (no collective)."""
+    def keys(self, n: int) -> dict[str, Any]:
+        """Commit n's items by (flattened) key, each with what DCP knows of it (a tensor's size
+        and dtype, or that it is an object), from its metadata alone (no collective)."""
         from torch.distributed.checkpoint import FileSystemReader
         metadata = FileSystemReader(str(self.commit_path(n))).read_metadata()
-        return set(metadata.state_dict_metadata)
+        return dict(metadata.state_dict_metadata)
 
     def write(self, n: int, state: dict[str, Any]) -> None:
         """Every rank: commit `state` as number n (complete once this returns anywhere)."""
@@ -129,4 +148,4 @@ class CommitDir:
         return complete[-1] if complete else None
 
 
-__all__ = ["CommitDir", "default_directory", "pack", "unpack"]
+__all__ = ["CommitDir", "default_directory", "nested_template", "pack", "unpack"]

@@ -14,11 +14,11 @@ back only by the rank that takes its place at the same world size).
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 
-from .commit import pack, unpack
+from .commit import nested_template, pack, unpack
 from .ops import Ops
 from .sampler import ElasticSampler
 
@@ -53,9 +53,9 @@ class Handler:
         """Items that are this rank's only."""
         return {}
 
-    def template(self, prefix: str, keys: set[str], old_world: int, rank: int,
+    def template(self, prefix: str, keys: Mapping[str, Any], old_world: int, rank: int,
                  world: int) -> dict[str, Any]:
-        """What to read back from a commit made on `old_world` ranks (`keys`: its items)."""
+        """What to read back from a commit made on `old_world` ranks (`keys`: its items by key)."""
         return {}
 
     def load(self, prefix: str, loaded: dict[str, Any], old_world: int, rank: int,
@@ -82,7 +82,7 @@ class ModelHandler(Handler):
     def replicated(self, prefix: str) -> dict[str, Any]:
         return {prefix: self.value.state_dict()}
 
-    def template(self, prefix: str, keys: set[str], old_world: int, rank: int,
+    def template(self, prefix: str, keys: Mapping[str, Any], old_world: int, rank: int,
                  world: int) -> dict[str, Any]:
         return {prefix: {k: (v.detach().clone() if isinstance(v, torch.Tensor) else v)
                          for k, v in self.value.state_dict().items()}}
@@ -161,7 +161,7 @@ class OptimizerHandler(Handler):
     def replicated(self, prefix: str) -> dict[str, Any]:
         out: dict[str, Any] = {}
         if not self.sharded:
-            out[prefix] = pack(self._without_feedback(self.value.state_dict()))
+            out[prefix] = _as_items(self._without_feedback(self.value.state_dict()))
         elif self._stepped():
             out[prefix] = self._without_feedback(self.value.sharded_state_dict())
         feedback = self.feedback
@@ -173,34 +173,61 @@ class OptimizerHandler(Handler):
         feedback = self.feedback
         if feedback is None:
             return {}
-        return {f"{prefix}_feedback_rank{rank}": pack(feedback.state(self.value.dear_engine))}
+        state = feedback.state(self.value.dear_engine)
+        residuals = {str(i): t.detach() for i, t in state.pop("residuals", {}).items()}
+        return {f"{prefix}_feedback_rank{rank}": {"meta": pack(state), "residuals": residuals}}
 
-    def template(self, prefix: str, keys: set[str], old_world: int, rank: int,
+    def template(self, prefix: str, keys: Mapping[str, Any], old_world: int, rank: int,
                  world: int) -> dict[str, Any]:
         out: dict[str, Any] = {}
         if not self.sharded:
-            out[prefix] = b""
+            out[prefix] = nested_template(keys, prefix)
         elif any(k.startswith(prefix + ".") for k in keys):   # committed after a step
             out[prefix] = self._without_feedback(self.value.sharded_state_dict())
         if self.feedback is not None and f"{prefix}_feedback_steps" in keys:
             out[f"{prefix}_feedback_steps"] = b""
             mine = f"{prefix}_feedback_rank{rank}"
-            if old_world == world and mine in keys:
-                out[mine] = b""
+            if old_world == world and f"{mine}.meta" in keys:
+                out[mine] = nested_template(keys, mine)
         return out
 
     def load(self, prefix: str, loaded: dict[str, Any], old_world: int, rank: int,
              world: int) -> None:
         if not self.sharded:
-            self.value.load_state_dict(unpack(loaded[prefix]))
+            self.value.load_state_dict(_from_items(loaded[prefix]))
         elif prefix in loaded:
             self.value.load_sharded_state_dict(loaded[prefix])
         feedback = self.feedback
         if feedback is None or f"{prefix}_feedback_steps" not in loaded:
             return
         mine = loaded.get(f"{prefix}_feedback_rank{rank}")
-        self._load_feedback(unpack(mine) if mine is not None else {
-            "steps": unpack(loaded[f"{prefix}_feedback_steps"])})
+        if mine is not None:
+            state = unpack(mine["meta"])
+            state["residuals"] = {int(i): t for i, t in mine.get("residuals", {}).items()}
+        else:
+            state = {"steps": unpack(loaded[f"{prefix}_feedback_steps"])}
+        self._load_feedback(state)
+
+
+def _as_items(state: dict[str, Any]) -> dict[str, Any]:
+    """A torch optimizer's state_dict() as DCP items: its state tensors as tensors (DCP
+    writes them as they are: about 4x faster than the same bytes as one object), the rest
+    (param_groups, non-tensor entries) as objects."""
+    per_param = {str(i): {k: (v.detach() if isinstance(v, torch.Tensor) else pack(v))
+                          for k, v in entry.items()}
+                 for i, entry in state.get("state", {}).items()}
+    rest = {k: v for k, v in state.items() if k not in ("state", "param_groups")}
+    return {"state": per_param, "param_groups": pack(state.get("param_groups", [])),
+            "rest": pack(rest)}
+
+
+def _from_items(items: dict[str, Any]) -> dict[str, Any]:
+    """_as_items() read back into torch's state_dict() form."""
+    state = {int(i): {k: (v if isinstance(v, torch.Tensor) else unpack(v))
+                      for k, v in entry.items()}
+             for i, entry in items.get("state", {}).items()}
+    return {**unpack(items["rest"]), "state": state,
+            "param_groups": unpack(items["param_groups"])}
 
 
 def _copy_sharded(state: Any) -> Any:
@@ -236,7 +263,7 @@ class SamplerHandler(Handler):
     def replicated(self, prefix: str) -> dict[str, Any]:
         return {prefix: pack(self.value.state_dict())}
 
-    def template(self, prefix: str, keys: set[str], old_world: int, rank: int,
+    def template(self, prefix: str, keys: Mapping[str, Any], old_world: int, rank: int,
                  world: int) -> dict[str, Any]:
         return {prefix: b""}
 
@@ -264,7 +291,7 @@ class KFACHandler(Handler):
     def own(self, prefix: str, rank: int) -> dict[str, Any]:
         return {f"{prefix}_rank{rank}": pack(self.value.state_dict(include_factors=True))}
 
-    def template(self, prefix: str, keys: set[str], old_world: int, rank: int,
+    def template(self, prefix: str, keys: Mapping[str, Any], old_world: int, rank: int,
                  world: int) -> dict[str, Any]:
         if old_world == world:
             return {f"{prefix}_rank{rank}": b""}
@@ -316,7 +343,7 @@ class StatefulHandler(Handler):
     def replicated(self, prefix: str) -> dict[str, Any]:
         return {prefix: pack(self.value.state_dict())}
 
-    def template(self, prefix: str, keys: set[str], old_world: int, rank: int,
+    def template(self, prefix: str, keys: Mapping[str, Any], old_world: int, rank: int,
                  world: int) -> dict[str, Any]:
         return {prefix: b""}
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import queue
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Optional
 
 from .commit import pack, unpack
 from .errors import HostsUpdatedInterrupt, HostUpdateResult
@@ -128,7 +128,7 @@ class BaseState:
         """What a commit writes for this rank (replicated items and this rank's own)."""
         return {}
 
-    def commit_template(self, keys: set[str], old_world: int, rank: int,
+    def commit_template(self, keys: Mapping[str, Any], old_world: int, rank: int,
                         world: int) -> dict[str, Any]:
         """What to read back from a commit made on `old_world` ranks."""
         return {}
@@ -178,7 +178,7 @@ class ObjectState(BaseState):
     def commit_items(self, rank: int) -> dict[str, Any]:
         return {_OBJECTS: pack(self._saved_state)} if self._saved_state else {}
 
-    def commit_template(self, keys: set[str], old_world: int, rank: int,
+    def commit_template(self, keys: Mapping[str, Any], old_world: int, rank: int,
                         world: int) -> dict[str, Any]:
         return {_OBJECTS: b""} if _OBJECTS in keys else {}
 
@@ -260,7 +260,7 @@ class State(ObjectState):
             out.update(handler.own(prefix, rank))
         return out
 
-    def commit_template(self, keys: set[str], old_world: int, rank: int,
+    def commit_template(self, keys: Mapping[str, Any], old_world: int, rank: int,
                         world: int) -> dict[str, Any]:
         out = super().commit_template(keys, old_world, rank, world)
         for name, handler in self._handlers.items():
