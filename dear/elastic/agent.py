@@ -40,7 +40,7 @@ EXIT_TERM = 143
 EXIT_RESTART = 1
 
 _DEFAULT_GRACE = 25.0           # below the agent's 30 s between SIGTERM and SIGKILL
-_DEFAULT_LEAVE_WAIT = 5.0
+_LEAVE_WAIT = 5.0               # for the agent's SIGTERM, where the rendezvous is unreadable
 
 
 def _seconds(name: str, default: float) -> float:
@@ -328,7 +328,7 @@ def exit_for_change(term: TermWatch, nodes_waiting: Optional[int]) -> NoReturn:
         if nodes_waiting:
             term.wait(term.grace)
         elif nodes_waiting is None:            # the rendezvous is unreadable: wait a little
-            term.wait(_seconds("DEAR_ELASTIC_LEAVE_WAIT", _DEFAULT_LEAVE_WAIT))
+            term.wait(_LEAVE_WAIT)
     if term.requested.is_set():
         _say("dear.elastic: state committed; exiting for torchrun's agent to restart the "
              "workers at the new size")

@@ -106,8 +106,11 @@ def _under_torchrun(func: Callable[..., R], launch: Launch, state: BaseState, ar
         try:
             restarted = session.resume(state)
             if session.finished:
-                log.warning("dear.elastic: %s already returned on every rank (its last commit "
-                            "is marked finished): not training again",
+                log.warning("dear.elastic: %s already returned on every rank in this job (its "
+                            "last commit in %s is marked finished): the state is that commit, "
+                            "and %s is not called again. To train again from the start, "
+                            "remove that directory or give torchrun another --rdzv-id",
+                            getattr(func, "__qualname__", func), session.directory.path,
                             getattr(func, "__qualname__", func))
                 return None
             if restarted:

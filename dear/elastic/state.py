@@ -231,7 +231,16 @@ class State(ObjectState):
             object.__setattr__(self, name, handler.value)
         super().__init__(ops=resolved, **rest)
 
+    def _flush(self) -> None:
+        """dear's optimizers apply their pending update (the last step's, which otherwise
+        lands in the next forward) before the state is read: a commit holds whole steps."""
+        for handler in self._handlers.values():
+            flush = getattr(handler.value, "flush_updates", None)
+            if callable(flush):
+                flush()
+
     def save(self) -> None:
+        self._flush()
         for handler in self._handlers.values():
             handler.save()
         super().save()
@@ -253,6 +262,7 @@ class State(ObjectState):
         object.__setattr__(self, name, value)
 
     def commit_items(self, rank: int) -> dict[str, Any]:
+        self._flush()
         out = super().commit_items(rank)
         for name, handler in self._handlers.items():
             prefix = _HANDLER_PREFIX + name
