@@ -80,10 +80,12 @@ def worker(args: argparse.Namespace) -> None:
                 t0 = time.perf_counter()
                 state.save()                      # the in-memory copy alone, for the split
                 t1 = time.perf_counter()
-                state.commit()
-                t2 = time.perf_counter()
-                log("commit", step=state.step, save_s=t1 - t0, commit_s=t2 - t1,
-                    mb=_state_mb(model, optimizer))
+                try:
+                    state.commit()                # HostsUpdatedInterrupt: after writing
+                finally:
+                    t2 = time.perf_counter()
+                    log("commit", step=state.step, save_s=t1 - t0, commit_s=t2 - t1,
+                        mb=_state_mb(model, optimizer))
 
     train(state)
     log("end", step=state.step)
