@@ -291,6 +291,18 @@ def test_launch_refuses_the_shared_agent_store(monkeypatch: pytest.MonkeyPatch) 
         launch.check()
 
 
+def test_only_launches_that_restart_need_the_store_setting() -> None:
+    from argparse import Namespace
+    static = agent_mod.Launch(run_id="j", restart_count=0, max_restarts=0, agent_store=True)
+    assert not agent_mod.elastic_launch(static, Namespace(nnodes="2"))
+    assert not agent_mod.elastic_launch(static, Namespace(nnodes="2:2"))
+    assert agent_mod.elastic_launch(static, Namespace(nnodes="1:3"))
+    assert agent_mod.elastic_launch(static, None)           # not known: assume it restarts
+    static.check(elastic=False)
+    restarts = agent_mod.Launch(run_id="j", restart_count=0, max_restarts=2, agent_store=True)
+    assert agent_mod.elastic_launch(restarts, Namespace(nnodes="2"))
+
+
 def test_commit_directory_needs_a_job_id(monkeypatch: pytest.MonkeyPatch,
                                          tmp_path: Path) -> None:
     monkeypatch.delenv("DEAR_ELASTIC_DIR", raising=False)

@@ -77,9 +77,11 @@ class Launch:
                       max_restarts=int(env.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0),
                       agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE", "") == "True")
 
-    def check(self) -> None:
-        """Refuse a launch whose restarts cannot work (clear error, what to set)."""
-        if self.agent_store:
+    def check(self, elastic: bool = True) -> None:
+        """Refuse a launch whose restarts cannot work (clear error, what to set). A job whose
+        workers are never restarted (`elastic` False: fixed --nnodes, --max-restarts 0) needs
+        nothing."""
+        if self.agent_store and elastic:
             raise RuntimeError(
                 "dear.elastic under torchrun needs TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in "
                 "torchrun's environment (export it before torchrun, on every node). Without "
@@ -206,20 +208,8 @@ class Rendezvous:
 
     @staticmethod
     def of_parent(run_id: str) -> Optional["Rendezvous"]:
-        try:
-            with open(f"/proc/{os.getppid()}/cmdline", "rb") as fh:
-                argv = [a.decode(errors="replace") for a in fh.read().split(b"\0") if a]
-        except OSError:
-            return None
-        args = _torchrun_args(argv)
-        if args is None:
-            return None
-        try:
-            from torch.distributed.run import get_args_parser
-            parsed, _ = get_args_parser().parse_known_args(args)
-        except SystemExit:
-            return None
-        if parsed.rdzv_backend != "c10d" or not parsed.rdzv_endpoint:
+        parsed = agent_args()
+        if parsed is None or parsed.rdzv_backend != "c10d" or not parsed.rdzv_endpoint:
             return None
         if parsed.rdzv_id != run_id:
             return None
@@ -264,6 +254,34 @@ class Rendezvous:
         member = not state.complete or any(node.pid == self.agent
                                            for node in state.participants)
         return len(state.wait_list), member
+
+
+def agent_args() -> Any:
+    """The agent's (the parent process's) torchrun arguments, parsed by torchrun's own parser
+    (an argparse.Namespace), or None where the parent is not torchrun."""
+    try:
+        with open(f"/proc/{os.getppid()}/cmdline", "rb") as fh:
+            argv = [a.decode(errors="replace") for a in fh.read().split(b"\0") if a]
+    except OSError:
+        return None
+    args = _torchrun_args(argv)
+    if args is None:
+        return None
+    try:
+        from torch.distributed.run import get_args_parser
+        parsed, _ = get_args_parser().parse_known_args(args)
+    except SystemExit:
+        return None
+    return parsed
+
+
+def elastic_launch(launch: "Launch", parsed: Any) -> bool:
+    """Whether this job's workers can be restarted: --max-restarts > 0, or --nnodes MIN:MAX
+    with MIN < MAX (a node joining restarts them). Unknown (another parent): assume so."""
+    if launch.max_restarts > 0 or parsed is None:
+        return True
+    low, _, high = str(getattr(parsed, "nnodes", "1")).partition(":")
+    return bool(high) and high != low
 
 
 def _torchrun_args(argv: list[str]) -> Optional[list[str]]:
@@ -340,4 +358,5 @@ def exit_for_change(term: TermWatch, nodes_waiting: Optional[int]) -> NoReturn:
 
 
 __all__ = ["EXIT_RESTART", "EXIT_TERM", "Launch", "Rendezvous", "TermWatch", "agent_alive",
+           "agent_args", "elastic_launch",
            "exit_after_failure", "exit_for_change"]

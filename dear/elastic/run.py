@@ -26,7 +26,15 @@ import functools
 import logging
 from typing import Any, Callable, Optional, TypeVar
 
-from .agent import Launch, Rendezvous, TermWatch, exit_after_failure, exit_for_change
+from .agent import (
+    Launch,
+    Rendezvous,
+    TermWatch,
+    agent_args,
+    elastic_launch,
+    exit_after_failure,
+    exit_for_change,
+)
 from .errors import HostsUpdatedInterrupt, recoverable
 from .session import Session
 from .state import BaseState
@@ -94,7 +102,7 @@ def _in_process(func: Callable[..., R], reset: Callable[[], None], state: BaseSt
 
 def _under_torchrun(func: Callable[..., R], launch: Launch, state: BaseState, args: tuple,
                     kwargs: dict) -> Optional[R]:
-    launch.check()
+    launch.check(elastic_launch(launch, agent_args()))
     term = TermWatch()
     term.install()
     _active.append(term)
