@@ -97,23 +97,22 @@ class OptimizerHandler(Handler):
     replicated and committed once, whole. With it, each rank commits its own pieces
     (sharded_state_dict(): DCP reads each new rank's pieces from whichever files hold them, so
     the state is resharded to the new size without being gathered anywhere); in memory each rank
-    keeps a copy of its pieces. Quantized compression's error-feedback residuals are per rank:
-    carried when the world size is unchanged (the rank that takes rank r's place gets rank r's),
-    dropped when it changes (their layout and their owners change; see docs/elastic.md)."""
+    keeps a copy of its pieces. Quantized compression's error-feedback residuals (in dear's
+    state_dict(), this rank's) are per rank: carried when the world size is unchanged (the rank
+    that takes rank r's place gets rank r's), dropped when it changes (their layout and their
+    owners change; see docs/elastic.md). With shard_optimizer_state they are dropped at every
+    restore: its sharded_state_dict() holds none."""
 
     def __init__(self, value: Any, ops: Ops) -> None:
         from ..engine.feedback import STATE_KEY
+        from ..interfaces import DearOptimizer
         self.feedback_key = STATE_KEY
+        self.dear = isinstance(value, DearOptimizer)
         super().__init__(value, ops)
 
     @property
     def sharded(self) -> bool:
-        return bool(getattr(self.value, "shard_optimizer_state", False))
-
-    @property
-    def feedback(self) -> Any:
-        engine = getattr(self.value, "dear_engine", None)
-        return None if engine is None else engine.feedback
+        return self.dear and bool(self.value.shard_optimizer_state)
 
     def _without_feedback(self, state: dict[str, Any]) -> dict[str, Any]:
         return {k: v for k, v in state.items() if k != self.feedback_key}
@@ -123,8 +122,7 @@ class OptimizerHandler(Handler):
         sharded_state_dict() would create the state with a step at lr 0 (its template needs
         every key), which counts as a step for Adam's bias correction: nothing is taken from
         it then, and there is nothing to take."""
-        engine = getattr(self.value, "dear_engine", None)
-        return bool(self.value.state) or (engine is not None and engine.buckets is not None)
+        return bool(self.value.state) or (self.dear and self.value.dear_layout is not None)
 
     def save(self) -> None:
         if self.sharded:
@@ -144,69 +142,61 @@ class OptimizerHandler(Handler):
         """Rank 0's state and hyperparameters on every rank; each rank keeps its own
         error-feedback residuals (rank 0's state_dict() carries rank 0's, which are not
         replicated state)."""
-        feedback = self.feedback
-        own = None if feedback is None else feedback.state(self.value.dear_engine)
+        own = None if self.sharded else self.value.state_dict().get(self.feedback_key)
+        own = _fresh(own) if own is not None else None
         self.ops.broadcast_optimizer_state(self.value, 0)
         if own is not None:
-            self._load_feedback(own)
-
-    def _load_feedback(self, state: dict[str, Any]) -> None:
-        feedback = self.feedback
-        engine = self.value.dear_engine
-        warm = feedback.warm
-        feedback.load(engine, state)
-        if engine.buckets is not None and feedback.warm != warm:
-            engine.relayout(engine.fusion)    # into or out of the warm-up's fp32 buckets
+            self.value.load_state_dict({**self.value.state_dict(), self.feedback_key: own})
 
     def replicated(self, prefix: str) -> dict[str, Any]:
-        out: dict[str, Any] = {}
         if not self.sharded:
-            out[prefix] = _as_items(self._without_feedback(self.value.state_dict()))
-        elif self._stepped():
-            out[prefix] = self._without_feedback(self.value.sharded_state_dict())
-        feedback = self.feedback
-        if feedback is not None:
-            out[f"{prefix}_feedback_steps"] = pack(int(feedback.steps))
-        return out
+            return {prefix: _as_items(self._without_feedback(self.value.state_dict()))}
+        return {prefix: self.value.sharded_state_dict()} if self._stepped() else {}
 
     def own(self, prefix: str, rank: int) -> dict[str, Any]:
-        feedback = self.feedback
+        feedback = None if self.sharded else self.value.state_dict().get(self.feedback_key)
         if feedback is None:
             return {}
-        state = feedback.state(self.value.dear_engine)
-        residuals = {str(i): t.detach() for i, t in state.pop("residuals", {}).items()}
-        return {f"{prefix}_feedback_rank{rank}": {"meta": pack(state), "residuals": residuals}}
+        meta = {k: v for k, v in feedback.items() if k != "residuals"}
+        residuals = {str(i): t.detach() for i, t in feedback.get("residuals", {}).items()}
+        return {f"{prefix}_feedback_rank{rank}": {"meta": pack(meta), "residuals": residuals}}
 
     def template(self, prefix: str, keys: Mapping[str, Any], old_world: int, rank: int,
                  world: int) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        if not self.sharded:
-            out[prefix] = nested_template(keys, prefix)
-        elif any(k.startswith(prefix + ".") for k in keys):   # committed after a step
-            out[prefix] = self._without_feedback(self.value.sharded_state_dict())
-        if self.feedback is not None and f"{prefix}_feedback_steps" in keys:
-            out[f"{prefix}_feedback_steps"] = b""
-            mine = f"{prefix}_feedback_rank{rank}"
-            if old_world == world and f"{mine}.meta" in keys:
-                out[mine] = nested_template(keys, mine)
+        if self.sharded:
+            if not any(k.startswith(prefix + ".") for k in keys):   # committed before a step
+                return {}
+            return {prefix: self.value.sharded_state_dict()}
+        out: dict[str, Any] = {prefix: nested_template(keys, prefix)}
+        mine = f"{prefix}_feedback_rank{rank}"
+        if f"{mine}.meta" in keys:
+            out[mine] = nested_template(keys, mine)
+        else:                          # another size: the warm-up count from any rank's
+            other = next((k[:-len(".meta")] for k in sorted(keys)
+                          if k.startswith(f"{prefix}_feedback_rank") and k.endswith(".meta")),
+                         None)
+            if other is not None:
+                out[other] = {"meta": b""}
         return out
 
     def load(self, prefix: str, loaded: dict[str, Any], old_world: int, rank: int,
              world: int) -> None:
-        if not self.sharded:
-            self.value.load_state_dict(_from_items(loaded[prefix]))
-        elif prefix in loaded:
-            self.value.load_sharded_state_dict(loaded[prefix])
-        feedback = self.feedback
-        if feedback is None or f"{prefix}_feedback_steps" not in loaded:
+        if self.sharded:
+            if prefix in loaded:
+                self.value.load_sharded_state_dict(loaded[prefix])
             return
-        mine = loaded.get(f"{prefix}_feedback_rank{rank}")
-        if mine is not None:
-            state = unpack(mine["meta"])
-            state["residuals"] = {int(i): t for i, t in mine.get("residuals", {}).items()}
-        else:
-            state = {"steps": unpack(loaded[f"{prefix}_feedback_steps"])}
-        self._load_feedback(state)
+        state = _from_items(loaded[prefix])
+        entry = next((v for k, v in loaded.items()
+                      if k.startswith(f"{prefix}_feedback_rank")), None)
+        if entry is not None:
+            feedback = unpack(entry["meta"])
+            if old_world == world and feedback.get("rank") == rank:
+                feedback["residuals"] = {int(i): t for i, t in
+                                         entry.get("residuals", {}).items()}
+            else:                      # dropped: the warm-up count only
+                feedback = {"steps": feedback.get("steps", 0)}
+            state[self.feedback_key] = feedback
+        self.value.load_state_dict(state)
 
 
 def _as_items(state: dict[str, Any]) -> dict[str, Any]:
