@@ -142,9 +142,9 @@ def init_in_issue_mode(mode: str = "thread", device: str = "cpu") -> None:
     import torch.distributed as dist
 
     import dear
-    import dear.engine.wrapper
+    import dear.engine.engine
     if mode != "thread":
-        dear.engine.wrapper.issue_mode = lambda params, comm: mode
+        dear.engine.engine.issue_mode = lambda params, comm: mode
     if device == "cuda":
         dist.init_process_group("gloo")
     dear.init()

@@ -206,6 +206,47 @@ class Communicator(abc.ABC):
     def shutdown(self) -> None:
         """Release the group's resources (the backend may own them)."""
 
+    # ---------------------------------------------- a world that changes (Horovod Elastic)
+    @property
+    def elastic(self) -> bool:
+        """The world may change under it while the process lives (Horovod Elastic): ranks
+        leave and join, and Horovod is re-initialised in place (dear/comm/horovod_elastic.py)."""
+        return False
+
+    @property
+    def moved(self) -> bool:
+        """The world changed since the last `rejoin()` (or the start): a collective of it
+        failed, or this rank's rank or the size are not what they were."""
+        return False
+
+    def rejoin(self) -> None:
+        """Every rank, at the same point, after the world changed: its collectives start
+        over (names, failure records) in the world as it is now."""
+
+
+#: Errors of failed collectives that a launcher recovers from in place (Horovod Elastic's
+#: HorovodInternalError, which hvd.elastic.run catches): dear adds its text and keeps the type.
+_recoverable: list[type[BaseException]] = []
+
+
+def register_recoverable(kind: type[BaseException]) -> None:
+    if kind not in _recoverable:
+        _recoverable.append(kind)
+
+
+def collective_error(message: str, cause: BaseException) -> Exception:
+    """dear's error for a failed collective (`raise collective_error(...) from cause`): a
+    RuntimeError, or the cause's own type where that is one a launcher recovers from."""
+    for kind in _recoverable:
+        if isinstance(cause, kind):
+            try:
+                error = type(cause)(message)
+            except Exception:                  # noqa: BLE001 - a constructor of its own
+                break
+            if isinstance(error, Exception):
+                return error
+    return RuntimeError(message)
+
 
 class WrappedCommunicator(Communicator):
     """A communicator around another (`inner`): rank, size and the backend's own extras
@@ -246,6 +287,17 @@ class WrappedCommunicator(Communicator):
 
     def shutdown(self) -> None:
         self.inner.shutdown()
+
+    @property
+    def elastic(self) -> bool:
+        return self.inner.elastic
+
+    @property
+    def moved(self) -> bool:
+        return self.inner.moved
+
+    def rejoin(self) -> None:
+        self.inner.rejoin()
 
 
 def broadcast_object_with(comm: Communicator, obj: Any, root: int) -> Any:

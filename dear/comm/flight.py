@@ -75,6 +75,12 @@ class FlightRecorder:
         # owns the buffers (the optimizers), read only when a report is made.
         self.describers: list[Callable[[int], Optional[str]]] = []
 
+    def restart(self) -> None:
+        """Sequence numbers from 1 again (every rank of a new world restarts them together)."""
+        self._records.clear()
+        self._seq = itertools.count(1)
+        self.issued = self.completed = 0
+
     def record(self, kind: str, tensor: Optional[torch.Tensor]) -> FlightRecord:
         rec = FlightRecord(next(self._seq), kind, tensor)
         self._records.append(rec)
@@ -157,6 +163,18 @@ class FlightChannel:
         self._failure: Optional[str] = None
         self._lock = threading.Lock()
 
+    def restart(self, members: list[int]) -> None:
+        """A new world (Horovod Elastic): sequence numbers from 1 again, no failure yet."""
+        with self._lock:
+            self.members = list(members)
+            self._failure = None
+            self.recorder.restart()
+
+    @property
+    def has_failed(self) -> bool:
+        """A collective of this channel failed (every later one is its consequence)."""
+        return self._failure is not None
+
     def failed(self, rec: FlightRecord, exc: BaseException) -> Exception:
         """The error a failed collective raises: the backend's, and once per channel the report
         of who did not issue it (later failures are its consequences and repeat it)."""
@@ -211,6 +229,16 @@ class RecordedCommunicator(WrappedCommunicator):
     @property
     def recorder(self) -> FlightRecorder:
         return self.channel.recorder
+
+    @property
+    def moved(self) -> bool:
+        return self.channel.has_failed or self.inner.moved
+
+    def rejoin(self) -> None:
+        """The world changed (Horovod Elastic): the backend's collectives start over, and so
+        do the record's sequence numbers and its failure, over the new ranks."""
+        self.inner.rejoin()
+        self.channel.restart(list(range(self.inner.size)))
 
     # -- the collectives, recorded -------------------------------------------------------
     def _recorded(self, kind: str, tensor: torch.Tensor, work: Callable[[], Work]) -> Work:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import os
 import time
 from typing import Any, Callable, Optional, Union
 
@@ -45,6 +46,7 @@ from .base import (
     broadcast_object_with,
     check_all_to_all,
     check_shard_sizes,
+    register_recoverable,
 )
 from .torch_dist import PairwiseExchange
 
@@ -90,6 +92,11 @@ class DataPlane(enum.Enum):
     HOROVOD = "horovod"    # Horovod's alltoall (+ local sum) and allgather
 
 
+def elastic() -> bool:
+    """Launched by horovodrun in elastic mode (--min-np/--max-np/--host-discovery-script)."""
+    return os.environ.get("HOROVOD_ELASTIC") == "1"
+
+
 class HorovodWork(Work):
     def __init__(self, handle: Any, finish: Optional[Callable[[Any], object]] = None,
                  timeout: float = 300.0) -> None:
@@ -105,8 +112,12 @@ class HorovodWork(Work):
         deadline, delay = time.monotonic() + self._timeout, 2e-5
         while not hvd.poll(self.handle):
             if time.monotonic() > deadline:
-                raise TimeoutError(f"Horovod collective not complete after {self._timeout:g} s "
-                                   "(DEAR_TIMEOUT): another rank stalled or died")
+                message = (f"Horovod collective not complete after {self._timeout:g} s "
+                           "(DEAR_TIMEOUT): another rank stalled or died")
+                if elastic():                  # hvd.elastic.run restores and resets on it
+                    from horovod.common.exceptions import HorovodInternalError
+                    raise HorovodInternalError(message)
+                raise TimeoutError(message)
             time.sleep(delay)
             delay = min(2 * delay, 1e-3)
         result = hvd.synchronize(self.handle)
@@ -142,6 +153,20 @@ class HorovodCommunicator(Communicator):
         if data_plane is None:
             from ..config import Config
             data_plane = Config.from_env().horovod_data_plane
+        self._elastic = elastic() and process_set is None
+        if self._elastic:
+            # Horovod re-forms its world in place when ranks leave or join; its own
+            # collectives follow it, a Gloo pair started for the old world would not.
+            if DataPlane(data_plane) is DataPlane.GLOO:
+                log.info("dear: under Horovod Elastic the collectives are Horovod's own "
+                         "(DEAR_HOROVOD_DATA_PLANE=gloo needs a fixed world)")
+            data_plane = DataPlane.HOROVOD
+            from horovod.common.exceptions import HorovodInternalError
+
+            from . import horovod_elastic
+            register_recoverable(HorovodInternalError)   # hvd.elastic.run restores on it
+            horovod_elastic.install()
+        self._joined = (self.rank, self.size)
         self.data_plane = DataPlane(data_plane)
         self._gloo: Optional[gloo_bootstrap.GlooPair] = None
         self._exchange: Optional[PairwiseExchange] = None
@@ -157,6 +182,20 @@ class HorovodCommunicator(Communicator):
     @property
     def rendezvous_store(self) -> Optional[Any]:
         return self._gloo.store if self._gloo is not None else None
+
+    @property
+    def elastic(self) -> bool:
+        return self._elastic
+
+    @property
+    def moved(self) -> bool:
+        return self._elastic and (self.rank, self.size) != self._joined
+
+    def rejoin(self) -> None:
+        """Horovod re-formed its world: collectives are named from 1 again (Horovod matches
+        them by name across ranks, and a new rank starts there)."""
+        self._count = 0
+        self._joined = (self.rank, self.size)
 
     @property
     def rank(self) -> int:

@@ -54,11 +54,16 @@ class BufferBroadcast:
         self._names: list[str] = []
         self._bufs: list[torch.Tensor] = []
         self._ptrs: list[int] = []
-        mine = [(n, tuple(b.shape), str(b.dtype)) for n, b in model.named_buffers()]
         comm.check_dtype(torch.uint8)
         for dtype in {b.dtype for b in model.buffers()}:
             comm.check_dtype(dtype)
-        if comm.size > 1:                      # same buffers everywhere, or the copy corrupts
+        if not comm.elastic:                   # else when the ranks (re)join a world
+            self.check_same(comm)
+
+    def check_same(self, comm: Communicator) -> None:
+        """The same buffers on every rank, or the copy corrupts them (a collective)."""
+        mine = [(n, tuple(b.shape), str(b.dtype)) for n, b in self._model.named_buffers()]
+        if comm.size > 1:
             for r, theirs in enumerate(comm.all_gather_object(mine)):
                 if theirs != mine:
                     raise ValueError(

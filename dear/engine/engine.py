@@ -79,7 +79,6 @@ class Engine:
                  inner_step: Callable[[Any], Any], *, owned_comm: Optional[Communicator] = None,
                  buffer_sync: Optional[BufferBroadcast] = None,
                  sparse: Optional[SparseGradients] = None) -> None:
-        cfg = runtime.config()
         self.opt = opt
         self.comm = comm                    # every collective's (a tracer may swap in a proxy)
         self.owned_comm = owned_comm        # a process set's, shut down with the engine
@@ -90,31 +89,10 @@ class Engine:
         self.passes_needed = options.passes
         self.skip_sync = False              # inside skip_synchronize()
         self.buffer_sync, self.sparse = buffer_sync, sparse
-        self.updates: Updates = ShardedUpdates(ShardedState(comm)) if options.sharded \
-            else Updates()
-        # Which collective goes on the link when (dear/fusion/schedule.py): DeAR's order, or a
-        # plan that also fills backward's idle link time with all-gather chunks. It reads the
-        # engine's communicator, which a tracer may swap for its recording proxy.
-        self.schedule = ScheduleDriver(_comm_of(self), options.planned, cfg.plan_after,
-                                       cfg.chunk_bytes, issue_mode(trained.params, comm),
-                                       cfg.plan_slack, cfg.plan_verify, cfg.plan_contention)
-        if isinstance(self.updates, ShardedUpdates):
-            # Each rank updates its shards and the all-gathers carry parameters, so a chunk
-            # gathered in backward needs its bucket's update first: run early, undone at
-            # step() unless nothing it assumed changed (ShardedUpdates.settle). On the executor
-            # thread (CPU tensors) or, on a GPU, on the chunks' side stream, ordered before
-            # step() by the schedule's drain().
-            if self.schedule.mode is None:
-                self.schedule.paused = True
-            self.schedule.before_gather = _early_updater(self, self.updates)
-        # Quantized compression's warm-up count and residuals (dear/engine/feedback.py)
-        self.feedback = ErrorFeedback(options.compression) \
-            if options.compression.quantizes else None
-        self.autotuner = (make_autotuner(opt, list(zip(trained.names, trained.params)),
-                                         options.autotune, cfg, comm, options.fusion,
-                                         self.schedule, overlap=options.overlap,
-                                         passes_per_step=options.passes)
-                          if options.autotune else None)
+        # What depends on the world (its size, the communicator's state): built again when the
+        # world changes under Horovod Elastic (`rejoin`).
+        self.updates, self.schedule, self.feedback, self.autotuner, self.stream = \
+            self._world_bound()
         # gradient_as_bucket_view: .grad lives in the bucket buffers (dear/fusion/views.py)
         self.views = GradientViews() if options.views else None
         # dear.KFAC's eigenbasis path (dear/kfac/overlap.py): it edits buckets before the
@@ -128,9 +106,6 @@ class Engine:
         # .grad edits whose contents were compared on a GPU: read at a later step() (checks.py)
         self.late_edits = LateEdits()
         self.listeners = Listeners()
-        # One tiny all-gather per iteration checks that the ranks' collectives still pair up
-        # (dear/guards/stream.py); it also carries a digest of the trained parameters.
-        self.stream = StreamCheck(comm)
         self.hooks = Hooks()                # where dear is called from (dear/engine/hooks.py)
         self.hooks.register(self)
         weakref.finalize(self, remove_hooks, self.hooks.handles)
@@ -138,6 +113,40 @@ class Engine:
             log.info("dear: sent as the rows some rank used (row_sparse; DEAR_ROW_SPARSE=off "
                      "sends them whole): %s", ", ".join(trained.names[i]
                                                        for i in sorted(trained.row_sparse)))
+
+    def _world_bound(self) -> tuple[Updates, ScheduleDriver, Optional[ErrorFeedback], Any,
+                                    StreamCheck]:
+        """The parts built for the world as it is: where updates run (sharded state is cut
+        for N), the schedule (planned from this world's link), quantization's residuals, the
+        autotuner's trials, and the stream check (one tiny all-gather per iteration that checks
+        that the ranks' collectives still pair up; it also carries a digest of the trained
+        parameters: dear/guards/stream.py)."""
+        cfg, options, comm = runtime.config(), self.options, self.comm
+        updates: Updates = (ShardedUpdates(ShardedState(comm), keep_committed=options.elastic)
+                            if options.sharded else Updates())
+        # Which collective goes on the link when (dear/fusion/schedule.py): DeAR's order, or a
+        # plan that also fills backward's idle link time with all-gather chunks. It reads the
+        # engine's communicator, which a tracer may swap for its recording proxy.
+        schedule = ScheduleDriver(_comm_of(self), options.planned, cfg.plan_after,
+                                  cfg.chunk_bytes, issue_mode(self.trained.params, comm),
+                                  cfg.plan_slack, cfg.plan_verify, cfg.plan_contention)
+        if isinstance(updates, ShardedUpdates):
+            # Each rank updates its shards and the all-gathers carry parameters, so a chunk
+            # gathered in backward needs its bucket's update first: run early, undone at
+            # step() unless nothing it assumed changed (ShardedUpdates.settle). On the executor
+            # thread (CPU tensors) or, on a GPU, on the chunks' side stream, ordered before
+            # step() by the schedule's drain().
+            if schedule.mode is None:
+                schedule.paused = True
+            schedule.before_gather = _early_updater(self, updates)
+        # Quantized compression's warm-up count and residuals (dear/engine/feedback.py)
+        feedback = ErrorFeedback(options.compression) \
+            if options.compression.quantizes else None
+        autotuner = (make_autotuner(self.opt, list(zip(self.trained.names, self.trained.params)),
+                                    options.autotune, cfg, comm, options.fusion, schedule,
+                                    overlap=options.overlap, passes_per_step=options.passes)
+                     if options.autotune else None)
+        return updates, schedule, feedback, autotuner, StreamCheck(comm)
 
     # -------------------------------------------------------------- reading the state
     @property
@@ -165,6 +174,13 @@ class Engine:
     def fusion(self) -> FusionConfig:
         """The thresholds in force (the autotuner's latest, or the wrap's)."""
         return self.options.fusion if self.layout is None else self.layout.fusion
+
+    @property
+    def postscale(self) -> float:
+        """What each reduced sum is multiplied by: the average's 1 / N (of the world as it is
+        now), times gradient_predivide_factor; 1 for op=Sum."""
+        options = self.options
+        return options.predivide / self.comm.size if options.average else 1.0
 
     @property
     def overlap(self) -> bool:
@@ -260,6 +276,9 @@ class Engine:
     def launch(self) -> None:
         """Start the reduce-scatters of the full buckets, in reduce order (last bucket first)."""
         with scope("dear::launch"):
+            if self._world_moved():            # a removal-only reset skips Horovod's sync
+                self.rejoin()
+                return
             flight.mark("backward", self.step_number)
             buckets = self.buckets
             assert buckets is not None
@@ -279,7 +298,7 @@ class Engine:
                 self.updates.launched(self, bucket)
                 bucket.start_reduce_scatter(self.comm, self.options.prescale,
                                             self.schedule.submitter())
-                self.schedule.reduce_scatter_submitted(bucket, self.options.postscale)
+                self.schedule.reduce_scatter_submitted(bucket, self.postscale)
                 it.next_launch += 1
 
     # ------------------------------------------------------------- 3. reduce
@@ -313,8 +332,9 @@ class Engine:
                 self.schedule.drain()          # what backward submitted is issued: our turn
             flight.mark_phase("reduced")       # the stream check, clipping's all-reduce
             with scope("dear::wait_reduce_scatter"):
+                postscale = self.postscale
                 for bucket in reversed(buckets):
-                    bucket.finish_reduce_scatter(self.options.postscale)
+                    bucket.finish_reduce_scatter(postscale)
             self.schedule.reduced()
             self.iteration.reduced = True
             self._enter(Phase.REDUCED, "the reduce-scatters' end")
@@ -503,8 +523,12 @@ class Engine:
 
     def flush(self) -> int:
         """Apply every pending update now; returns how many buckets it applied. Issues no
-        collective, so it is safe on one rank alone (dear/guards/model_guard.py, eval, shutdown)."""
+        collective, so it is safe on one rank alone (dear/guards/model_guard.py, eval, shutdown).
+        Under Horovod Elastic, after the world changed, nothing pending can arrive: dropped."""
         if not self.pending.count or self.buckets is None:
+            return 0
+        if self._world_moved():
+            self.abandon_world()
             return 0
         applied = 0
         for bucket in self.buckets:
@@ -618,6 +642,11 @@ class Engine:
         """dear.KFAC's eigenbasis path (the optimizer's dear_attach_transform)."""
         assert self.views is None, "dear.KFAC preconditions after synchronize() with views"
         self.updates.check_transform()
+        if self.options.elastic:
+            raise ValueError("dear.KFAC under Horovod Elastic: its factors, decompositions and "
+                             "owners would have to follow a world that changes in place; run "
+                             "dear.KFAC under torchrun's elastic agent (dear.elastic), which "
+                             "restarts the workers at each change")
         if self.options.compression.quantizes:
             raise ValueError(
                 f"dear.KFAC's eigenbasis path rotates the gradients before the reduce-scatter, "
@@ -677,6 +706,61 @@ class Engine:
         self.pending.count = 0
         self.end_iteration()                   # nothing is REDUCING now: it waits for nothing
         return len(buckets)
+
+    # ------------------------------------------------------------- a world that changed
+    def abandon_world(self, keep_state: bool = True) -> None:
+        """The world this engine was built for is gone (Horovod Elastic: a collective of it
+        failed, or Horovod re-formed it): whatever waits on it is dropped without waiting, the
+        same on every rank: the pending update, the iteration, the layout (cut for the old N).
+        The optimizer state stays whole in the optimizer; sharded, it is the last commit's
+        (`keep_state` False: the caller loads a commit itself). Local: no collective."""
+        with contextlib.suppress(Exception):  # the collective thread's failed issues
+            self.schedule.drain()
+        for bucket in self.buckets or ():
+            bucket.reset()
+        if not self.updates.abandon(self) and keep_state:
+            raise RuntimeError(
+                "dear: the world changed (Horovod Elastic) after shard_optimizer_state's "
+                "shards were updated past the last commit, and the shards of the ranks that "
+                "left are gone with them: no whole optimizer state is left to go on from. "
+                "Commit (state.commit()) after every step before checking for host updates, "
+                "so that a reset resumes from the commit")
+        self.updates.clear()
+        self.pending = Pending()
+        self.late_edits = LateEdits()
+        self.layout = None
+        self.learned = ForwardOrder()
+        self.iteration = Iteration.start(len(self.params))
+        self.phase = Phase.LEARNING
+        if self.views is not None:
+            self.views = GradientViews()
+        self.bind_hooks()
+        self.hook_modules()
+
+    def rejoin(self) -> None:
+        """Every rank, at the same point, once the world changed (Horovod Elastic's sync, or the
+        first collective after a re-formed world): this engine starts over in the world as it
+        is now. What was cut for the old world is dropped (`abandon_world`), what depends on it
+        is built again (the schedule is planned again, the autotuner tunes again, quantization's
+        residuals start from zero after a warm-up, the stream check counts from 1), the wrap's
+        cross-rank checks run again (a new rank's first), and the next step() lays the buckets
+        out for the new N from rank 0's forward order. The optimizer state stays where it is
+        (the caller loaded the last commit, unsharded)."""
+        self.abandon_world()
+        self.schedule.close()
+        if self.autotuner is not None:
+            self.autotuner.close()
+        self.comm.rejoin()
+        self.updates, self.schedule, self.feedback, self.autotuner, self.stream = \
+            self._world_bound()
+        if self.options.rejoin_checks is not None:
+            self.options.rejoin_checks(self.comm)
+        log.info("dear: rank %d of %d after the world changed; buckets are laid out again at "
+                 "the next step", self.comm.rank, self.comm.size)
+
+    def _world_moved(self) -> bool:
+        """Horovod Elastic re-formed the world since this engine joined it."""
+        return self.options.elastic and self.comm.moved
 
     def _enter(self, phase: Phase, what: str) -> None:
         check_transition(self.phase, phase, what)

@@ -18,7 +18,7 @@ from typing import Any, Iterable, Optional, Sequence, Union
 import torch
 
 from ..comm import runtime
-from ..comm.base import ReduceOp, resolve_op
+from ..comm.base import Communicator, ReduceOp, resolve_op
 from ..comm.compression import Compression
 from ..comm.compression import resolve as resolve_compression
 from ..config import Autotune, auto_threshold, parse_autotune
@@ -229,7 +229,14 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          "does not have: use the torch.distributed backend (dear.init("
                          "backend='torch'), NCCL or Gloo) or Horovod's, or compression="
                          "dear.Compression.fp16")
-    check_same_across_ranks(named, comm)
+    # Under Horovod Elastic a rank that joins a running job wraps while the others wait in
+    # Horovod's sync: the cross-rank checks run when every rank (re)joins (Engine.rejoin).
+    elastic = comm.elastic
+    if elastic and set_comm is not None:
+        raise ValueError("process_set= under Horovod Elastic: the set's ranks would change with "
+                         "the world; average over the whole world (leave process_set out)")
+    if not elastic:
+        check_same_across_ranks(named, comm)
     views = bool(runtime.config().gradient_as_bucket_view
                  if gradient_as_bucket_view is None else gradient_as_bucket_view)
     sharded = bool(runtime.config().shard_optimizer_state
@@ -252,7 +259,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     # now, not rank 0 alone after the first trial.
     output_problem = (autotune_output_problem(runtime.config())
                       if fusion_error is None and tune and comm.rank == 0 else None)
-    check_settings_match({
+    settings = {
         **collective_knobs(runtime.config()), **model_settings(model),
         "autotune output (written by rank 0)": output_problem or "writable",
         "op": op.name, "gradient_predivide_factor": repr(float(gradient_predivide_factor)),
@@ -269,12 +276,21 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                        [[named_index.get(id(p), -1) for p in g]
                         for g in groups]),  # type: ignore[attr-defined]
         "broadcast_buffers": str(broadcast_buffers), "init_sync": str(init_sync),
-    }, comm)
+    }
+
+    def cross_rank_checks(world: Communicator) -> None:
+        check_same_across_ranks(named, world)
+        check_settings_match(settings, world)
+        if buffer_sync is not None:
+            buffer_sync.check_same(world)
+
+    if not elastic:
+        check_settings_match(settings, comm)
     if fusion_error is not None:
         raise fusion_error
     if output_problem is not None:             # a world of one: no exchange raised it
         raise ValueError(f"dear: autotune output on rank 0: {output_problem}")
-    if model is not None and init_sync:
+    if model is not None and init_sync and not elastic:   # elastic: Horovod's sync does it
         broadcast_model(model, comm)
     if overlap_allgather and model is None:
         log.info("dear: no model= given, so all-gathers complete inside step(); pass "
@@ -283,7 +299,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     options = EngineOptions(
         fusion=fusion, compression=compressor, passes=backward_passes_per_step,
         prescale=1.0 / gradient_predivide_factor,
-        postscale=gradient_predivide_factor / comm.size if op is ReduceOp.Average else 1.0,
+        average=op is ReduceOp.Average, predivide=gradient_predivide_factor,
         overlap=overlap_allgather and model is not None, views=views, sharded=sharded,
         sparse_as_dense=sparse_as_dense,
         groups=explicit_groups(groups, {p: i for i, (_, p) in enumerate(named)}),
@@ -291,7 +307,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         row_sparse="off" if sharded else (cfg.row_sparse if row_sparse is None else row_sparse),
         row_sparse_explicit=row_sparse is not None,
         planned=(cfg.schedule if schedule is None else schedule) == "planned",
-        autotune=tune, check_every=cfg.check_every)
+        autotune=tune, check_every=cfg.check_every, elastic=elastic,
+        rejoin_checks=cross_rank_checks if elastic else None)
     # One object: the user's optimizer becomes dear's in place (its class is swapped for a
     # subclass mixing in the data path), so every holder (LR schedulers made before or after,
     # GradScaler, resume code, kfac-pytorch's scheduler) sees the same param_groups and state.

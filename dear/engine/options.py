@@ -4,8 +4,9 @@ them from the arguments and the DEAR_* variables, dear/config.py)."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable, Optional
 
+from ..comm.base import Communicator
 from ..comm.compression import Compressor
 from ..config import Autotune
 from ..fusion.fusion_config import FusionConfig
@@ -17,7 +18,8 @@ class EngineOptions:
     compression: Compressor
     passes: int                       # backward_passes_per_step at the wrap
     prescale: float                   # before the reduce-scatter (1 / gradient_predivide_factor)
-    postscale: float                  # after it (the average's 1 / N, times the predivide factor)
+    average: bool                     # op=Average: the sum is divided by the world's size
+    predivide: float                  # gradient_predivide_factor (the sum is multiplied by it)
     overlap: bool                     # the all-gathers overlap the next forward (model= given)
     views: bool                       # gradient_as_bucket_view
     sharded: bool                     # shard_optimizer_state
@@ -28,6 +30,10 @@ class EngineOptions:
     planned: bool                     # the planned schedule (else DeAR's order)
     autotune: Autotune
     check_every: int                  # DEAR_CHECK_EVERY (dear/engine/checks.py)
+    #: the world may change in place (Horovod Elastic: dear/comm/horovod_elastic.py)
+    elastic: bool = False
+    #: the wrap's cross-rank checks, run again by every rank when it (re)joins a world
+    rejoin_checks: Optional[Callable[[Communicator], None]] = None
 
 
 __all__ = ["EngineOptions"]

@@ -27,6 +27,8 @@ def step(engine: "Engine", closure: Optional[Callable[[], float]] = None,
     if closure is not None:
         raise ValueError("dear.DistributedOptimizer.step() does not take a closure: the "
                          "update is applied later, in the next forward pass")
+    if engine.options.elastic and engine.comm.moved:
+        engine.rejoin()                        # Horovod re-formed the world since the backward
     flight.mark("step", engine.step_number)
     for listener in engine.listeners.steps:    # dear.KFAC learns the loss scale (amp.py)
         listener(grad_scaler)
@@ -100,7 +102,7 @@ def communicate(engine: "Engine", grad_scaler: Optional[Any] = None,
         engine.buffer_sync(rescan=engine.iteration.check_contents)
     # dear/engine/sparse.py: Embedding(sparse=True) weights
     if engine.sparse is not None:
-        engine.sparse.reduce(engine.options.prescale, engine.options.postscale)
+        engine.sparse.reduce(engine.options.prescale, engine.postscale)
     skip = grad_scaler is not None and amp_clip.amp_skips(engine, grad_scaler)
     engine.gather(skip=skip, gradients=gradients)
 
@@ -159,7 +161,7 @@ def _average_outside_layout(engine: "Engine", params: list[torch.nn.Parameter]) 
         flat[:numel].mul_(engine.options.prescale)
         if comm.size > 1:
             comm.all_reduce(flat).wait()
-        flat[:numel].mul_(engine.options.postscale)
+        flat[:numel].mul_(engine.postscale)
         offset = 0
         for k, p in enumerate(group):
             if flat[numel + k].item() > 0:

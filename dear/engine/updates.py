@@ -15,6 +15,7 @@ they assumed changed (`settle`).
 from __future__ import annotations
 
 import collections
+import copy
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import torch
@@ -96,6 +97,11 @@ class Updates:
         for bucket in engine.buckets or ():
             bucket.group_members = None  # type: ignore[attr-defined]
 
+    def abandon(self, engine: "Engine") -> bool:
+        """The world this state was cut for is gone (Horovod Elastic): whether the optimizer
+        holds the whole state now (here it always does)."""
+        return True
+
     def undo_early(self, engine: "Engine") -> None:
         """Nothing runs early."""
 
@@ -143,8 +149,13 @@ class ShardedUpdates(Updates):
     sharded = True
     prints_at_step = False                     # settle() takes them (ShardedState.unwritten)
 
-    def __init__(self, state: ShardedState) -> None:
+    def __init__(self, state: ShardedState, keep_committed: bool = False) -> None:
         self.state = state
+        # Horovod Elastic: the state as the last state_dict() gathered it (a commit), and how
+        # many steps had updated the shards then; what `abandon` falls back on.
+        self._keep_committed = keep_committed
+        self._committed: Optional[tuple[int, dict[Any, dict[str, Any]]]] = None
+        self._steps = 0
 
     def launched(self, engine: "Engine", bucket: Bucket) -> None:
         it = engine.iteration
@@ -207,6 +218,20 @@ class ShardedUpdates(Updates):
 
     def end_step(self) -> None:
         self.state.end_step()
+        self._steps += 1
+
+    def abandon(self, engine: "Engine") -> bool:
+        """The shards were cut for a world that is gone, and some of them with it: the whole
+        state is what the last state_dict() gathered (a commit), if no step updated the shards
+        since (Horovod raises its host update from commit()); else it is lost (False)."""
+        if not self.state.buckets:
+            return True
+        committed = self._committed
+        self.state.clear()
+        if committed is None or committed[0] != self._steps:
+            return False
+        engine.opt.state.update(_copied(committed[1]))  # type: ignore[arg-type]
+        return True
 
     def apply(self, engine: "Engine", bucket: Bucket,
               more: Sequence[Bucket] = ()) -> None:
@@ -253,6 +278,8 @@ class ShardedUpdates(Updates):
         if not self.state.buckets:
             return torch_state_dict()
         full = self.gather_full(engine, "optimizer.state_dict()")
+        if self._keep_committed:
+            self._committed = (self._steps, _copied(full))
         opt = engine.opt
         kept = opt.state
         merged: Any = collections.defaultdict(dict, kept)
@@ -303,6 +330,11 @@ class ShardedUpdates(Updates):
         return (tensor_bytes(self.state.shard_values),
                 sum(tensor_bytes(s.values()) for s in self.state.state.values()),
                 self.state.peak_saved_bytes)
+
+
+def _copied(state: dict[Any, dict[str, Any]]) -> dict[Any, dict[str, Any]]:
+    """Torch's unsharded state with its values copied and its keys (the parameters) kept."""
+    return {p: copy.deepcopy(entry) for p, entry in state.items()}
 
 
 def _used_anywhere(engine: "Engine") -> list[list[bool]]:

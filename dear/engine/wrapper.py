@@ -6,6 +6,7 @@ the user's optimizer class."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
@@ -169,6 +170,25 @@ class _DistributedOptimizer(ExtensionPoints, torch.optim.Optimizer):
         super().load_state_dict(state_dict)
         self._reload_feedback(lambda fb: fb.load(engine, saved))
         engine.updates.loaded(engine)
+
+    # ------------------------------------------------------------ Horovod Elastic's state
+    def dear_elastic_commit(self) -> dict[str, Any]:
+        """What hvd.elastic's commit keeps of this optimizer: state_dict() (every pending update
+        applied first, so a commit sees the applied update, never a pending one), copied."""
+        return copy.deepcopy(self.state_dict())
+
+    def dear_elastic_restore(self, saved: dict[str, Any]) -> None:
+        """After a failed collective, before Horovod re-forms the world: drop what waited on
+        the old one and load the last commit, with no collective."""
+        self.dear_engine.abandon_world(keep_state=False)
+        self.load_state_dict(saved)
+
+    def dear_elastic_rejoin(self, saved: dict[str, Any]) -> None:
+        """Horovod's sync after the world changed (every rank, the same point): start over in
+        the new world. State held in shards of the old world becomes the last commit's, whole,
+        which a reset without a failure follows at once (Horovod raises its host update from
+        commit()); `saved` is that commit (the engine kept its own copy)."""
+        self.dear_engine.rejoin()
 
     def sharded_state_dict(self) -> dict[str, Any]:
         """With shard_optimizer_state: this rank's pieces of the state as ShardedTensors, for

@@ -26,7 +26,14 @@ import torch
 
 from .. import native as _native
 from ..comm import runtime as _runtime
-from ..comm.base import REFUSED_AT_ISSUE, CallbackWork, Communicator, DoneWork, Work
+from ..comm.base import (
+    REFUSED_AT_ISSUE,
+    CallbackWork,
+    Communicator,
+    DoneWork,
+    Work,
+    collective_error,
+)
 from .plan import chunk_columns
 from .planner import BucketSpec
 
@@ -302,12 +309,12 @@ class Bucket:
         except Exception as exc:
             raise self.failure(what, exc) from exc
 
-    def failure(self, what: str, exc: BaseException) -> RuntimeError:
+    def failure(self, what: str, exc: BaseException) -> Exception:
         """The error of a failed collective of this bucket."""
         mb = self.buffer.numel() * self.buffer.element_size() / 2**20
-        return RuntimeError(
+        return collective_error(
             f"dear: {what} of bucket {self.spec.index} ({len(self.params)} parameters, "
-            f"{mb:.2f} MB) failed; another rank probably died or stalled: {exc}")
+            f"{mb:.2f} MB) failed; another rank probably died or stalled: {exc}", exc)
 
     def finish_reduce_scatter(self, postscale: float) -> None:
         """Wait for the reduce-scatter and average this rank's shard, exactly once."""

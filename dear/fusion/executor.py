@@ -15,7 +15,7 @@ from typing import Any, Callable, ContextManager, Optional
 import torch
 
 from ..comm import runtime
-from ..comm.base import Work
+from ..comm.base import Work, collective_error
 
 __all__ = ["CommExecutor", "FutureWork", "close_shared", "issue_pending", "mark_planned",
            "planned_somewhere", "register_driver", "scope", "shared_executor"]
@@ -84,7 +84,8 @@ class CommExecutor:
                 self._cond.wait()
             error, self._error = self._error, None
         if error is not None:
-            raise RuntimeError(f"dear: a collective failed in the executor: {error}") from error
+            raise collective_error(f"dear: a collective failed in the executor: {error}",
+                                   error) from error
 
     @property
     def idle(self) -> bool:

@@ -30,7 +30,7 @@ from typing import Callable, Optional, Sequence, Union
 
 import torch
 
-from ..comm.base import Communicator, DoneWork, Work
+from ..comm.base import Communicator, DoneWork, Work, collective_error
 from .bucket import Bucket, Stage
 from .planner import BucketSpec
 
@@ -82,9 +82,9 @@ class RowSparseBucket(Bucket):
         try:
             comm.all_reduce(marks).wait()
         except Exception as exc:
-            raise RuntimeError(
+            raise collective_error(
                 f"dear: the row-sparse exchange of bucket {self.spec.index} failed; another "
-                f"rank probably died or stalled: {exc}") from exc
+                f"rank probably died or stalled: {exc}", exc) from exc
         index = marks.nonzero().view(-1)
         self.sent_rows = int(index.numel())
         if self.sent_rows == self.rows:        # every row: the table and its flag, in place

@@ -16,7 +16,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..comm.base import Communicator, Work
+from ..comm.base import Communicator, Work, collective_error
 
 _FIELDS = ("step", "backward passes before it", "trained parameters (digest)")
 
@@ -66,10 +66,10 @@ class StreamCheck:
         try:
             work.wait()
         except Exception as exc:
-            raise RuntimeError(
+            raise collective_error(
                 f"dear: the stream check of step() #{self.steps} (a tiny all-gather issued "
                 f"after {self._after or 'its reduce-scatters'}) failed; another rank probably "
-                f"died or stalled: {exc}") from exc
+                f"died or stalled: {exc}", exc) from exc
         rows = table.view(self._comm.size, 4).tolist()
         self.everyone_used = all(r[3] for r in rows)
         rows = [r[:3] for r in rows]

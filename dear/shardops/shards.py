@@ -14,7 +14,7 @@ from typing import Sequence
 
 import torch
 
-from ..comm.base import Communicator
+from ..comm.base import Communicator, collective_error
 from ..fusion.bucket import Bucket
 
 
@@ -36,8 +36,8 @@ def gather_small(comm: Communicator, values: torch.Tensor, what: str) -> torch.T
     try:
         comm.all_gather(values.contiguous(), out).wait()
     except Exception as exc:
-        raise RuntimeError(f"dear: all-gather of {what} failed; another rank probably died or "
-                           f"stalled: {exc}") from exc
+        raise collective_error(f"dear: all-gather of {what} failed; another rank probably "
+                               f"died or stalled: {exc}", exc) from exc
     return out.view(comm.size, -1)
 
 
