@@ -45,7 +45,7 @@ def test_fewer_than_min_nodes_ends_the_job_naming_the_cause(tmp_path: Path) -> N
     with _cluster(tmp_path, {}, 8, "2:3") as cluster:
         cluster.rdzv_conf["join_timeout"] = 8
         a, b = cluster.start_agent(), cluster.start_agent()
-        cluster.wait_for(lambda: _at(tmp_path, 2, 3, 2), "both ranks at step 3")
+        cluster.wait_for(lambda: _at(tmp_path, 2, 3, 2), "both ranks at their 3rd step")
         lost = [a, b][_agent_of_rank(tmp_path, 2, 1)]
         survivor = a if lost is b else b
         cluster.kill_agent(lost)
@@ -70,7 +70,7 @@ def test_failing_again_and_again_hits_the_reset_limit(tmp_path: Path, ranks: lis
         cluster.start_agent()
         cluster.start_agent()
         codes = cluster.wait_agents()
-        logs = cluster.logs()
+        logs = "".join(a.log.read_text(errors="replace") for a in cluster.agents)
     assert all(code != 0 for code in codes), codes
     assert f"injected failure of rank {ranks[0]} at step 3" in logs
     gens = generations(read_logs(tmp_path))
@@ -84,7 +84,7 @@ def test_worker_lost_in_the_middle_of_a_commit(tmp_path: Path) -> None:
     not: that commit is incomplete, the job resumes from step 3's and ends equal to the
     fault-free reference."""
     options = {"pause_in_commit": {"rank": 1, "step": 4}}
-    with _cluster(tmp_path, options, 8, "1:2") as cluster:
+    with _cluster(tmp_path, options, 8, "2:2") as cluster:
         agents = [cluster.start_agent(), cluster.start_agent()]
         cluster.wait_for(lambda: (tmp_path / "inside-commit").exists(), "rank 1 mid-commit")
         partial = Path((tmp_path / "inside-commit").read_text())
