@@ -200,8 +200,8 @@ class OptimizerHandler(Handler):
 
 
 def _as_items(state: dict[str, Any]) -> dict[str, Any]:
-    """A torch optimizer's state_dict() as DCP items: its state tensors as tensors (DCP
-    writes them as they are: about 4x faster than the same bytes as one object), the rest
+    """A torch optimizer's state_dict() as DCP items: its state tensors as tensors (DCP writes
+    them as they are, where one pickled object of the same bytes is pickled twice), the rest
     (param_groups, non-tensor entries) as objects."""
     per_param = {str(i): {k: (v.detach() if isinstance(v, torch.Tensor) else pack(v))
                           for k, v in entry.items()}
