@@ -190,6 +190,13 @@ class Config:
     #: that move autograd's version counter are seen in every iteration either way)
     #: (DEAR_CHECK_EVERY).
     check_every: int = 16
+    #: elastic training (docs/elastic.md): where commits go, on storage every node reads
+    #: (DEAR_ELASTIC_DIR; unset: a folder under the temp dir named after torchrun's run id,
+    #: one machine only)
+    elastic_dir: str = ""
+    #: seconds a worker asked to stop (torchrun's agent's SIGTERM) waits for its next commit
+    #: before it exits, below the agent's 30 s before SIGKILL (DEAR_ELASTIC_GRACE)
+    elastic_grace: float = 25.0
 
     _ENV: ClassVar[dict[str, tuple[str, Callable[[str], Any]]]] = {
         "fusion_threshold": ("DEAR_FUSION_THRESHOLD", _parse_bytes),
@@ -224,6 +231,8 @@ class Config:
         "mpi_progress_interval": ("DEAR_MPI_PROGRESS_INTERVAL", _parse_finite),
         "log_level": ("DEAR_LOG_LEVEL", str),
         "native": ("DEAR_NATIVE", _parse_bool),
+        "elastic_dir": ("DEAR_ELASTIC_DIR", str),
+        "elastic_grace": ("DEAR_ELASTIC_GRACE", _parse_finite),
     }
 
     def __post_init__(self) -> None:
@@ -236,6 +245,9 @@ class Config:
                                  f"got {getattr(self, name)}")
         if self.timeout <= 0:
             raise ValueError(f"timeout (DEAR_TIMEOUT) must be > 0 seconds, got {self.timeout}")
+        if not (math.isfinite(self.elastic_grace) and self.elastic_grace > 0):
+            raise ValueError("elastic_grace (DEAR_ELASTIC_GRACE) must be a positive number of "
+                             f"seconds, got {self.elastic_grace}")
         start, _, stop = self.trace_iterations.partition(":")
         if not (start.strip().isdigit() and stop.strip().isdigit() and int(stop) > int(start)):
             raise ValueError(f"trace_iterations must be START:STOP with 0 <= START < STOP, "

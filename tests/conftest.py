@@ -47,7 +47,8 @@ SLOW: frozenset[str] = frozenset({
     "test_tuner", "test_horovod_api", "test_lint", "test_grad_contract", "test_horovod",
     "test_row_sparse", "test_autotune_offline", "test_lightning", "test_mpi", "test_optimizer",
     "test_schedule", "test_hang_report", "test_huggingface", "test_grad_views",
-    "test_kfac_distributed", "test_comm", "test_launch", "test_join", "test_horovod_elastic"})
+    "test_kfac_distributed", "test_comm", "test_launch", "test_join", "test_horovod_elastic",
+    "test_elastic_torchrun", "test_elastic_faults"})
 
 
 # test_fault_timing: a rank of a 2-rank fault test descheduled for DEAR_TIMEOUT (3 s) beside

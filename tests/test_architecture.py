@@ -33,7 +33,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("dear.shardops",),                   # work on the reduced shards
     ("dear.sharding",),                   # shard_optimizer_state
     ("dear.engine",),                     # the optimizer and its data path
-    ("dear.kfac", "dear.horovod", "dear.lightning", "dear.huggingface"),
+    ("dear.kfac", "dear.horovod", "dear.lightning", "dear.huggingface", "dear.elastic"),
     ("dear", "dear.info", "dear.testing", "dear.cluster"),
 ]
 

@@ -667,3 +667,40 @@ def test_a_dead_peer_fails_the_quantized_exchange_clearly():
     assert isinstance(message, str) and message != "no error", message
     assert message.startswith("dear: "), message
     assert "failed; another rank probably died or stalled" in message, message
+
+
+def _broadcast_keeps_residuals() -> dict:
+    import logging
+    dear.init()
+    rank, world = dear.rank(), dear.size()
+    model = make_net()
+    opt = dear.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                                    model=model, fusion_threshold=2048,
+                                    compression=dear.Compression.quantized(bits=8,
+                                                                           block_size=16))
+    for step in range(3):
+        opt.zero_grad()
+        x, y = batch(step, world, rank)
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+    before = opt.state_dict()["dear_error_feedback"]["residuals"]
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("dear").addHandler(handler)
+    dear.broadcast_optimizer_state(opt, root_rank=0)
+    after = opt.state_dict()["dear_error_feedback"]
+    out = {"same": all(torch.equal(before[i], after["residuals"][i]) for i in before),
+           "nonzero": any(t.abs().max() > 0 for t in before.values()),
+           "rank": after["rank"], "warnings": [m for m in records if "residual" in m]}
+    dear.shutdown()
+    return out
+
+
+def test_broadcast_optimizer_state_leaves_each_ranks_residuals():
+    """dear.broadcast_optimizer_state gives every rank rank 0's state, but the error-feedback
+    residuals are each rank's own (what its own rounding dropped): every rank keeps its own,
+    with no warning about loading another rank's."""
+    for rank, res in enumerate(run_distributed(_broadcast_keeps_residuals, 2, timeout=120)):
+        assert res["nonzero"] and res["same"] and res["rank"] == rank, res
+        assert not res["warnings"], res["warnings"]

@@ -16,6 +16,10 @@ from typing import Any
 
 import torch
 
+#: the key of a quantizing optimizer's error-feedback residuals in its state_dict(): this
+#: rank's own, never another rank's (dear/engine/feedback.py)
+ERROR_FEEDBACK_KEY = "dear_error_feedback"
+
 
 class Compressor:
     name = "none"

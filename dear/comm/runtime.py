@@ -15,6 +15,7 @@ from ..config import Config
 from ..interfaces import DearOptimizer
 from . import launch
 from .base import Communicator, ReduceOp, resolve_op
+from .compression import ERROR_FEEDBACK_KEY
 from .flight import FlightChannel, RecordedCommunicator, mark_phase
 from .hang import HangReporter, out_of_band_store
 from .local import LocalCommunicator
@@ -330,8 +331,9 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
     # Sent with its tensors on the CPU: pickled CUDA tensors would be unpickled onto the root's
     # GPU index on every rank (a CUDA context on GPU 0 for each); load_state_dict() moves each
     # state tensor to its parameter's device.
-    state = comm.broadcast_object(_on_cpu(optimizer.state_dict()) if comm.rank == root_rank
-                                  else None, root_rank)
+    # Quantized compression's error-feedback residuals are each rank's own: not sent.
+    state = comm.broadcast_object(_without_residuals(_on_cpu(optimizer.state_dict()))
+                                  if comm.rank == root_rank else None, root_rank)
     if comm.rank != root_rank:
         # As Horovod: the root's values go into the existing param_groups dicts, so whatever
         # holds them (an LR scheduler, kfac-pytorch's scheduler) keeps seeing the live ones.
@@ -342,6 +344,10 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
             old.update(new)
         groups[:] = dicts
         optimizer.param_groups = groups
+
+
+def _without_residuals(state: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in state.items() if k != ERROR_FEEDBACK_KEY}
 
 
 def _on_cpu(obj: Any) -> Any:

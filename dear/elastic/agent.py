@@ -32,6 +32,8 @@ import traceback
 from dataclasses import dataclass
 from typing import Any, NoReturn, Optional
 
+from ..config import Config
+
 log = logging.getLogger("dear")
 
 #: exit codes: after SIGTERM (as a process killed by it), after a failure or a change the
@@ -39,21 +41,7 @@ log = logging.getLogger("dear")
 EXIT_TERM = 143
 EXIT_RESTART = 1
 
-_DEFAULT_GRACE = 25.0           # below the agent's 30 s between SIGTERM and SIGKILL
 _LEAVE_WAIT = 5.0               # for the agent's SIGTERM, where the rendezvous is unreadable
-
-
-def _seconds(name: str, default: float) -> float:
-    raw = os.environ.get(name, "")
-    if not raw:
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} is not a number of seconds") from None
-    if value <= 0:
-        raise ValueError(f"{name} must be a positive number of seconds, got {raw!r}")
-    return value
 
 
 @dataclass(frozen=True)
@@ -106,8 +94,7 @@ class TermWatch:
     work since the last commit is lost."""
 
     def __init__(self, grace: Optional[float] = None) -> None:
-        self.grace = grace if grace is not None else _seconds("DEAR_ELASTIC_GRACE",
-                                                              _DEFAULT_GRACE)
+        self.grace = grace if grace is not None else Config.from_env().elastic_grace
         self.requested = threading.Event()
         self.received_at: Optional[float] = None
         self.leaving = threading.Event()       # the process is on its way out: no timer exit

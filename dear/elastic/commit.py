@@ -27,6 +27,8 @@ from typing import Any, Mapping, Optional
 
 import torch
 
+from ..config import Config
+
 _COMMIT = re.compile(r"^commit-(\d+)$")
 METADATA = ".metadata"
 FINISHED = "finished"
@@ -35,7 +37,7 @@ KEEP = 2
 
 def default_directory(run_id: str) -> Path:
     """DEAR_ELASTIC_DIR, else `<tmp>/dear-elastic-<run id>` (one machine only)."""
-    given = os.environ.get("DEAR_ELASTIC_DIR", "")
+    given = Config.from_env().elastic_dir
     if given:
         return Path(given)
     if run_id in ("", "none"):

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from ..comm.compression import Compression, Compressor
+from ..comm.compression import ERROR_FEEDBACK_KEY, Compression, Compressor
 from ..fusion.quantized import QuantizedBucket
 
 if TYPE_CHECKING:
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("dear")
 
-STATE_KEY = "dear_error_feedback"
+STATE_KEY = ERROR_FEEDBACK_KEY
 
 
 class ErrorFeedback:

@@ -219,7 +219,7 @@ def explicit_groups(groups: Any, index: dict[torch.nn.Parameter, int]) -> Any:
 #: process drives progress): they may differ across ranks. Every other knob must match.
 _LOCAL_KNOBS = frozenset({"timeout", "trace_iterations", "log_level", "autotune_log", "hang_report",
                           "autotune_out", "fusion_config", "native", "mpi_progress",
-                          "mpi_progress_interval"})
+                          "mpi_progress_interval", "elastic_dir", "elastic_grace"})
 
 
 def collective_knobs(config: Any) -> dict[str, str]:

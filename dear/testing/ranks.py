@@ -15,6 +15,7 @@ traceback or a 'hung' message.
 
 from __future__ import annotations
 
+import copy
 import multiprocessing as mp
 import os
 import socket
@@ -46,6 +47,9 @@ def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, port: int, ou
         "LOCAL_WORLD_SIZE": str(world_size),
     })
     os.environ.update(env)
+    # The arguments arrive in memory the caller and every rank share (torch's multiprocessing):
+    # a rank that keeps one (load_state_dict, say) must not share it with the others.
+    args, kwargs = copy.deepcopy(args), copy.deepcopy(kwargs)
     torch.set_num_threads(1)
     try:
         result = fn(*args, **kwargs)
