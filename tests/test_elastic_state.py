@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import random
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import pytest
 import torch
@@ -23,6 +23,20 @@ from dear.elastic.handlers import merge_kfac
 from dear.testing import run_distributed
 
 APIS = ["dear", "horovod"]
+
+
+@pytest.fixture(autouse=True)
+def _leave_dear_stopped() -> Iterator[None]:
+    """A test that starts dear in this process (hvd.init() at a world of one) stops it, and
+    the process group under it: the next module's tests run in the same worker and start
+    their own."""
+    yield
+    hvd.shutdown()
+    if dear.is_initialized():
+        dear.shutdown()
+    import torch.distributed as dist
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _api(name: str) -> Any:

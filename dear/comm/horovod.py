@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import enum
 import logging
-import os
 import time
 from typing import Any, Callable, Optional, Union
 
@@ -92,11 +91,6 @@ class DataPlane(enum.Enum):
     HOROVOD = "horovod"    # Horovod's alltoall (+ local sum) and allgather
 
 
-def elastic() -> bool:
-    """Launched by horovodrun in elastic mode (--min-np/--max-np/--host-discovery-script)."""
-    return os.environ.get("HOROVOD_ELASTIC") == "1"
-
-
 class HorovodWork(Work):
     def __init__(self, handle: Any, finish: Optional[Callable[[Any], object]] = None,
                  timeout: float = 300.0) -> None:
@@ -114,7 +108,7 @@ class HorovodWork(Work):
             if time.monotonic() > deadline:
                 message = (f"Horovod collective not complete after {self._timeout:g} s "
                            "(DEAR_TIMEOUT): another rank stalled or died")
-                if elastic():                  # hvd.elastic.run restores and resets on it
+                if launch.horovod_elastic():   # hvd.elastic.run restores and resets on it
                     from horovod.common.exceptions import HorovodInternalError
                     raise HorovodInternalError(message)
                 raise TimeoutError(message)
@@ -153,7 +147,7 @@ class HorovodCommunicator(Communicator):
         if data_plane is None:
             from ..config import Config
             data_plane = Config.from_env().horovod_data_plane
-        self._elastic = elastic() and process_set is None
+        self._elastic = launch.horovod_elastic() and process_set is None
         if self._elastic:
             # Horovod re-forms its world in place when ranks leave or join; its own
             # collectives follow it, a Gloo pair started for the old world would not.

@@ -412,6 +412,24 @@ def horovod_hostname(environ: Optional[Mapping[str, str]] = None) -> Optional[st
     return env.get("HOROVOD_HOSTNAME") or None
 
 
+def horovod_elastic(environ: Optional[Mapping[str, str]] = None) -> bool:
+    """Launched by horovodrun in elastic mode (--min-np/--max-np/--host-discovery-script)."""
+    env = os.environ if environ is None else environ
+    return env.get("HOROVOD_ELASTIC") == "1"
+
+
+def torchelastic(environ: Optional[Mapping[str, str]] = None
+                 ) -> Optional[tuple[str, int, int]]:
+    """(run id, restart count, max restarts) that torchrun's agent gave this worker
+    (TORCHELASTIC_*), or None outside torchrun."""
+    env = os.environ if environ is None else environ
+    run_id = env.get("TORCHELASTIC_RUN_ID")
+    if not run_id:
+        return None
+    return (run_id, int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),
+            int(env.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0))
+
+
 __all__ = ["Placement", "agent_store", "detect", "expand_hostlist", "export", "gloo_interface",
-           "horovod_hostname", "launched", "local_rank_given",
-           "process_env", "setup_env", "under_horovodrun"]
+           "horovod_elastic", "horovod_hostname", "launched", "local_rank_given",
+           "process_env", "setup_env", "torchelastic", "under_horovodrun"]

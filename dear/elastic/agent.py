@@ -32,6 +32,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Any, NoReturn, Optional
 
+from ..comm import launch
 from ..config import Config
 
 log = logging.getLogger("dear")
@@ -56,14 +57,12 @@ class Launch:
     @staticmethod
     def detect() -> Optional["Launch"]:
         """This process's launch by torchrun's agent, or None (not under torchrun)."""
-        env = os.environ
-        run_id = env.get("TORCHELASTIC_RUN_ID")
-        if not run_id:
+        given = launch.torchelastic()
+        if given is None:
             return None
-        return Launch(run_id=run_id,
-                      restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),
-                      max_restarts=int(env.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0),
-                      agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE", "") == "True")
+        run_id, restart_count, max_restarts = given
+        return Launch(run_id=run_id, restart_count=restart_count, max_restarts=max_restarts,
+                      agent_store=launch.agent_store())
 
     def check(self, elastic: bool = True) -> None:
         """Refuse a launch whose restarts cannot work (clear error, what to set). A job whose
