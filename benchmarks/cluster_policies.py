@@ -23,6 +23,7 @@ from dear.cluster.experiment import compare
 from dear.cluster.metrics import METRICS
 from dear.cluster.plot import jct_cdf
 from dear.cluster.policies import POLICIES
+from dear.cluster.simulator import RESIZE_S
 from dear.cluster.workload import WORKLOADS, Job, generate, jobs_to_data, load_jobs
 
 NAME = "cluster_policies"
@@ -48,7 +49,7 @@ def main() -> int:
     parser.add_argument("--jobs", type=int, default=500)
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--load", type=float, default=0.9)
-    parser.add_argument("--restart-s", type=float, default=30.0)
+    parser.add_argument("--restart-s", type=float, default=RESIZE_S)
     parser.add_argument("--workloads", default="philly,helios,mixed")
     parser.add_argument("--policies", default=";".join(list(POLICIES) + ["pollux:p=1"]))
     args = parser.parse_args()

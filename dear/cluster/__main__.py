@@ -14,6 +14,7 @@ from .experiment import compare
 from .metrics import METRICS
 from .plot import jct_cdf
 from .policies import POLICIES
+from .simulator import RESIZE_S
 from .workload import WORKLOADS, Job, generate, jobs_to_data, load_jobs
 
 
@@ -39,8 +40,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                      help="run only as given, not also with the early stops removed")
     sim.add_argument("--load", type=float, default=0.9,
                      help="offered load: requested GPU-seconds per second / GPUs")
-    sim.add_argument("--restart-s", type=float, default=30.0,
-                     help="seconds without progress when a job starts or is resized")
+    sim.add_argument("--restart-s", type=float, default=RESIZE_S,
+                     help="seconds without progress when a job starts or is resized (default: "
+                          "dear's measured resize under torchrun's elastic agent)")
     sim.add_argument("--out", required=True, help="directory for results.json/.md, png")
     ex = sub.add_parser("example-jobs", help="write a jobs file generated from a workload")
     ex.add_argument("path")

@@ -9,7 +9,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from .metrics import aggregate, summarize
 from .policies import make_policy
-from .simulator import simulate
+from .simulator import RESIZE_S, simulate
 from .workload import Job
 
 
@@ -29,7 +29,7 @@ def without_early_stop(jobs: Sequence[Job]) -> list[Job]:
 
 
 def compare(make_jobs: Callable[[int], list[Job]], gpus: int, policies: Sequence[str],
-            seeds: Sequence[int], restart_s: float = 30.0, both: bool = True,
+            seeds: Sequence[int], restart_s: float = RESIZE_S, both: bool = True,
             progress: Optional[Callable[[str], None]] = None) -> Comparison:
     """make_jobs(seed) -> jobs (with their early stops). both: also run every seed with the
     stops removed (label 'no early stop'), else only as given (label 'early stop' when any job

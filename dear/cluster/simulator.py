@@ -98,6 +98,12 @@ class SimulationResult:
 _REL = 1e-9
 
 
+#: Seconds a job makes no progress when it starts or is resized, by default: dear's measured
+#: resize under torchrun's elastic agent, a node lost to the first step at the new size
+#: (ResNet-50, 2 ranks: docs/elastic.md#what-it-costs).
+RESIZE_S = 11.0
+
+
 def simulate(jobs: Sequence[Job], gpus: int, policy: Policy, restart_s: float = 0.0,
              record_timeline: bool = False) -> SimulationResult:
     """Run `jobs` on `gpus` workers under `policy` until every job finished or was stopped."""
