@@ -152,12 +152,13 @@ def edited_parameter(engine: "Engine") -> Optional[int]:
     by_contents = _edited_contents(engine)
     if by_contents is not None:
         return by_contents
-    if engine.views is not None and engine.buckets is not None:
-        edited = engine.views.edited(engine.buckets)
+    buckets = () if engine.layout is None else engine.layout.buckets
+    if engine.views is not None and engine.layout is not None:
+        edited = engine.views.edited(buckets)
         if edited is not None:
             return edited
     on_device: dict[int, Fingerprint] = {}     # C++ records of device gradients: see below
-    for bucket in engine.buckets or ():
+    for bucket in buckets:
         ready = bucket.ready
         if ready is not None and bucket.stage is not Stage.GATHERING:
             j = ready.first_edited(bucket.params)

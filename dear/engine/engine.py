@@ -56,6 +56,7 @@ from .options import EngineOptions
 from .params import ParameterSet
 from .sparse import SparseGradients
 from .state import (
+    TRANSITIONS,
     VIEW,
     ForwardOrder,
     Iteration,
@@ -67,6 +68,7 @@ from .state import (
 from .updates import ShardedUpdates, Updates
 
 log = logging.getLogger("dear")
+
 
 class Engine:
     """Buckets, layout, schedule, the iteration in progress and what is pending from step() to
@@ -204,7 +206,10 @@ class Engine:
     # ------------------------------------------------------------------------------ hooks
     def arm_hooks(self) -> None:
         """The C++ hooks' switch for the iteration starting now (dear/engine/hooks.py)."""
-        self.hooks.arm(self.buckets, self.provisional, self.iteration, self.passes_needed)
+        layout = self.layout
+        self.hooks.arm(None if layout is None else layout.buckets,
+                       layout is not None and layout.provisional, self.iteration,
+                       self.passes_needed)
 
     def bind_hooks(self) -> None:
         self.hooks.bind(self.buckets, self.layout.where if self.layout is not None else [])
@@ -276,14 +281,15 @@ class Engine:
     def launch(self) -> None:
         """Start the reduce-scatters of the full buckets, in reduce order (last bucket first)."""
         with scope("dear::launch"):
-            if self._world_moved():            # a removal-only reset skips Horovod's sync
-                self.rejoin()
+            if self.options.elastic and self._world_moved():   # a removal-only reset skips
+                self.rejoin()                                    # Horovod's sync
                 return
             flight.mark("backward", self.step_number)
-            buckets = self.buckets
-            assert buckets is not None
+            assert self.layout is not None
+            buckets = self.layout.buckets
             self._enter(Phase.BACKWARD, "a reduce-scatter's launch")
             it = self.iteration
+            postscale = None
             while it.next_launch < len(buckets):
                 bucket = buckets[len(buckets) - 1 - it.next_launch]
                 # A bucket whose module skipped this forward still holds last step's pending
@@ -298,7 +304,9 @@ class Engine:
                 self.updates.launched(self, bucket)
                 bucket.start_reduce_scatter(self.comm, self.options.prescale,
                                             self.schedule.submitter())
-                self.schedule.reduce_scatter_submitted(bucket, self.postscale)
+                if postscale is None:
+                    postscale = self.postscale
+                self.schedule.reduce_scatter_submitted(bucket, postscale)
                 it.next_launch += 1
 
     # ------------------------------------------------------------- 3. reduce
@@ -314,8 +322,8 @@ class Engine:
         with scope("dear::reduce"):
             if self.layout is None:
                 self.build_layout()
-            buckets = self.buckets
-            assert buckets is not None
+            assert self.layout is not None
+            buckets = self.layout.buckets
             self.flush()                       # buffers are about to be reused
             for bucket in buckets:
                 if self.views is not None:     # zero_grad(set_to_none=True): no gradient
@@ -350,11 +358,12 @@ class Engine:
             return
         self.iteration.stream_verified = True
         issue_pending()                        # every optimizer's backward: ours goes after
-        count = len(self.buckets or ())
+        buckets = () if self.layout is None else self.layout.buckets
+        count = len(buckets)
         digest = self.trained.current_digest(self.opt, self.model, self.iteration.check_contents)
         self.stream.issue(self.had_gradients, digest,
                           f"the reduce-scatters of buckets 0-{count - 1}" if count else "",
-                          all(b.all_used_here for b in self.buckets or ()))
+                          all(b.all_used_here for b in buckets))
 
     # ------------------------------------------------------------- 4. gather
     def gather(self, skip: bool = False, gradients: bool = False) -> None:
@@ -362,8 +371,8 @@ class Engine:
         a GradScaler skips, `skip`, gathers nothing, on every rank). `gradients`: they carry
         the averaged gradients even with shard_optimizer_state (synchronize())."""
         with scope("dear::gather"):
-            buckets = self.buckets
-            assert buckets is not None
+            assert self.layout is not None
+            buckets = self.layout.buckets
             if self.phase is not Phase.REDUCED:
                 check_transition(self.phase, Phase.PENDING, "step()'s all-gathers")
             if not skip:
@@ -394,10 +403,10 @@ class Engine:
         """The iteration's state is dropped (step() ended, or it was abandoned); the next one
         starts, with its checks decided (the same on every rank)."""
         self.updates.undo_early(self)          # none left after a step() that kept them
-        for bucket in self.buckets or ():
+        layout = self.layout
+        for bucket in () if layout is None else layout.buckets:
             if bucket.stage is Stage.REDUCING:  # a skipped step: nothing to gather or apply
                 bucket.drop()
-        layout = self.layout
         if layout is not None and not layout.provisional:
             layout.steps += 1
         check = checks.contents_checked(0 if layout is None else layout.steps,
@@ -525,13 +534,14 @@ class Engine:
         """Apply every pending update now; returns how many buckets it applied. Issues no
         collective, so it is safe on one rank alone (dear/guards/model_guard.py, eval, shutdown).
         Under Horovod Elastic, after the world changed, nothing pending can arrive: dropped."""
-        if not self.pending.count or self.buckets is None:
+        layout = self.layout
+        if not self.pending.count or layout is None:
             return 0
-        if self._world_moved():
+        if self.options.elastic and self._world_moved():
             self.abandon_world()
             return 0
         applied = 0
-        for bucket in self.buckets:
+        for bucket in layout.buckets:
             if bucket.stage is Stage.GATHERING:
                 self.apply(bucket)
                 applied += 1
@@ -605,7 +615,7 @@ class Engine:
     def discard_provisional_layout(self) -> None:
         """After the step() that ran before any forward: its layout is thrown away and the
         next forward's order makes the real one."""
-        if not self.provisional:
+        if self.layout is None or not self.layout.provisional:
             return
         self.updates.unshard(self)
         self.updates.clear()
@@ -759,11 +769,13 @@ class Engine:
                  "the next step", self.comm.rank, self.comm.size)
 
     def _world_moved(self) -> bool:
-        """Horovod Elastic re-formed the world since this engine joined it."""
-        return self.options.elastic and self.comm.moved
+        """Horovod Elastic re-formed the world since this engine joined it (the callers ask
+        only under Horovod Elastic: options.elastic)."""
+        return self.comm.moved
 
     def _enter(self, phase: Phase, what: str) -> None:
-        check_transition(self.phase, phase, what)
+        if phase not in TRANSITIONS[self.phase]:
+            check_transition(self.phase, phase, what)          # raises, naming both
         self.phase = phase
 
     def shutdown(self) -> None:

@@ -77,10 +77,11 @@ def step(engine: "Engine", closure: Optional[Callable[[], float]] = None,
     if engine.sparse is not None:              # their update is applied now (dear/engine/sparse.py)
         engine.stream.settle()
         engine.sparse.apply(engine.opt, grad_scaler)
-    if not engine.overlap or engine.provisional:
+    layout = engine.layout
+    if not engine.options.overlap or layout is None or layout.provisional:
         engine.flush()
     engine.discard_provisional_layout()
-    if engine.autotuner is not None and engine.buckets is not None:
+    if engine.autotuner is not None and engine.layout is not None:
         switch = engine.autotuner.on_step()
         if switch is not None:                 # same step() on every rank
             engine.flush()                     # no bucket may be in flight while re-planned
