@@ -93,13 +93,16 @@ def train(method: Method, model_spec: emulated.ModelSpec, warmup: int, iters: in
         if built.is_dear:
             built.opt.synchronize()                # the last step's updates, before reading
         params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    commits = getattr(built.opt, "commit_s", None)
+    commit = None if commits is None else {"seconds": commits, "mb": built.opt.state_mb()}
     del model
     built.finish()
     return {"times": run.times, "losses": run.losses, "warmup": warmup, "cpu_s": run.cpu_s,
             "wall_s": run.wall_s, "setup_s": setup,
             "teardown_s": time.perf_counter() - started - setup - run.wall_s,
             "machine_busy": run.machine_busy,
-            "loadavg": os.getloadavg()[0], "params": params, "rows_sent": rows_sent}
+            "loadavg": os.getloadavg()[0], "params": params, "rows_sent": rows_sent,
+            "commit": commit}
 
 
 def _plan_warmup(method: Method) -> int:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from benchmarks import emulated, results
 from benchmarks.methods import Method
@@ -70,6 +70,20 @@ def _rows_sent(runs: list[dict[str, Any]]) -> dict[str, tuple[int, float]]:
             for name, (rows, _) in (steps[0].items() if steps else ())}
 
 
+def _commits(per_rank: list[list[dict[str, Any]]]) -> Optional[dict[str, Any]]:
+    """A method that commits (benchmarks.methods' commit=K): each commit's slowest rank, the
+    state one rank copies, ms per MB."""
+    rows = [[run.get("commit") for run in runs] for runs in per_rank]
+    if any(row is None for runs in rows for row in runs):
+        return None
+    seconds = [max(s) for k in range(len(rows[0]))
+               for s in zip(*(runs[k]["seconds"] for runs in rows))]
+    mb = rows[0][0]["mb"]
+    median = statistics.median(seconds) if seconds else float("nan")
+    return {"count": len(seconds), "median_s": median, "max_s": max(seconds, default=None),
+            "state_mb": mb, "ms_per_mb": median * 1e3 / mb if mb else None}
+
+
 def summarize(gathered: list[dict[str, Any]], methods: list[Method],
               model_spec: emulated.ModelSpec, comm: dict[str, float], t_comm: float,
               args: argparse.Namespace) -> dict[str, Any]:
@@ -103,6 +117,10 @@ def summarize(gathered: list[dict[str, Any]], methods: list[Method],
         cpu = statistics.mean(run["cpu_s"] / args.iters for runs in per_rank for run in runs)
         res = {
             "median_s": ph["total"], "q1_s": q[0], "q3_s": q[2],
+            # what a step every K iterations adds shows in the mean, not the median
+            "mean_s": statistics.mean(max(ts) for k in range(len(per_rank[0])) for ts in
+                                      zip(*(runs[k]["times"]["total"] for runs in per_rank))),
+            "commit": _commits(per_rank),
             # per round, each timed iteration's slowest rank: stalls show here, not in medians
             "iters_s": [[max(ts) for ts in zip(*(runs[k]["times"]["total"] for runs in per_rank))]
                         for k in range(len(per_rank[0]))],
@@ -187,6 +205,16 @@ def table(reports: list[dict[str, Any]]) -> tuple[str, str]:
             + (f", TCP {rep['congestion']}" if rep.get("congestion") else "")
             + f"; load average before/after {rep['loadavg_before'][0]:.2f}/"
             f"{rep['loadavg_after'][0]:.2f}" + _overshoot(rep))
+        for label, r in rep["methods"].items():
+            c = r.get("commit")
+            if c and c["count"]:
+                notes.append(
+                    f"- {rep['model']} x{rep['ranks']} {label}: {c['count']} commits of "
+                    f"{c['state_mb']:.0f} MB, median {c['median_s'] * 1e3:.0f} ms (max "
+                    f"{c['max_s'] * 1e3:.0f}), {c['ms_per_mb']:.2f} ms/MB; mean iteration "
+                    f"{r['mean_s'] * 1e3:.0f} ms" + "".join(
+                        f", {other} {o['mean_s'] * 1e3:.0f} ms (x{r['mean_s'] / o['mean_s']:.3f})"
+                        for other, o in rep["methods"].items() if not o.get("commit")))
     return results.markdown_table(headers, rows), "\n".join(notes)
 
 

@@ -20,15 +20,20 @@ none, numbers, else strings. The names (BUILDERS):
   `compression=fp16|int8|int4` (dear.Compression's; `int8-noef`: without error feedback).
 
 Any method takes `clip=NORM`: the averaged gradient clipped to that global norm each step (dear:
-optimizer.clip_grad_norm_, the others torch's clip_grad_norm_). The CPU table's short names are
-ALIASES of these. To add a method, add a function to BUILDERS.
+optimizer.clip_grad_norm_, the others torch's clip_grad_norm_). `dear` takes `commit=K`: every K
+steps a commit of dear.elastic.State(model, optimizer) inside the timed step, as under torchrun
+(a copy in memory, the host check, a torch.distributed.checkpoint write to a temporary
+directory; `commit_to=memory`: the copy and the check only, as under Horovod Elastic). The CPU
+table's short names are ALIASES of these. To add a method, add a function to BUILDERS.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import gc
+import os
 import re
+import time
 from typing import Any, Callable, Optional
 
 import torch
@@ -255,7 +260,11 @@ class Built:
         if self.backend is not None:               # same schedule, another backend's collectives
             dear.shutdown()
             dear.init(backend=self.backend)
+        every = options.pop("commit", None) if method.base == "dear" else None
+        to = options.pop("commit_to", "disk") if method.base == "dear" else None
         self.net, self.opt = BUILDERS[method.base](model, make_opt, options, blocks or _blocks_of)
+        if every is not None:
+            self.opt = Committing(self.opt, model, int(every), to)
 
     @property
     def is_dear(self) -> bool:
@@ -275,6 +284,9 @@ class Built:
 
         if self.is_dear:
             self.opt.synchronize()                 # the last step's updates
+        if isinstance(self.opt, Committing):
+            self.opt.finish()
+            self.opt = self.opt.opt
         release(self.opt)
         self.net = self.opt = None                # type: ignore[assignment]
         gc.collect()
@@ -286,6 +298,77 @@ class Built:
         if self.backend is not None:
             dear.shutdown()
             dear.init(backend="torch")
+
+
+class Committing:
+    """The optimizer's step, then every `every` steps a commit of dear.elastic.State(model,
+    optimizer): what a training loop that commits adds to its iteration. to="disk" commits as
+    under torchrun (in memory, the host check, then a torch.distributed.checkpoint directory
+    every rank writes: one shared temporary directory, removed by finish()); "memory": as under
+    Horovod Elastic. Everything else is the optimizer's."""
+
+    def __init__(self, opt: Any, model: torch.nn.Module, every: int, to: str) -> None:
+        import shutil
+        import tempfile
+
+        from dear.elastic import State
+        from dear.elastic.agent import Launch, TermWatch
+        from dear.elastic.session import Session
+
+        if every < 1 or to not in ("disk", "memory"):
+            raise ValueError(f"commit={every!r}, commit_to={to!r}: commit takes a number of "
+                             "steps (1 or more), commit_to 'disk' or 'memory'")
+        self.opt, self.every, self.steps = opt, every, 0
+        self.state = State(model=model, optimizer=opt)
+        self.commit_s: list[float] = []
+        self.directory: Optional[str] = None
+        if to == "disk":
+            made = [tempfile.mkdtemp(prefix="dear-bench-commit-") if dist.get_rank() == 0
+                    else None]
+            dist.broadcast_object_list(made, src=0)
+            self.directory = made[0]
+            os.environ["DEAR_ELASTIC_DIR"] = self.directory   # read when the session is made
+            try:                                   # torchrun's worker side, without the agent
+                self.state.attach(Session(Launch(run_id="bench", restart_count=0,
+                                                 max_restarts=0, agent_store=False),
+                                          TermWatch(), "bench", self.state.ops))
+            finally:
+                del os.environ["DEAR_ELASTIC_DIR"]
+        self._remove = shutil.rmtree
+
+    def step(self, closure: Any = None) -> Any:
+        out = self.opt.step(closure)
+        self.steps += 1
+        if self.steps % self.every == 0:
+            start = time.perf_counter()
+            self.state.commit()
+            self.commit_s.append(time.perf_counter() - start)
+        return out
+
+    def state_mb(self) -> float:
+        """The bytes of tensors one in-memory commit copies (model and optimizer), in MB."""
+        sizes = [t.numel() * t.element_size() for sd in (self.state.model.state_dict(),
+                                                         self.opt.state_dict())
+                 for t in _tensors(sd)]
+        return sum(sizes) / 1e6
+
+    def finish(self) -> None:
+        dist.barrier()
+        if self.directory is not None and dist.get_rank() == 0:
+            self._remove(self.directory, ignore_errors=True)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.opt, name)
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in _tensors(v)]
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in _tensors(v)]
+    return []
 
 
 def release(opt: Any) -> None:

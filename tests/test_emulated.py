@@ -4,6 +4,7 @@ sleeps instead of using the CPU, and methods that agree with DDP on it."""
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -107,7 +108,8 @@ def test_method_specs() -> None:
     assert emulated_bench.parse_setup("vgg16:2:2gbit:1") == ("vgg16", 2, "2gbit", 1)
 
 
-def _train_methods(labels: list[str]) -> dict[str, tuple[list[float], dict[str, torch.Tensor]]]:
+def _train_methods(labels: list[str]) -> dict[str, tuple[list[float], dict[str, torch.Tensor],
+                                                          Any]]:
     import torch.distributed as dist
 
     import dear
@@ -119,20 +121,24 @@ def _train_methods(labels: list[str]) -> dict[str, tuple[list[float], dict[str, 
         # 8 steps: dear's planned schedule plans after 4 (DEAR_PLAN_AFTER) and runs its plan
         res = emulated_bench.train(methods.parse_method(label), s, warmup=0, iters=8,
                                    batch_size=4, update="full", plan_warmup=False)
-        out[label] = (res["losses"], res["params"])
+        out[label] = (res["losses"], res["params"], res["commit"])
     dear.shutdown()
     return out
 
 
 def test_dear_equals_ddp_on_the_emulated_model_two_ranks() -> None:
+    # commit=K: the elastic-commit cost benchmark's option, which must not change training
     labels = ["ddp", "dear", "dear:fusion_threshold=64KB:first_bucket=16KB", "dear:schedule=dear",
-              "wfbp"]
+              "wfbp", "dear:commit=3", "dear:commit=2:commit_to=memory"]
     per_rank = run_distributed(_train_methods, 2, labels, timeout=100)
     for rank in per_rank:
-        ddp_losses, ddp_params = rank["ddp"]
+        ddp_losses, ddp_params, _ = rank["ddp"]
         assert len(ddp_losses) == 8 and ddp_losses[0] != ddp_losses[-1]
+        assert len(rank["dear:commit=3"][2]["seconds"]) == 2      # steps 3 and 6 of 8
+        assert len(rank["dear:commit=2:commit_to=memory"][2]["seconds"]) == 4
+        assert rank["dear"][2] is None
         for label in labels[1:]:
-            losses, params = rank[label]
+            losses, params, _ = rank[label]
             assert losses == pytest.approx(ddp_losses, rel=1e-5), label
             for name, p in ddp_params.items():
                 torch.testing.assert_close(params[name], p, rtol=1e-5, atol=1e-6,
