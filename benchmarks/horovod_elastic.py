@@ -33,6 +33,8 @@ import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any, Optional  # noqa: E402
 
+from benchmarks.elastic import _events, _state_mb  # noqa: E402  (the same logs)
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -97,23 +99,8 @@ def worker(args: argparse.Namespace) -> None:
     log("end")
 
 
-def _state_mb(model: Any, optimizer: Any) -> float:
-    import torch
-    n = sum(v.numel() * v.element_size() for v in model.state_dict().values()
-            if isinstance(v, torch.Tensor))
-    for entry in optimizer.state.values():
-        n += sum(v.numel() * v.element_size() for v in entry.values()
-                 if isinstance(v, torch.Tensor))
-    return n / 1e6
-
 
 # ------------------------------------------------------------------------------- driver
-def _events(out: Path) -> list[dict[str, Any]]:
-    rows: list[dict[str, Any]] = []
-    for f in out.glob("w*.jsonl"):
-        rows += [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
-    return sorted(rows, key=lambda r: r["t"])
-
 
 def _run(args: argparse.Namespace, out: Path, np: int, discovery: str, *extra: str) -> None:
     script = out / "discover.sh"

@@ -237,15 +237,15 @@ def _copy_sharded(state: Any) -> Any:
     return copy.deepcopy(state)
 
 
-class SamplerHandler(Handler):
-    """An ElasticSampler: epoch and processed count (replicated); sync() takes rank 0's and
-    deals what is left of the epoch to the ranks of the moment."""
+class StatefulHandler(Handler):
+    """Anything else with state_dict()/load_state_dict() (an LR scheduler, a GradScaler):
+    replicated, synchronized from rank 0."""
 
     def save(self) -> None:
         self.saved = _fresh(self.value.state_dict())
 
     def restore(self) -> None:
-        self.value.load_state_dict(self.saved)
+        self.value.load_state_dict(_fresh(self.saved))
 
     def sync(self) -> None:
         self.value.load_state_dict(self.ops.broadcast_object(self.value.state_dict(), 0))
@@ -260,6 +260,11 @@ class SamplerHandler(Handler):
     def load(self, prefix: str, loaded: dict[str, Any], old_world: int, rank: int,
              world: int) -> None:
         self.value.load_state_dict(unpack(loaded[prefix]))
+
+
+class SamplerHandler(StatefulHandler):
+    """An ElasticSampler: epoch and processed count (replicated); sync() takes rank 0's and
+    the sampler's load_state_dict deals what is left of the epoch to the ranks of the moment."""
 
 
 class KFACHandler(Handler):
@@ -315,31 +320,6 @@ def merge_kfac(states: list[dict[str, Any]]) -> dict[str, Any]:
     if any("layers" in s for s in states):
         merged["layers"] = layers
     return merged
-
-
-class StatefulHandler(Handler):
-    """Anything else with state_dict()/load_state_dict() (an LR scheduler, a GradScaler):
-    replicated, synchronized from rank 0."""
-
-    def save(self) -> None:
-        self.saved = _fresh(self.value.state_dict())
-
-    def restore(self) -> None:
-        self.value.load_state_dict(_fresh(self.saved))
-
-    def sync(self) -> None:
-        self.value.load_state_dict(self.ops.broadcast_object(self.value.state_dict(), 0))
-
-    def replicated(self, prefix: str) -> dict[str, Any]:
-        return {prefix: pack(self.value.state_dict())}
-
-    def template(self, prefix: str, keys: Mapping[str, Any], old_world: int, rank: int,
-                 world: int) -> dict[str, Any]:
-        return {prefix: b""}
-
-    def load(self, prefix: str, loaded: dict[str, Any], old_world: int, rank: int,
-             world: int) -> None:
-        self.value.load_state_dict(unpack(loaded[prefix]))
 
 
 def _is_kfac(value: Any) -> bool:
