@@ -474,6 +474,13 @@ def test_worker_killed_int8_keeps_residuals(tmp_path: Path) -> None:
     scenario_worker_killed(tmp_path, {"compression": "int8"})
 
 
+def test_worker_killed_sharded_int8_keeps_residuals(tmp_path: Path) -> None:
+    """The same with shard_optimizer_state=True, whose sharded pieces hold no residuals: each
+    rank's are committed beside them and come back, so the run equals the reference that never
+    stopped."""
+    scenario_worker_killed(tmp_path, {"compression": "int8", "sharded": True})
+
+
 def test_3_2_losing_rank_0_horovod_api(tmp_path: Path) -> None:
     """The node of rank 0 is lost; hvd.elastic.TorchState / hvd.elastic.run: nothing depended
     on what only the old rank 0 held."""

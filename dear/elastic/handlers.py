@@ -100,14 +100,15 @@ class OptimizerHandler(Handler):
     keeps a copy of its pieces. Quantized compression's error-feedback residuals (in dear's
     state_dict(), this rank's) are per rank: carried when the world size is unchanged (the rank
     that takes rank r's place gets rank r's), dropped when it changes (their layout and their
-    owners change; see docs/elastic.md). With shard_optimizer_state they are dropped at every
-    restore: its sharded_state_dict() holds none."""
+    owners change; see docs/elastic.md); with shard_optimizer_state the same, kept beside the
+    sharded pieces (dear_feedback_state(): its sharded_state_dict() holds none)."""
 
     def __init__(self, value: Any, ops: Ops) -> None:
         from ..engine.feedback import STATE_KEY
         from ..interfaces import DearOptimizer
         self.feedback_key = STATE_KEY
         self.dear = isinstance(value, DearOptimizer)
+        self.saved_feedback: Optional[dict[str, Any]] = None    # sharded: kept beside
         super().__init__(value, ops)
 
     @property
@@ -124,17 +125,31 @@ class OptimizerHandler(Handler):
         it then, and there is nothing to take."""
         return bool(self.value.state) or (self.dear and self.value.dear_layout is not None)
 
+    def _load_sharded(self, state: dict[str, Any], feedback_follows: bool) -> None:
+        """The sharded pieces; their error-feedback entry (a warm-up count, no residuals)
+        left out where the rank's own feedback state is loaded next."""
+        if feedback_follows:
+            state = {k: v for k, v in state.items() if k != self.feedback_key}
+        self.value.load_sharded_state_dict(state)
+
+    def _sharded_feedback(self) -> Optional[dict[str, Any]]:
+        return self.value.dear_feedback_state() if self.sharded else None
+
     def save(self) -> None:
         if self.sharded:
             self.saved = _copy_sharded(self.value.sharded_state_dict()) if self._stepped() \
                 else None
+            feedback = self._sharded_feedback()
+            self.saved_feedback = _fresh(feedback) if feedback is not None else None
         else:
             self.saved = _fresh(self.value.state_dict())
 
     def restore(self) -> None:
         if self.sharded:
             if self.saved is not None:     # None: committed before the first step
-                self.value.load_sharded_state_dict(_copy_sharded(self.saved))
+                self._load_sharded(_copy_sharded(self.saved), self.saved_feedback is not None)
+            if self.saved_feedback is not None:
+                self.value.dear_load_feedback_state(_fresh(self.saved_feedback))
         else:                          # torch's load_state_dict may alias what it is given
             self.value.load_state_dict(_fresh(self.saved))
 
@@ -154,7 +169,8 @@ class OptimizerHandler(Handler):
         return {prefix: self.value.sharded_state_dict()} if self._stepped() else {}
 
     def own(self, prefix: str, rank: int) -> dict[str, Any]:
-        feedback = None if self.sharded else self.value.state_dict().get(self.feedback_key)
+        feedback = self._sharded_feedback() if self.sharded else \
+            self.value.state_dict().get(self.feedback_key)
         if feedback is None:
             return {}
         meta = {k: v for k, v in feedback.items() if k != "residuals"}
@@ -163,11 +179,12 @@ class OptimizerHandler(Handler):
 
     def template(self, prefix: str, keys: Mapping[str, Any], old_world: int, rank: int,
                  world: int) -> dict[str, Any]:
+        out: dict[str, Any] = {}
         if self.sharded:
-            if not any(k.startswith(prefix + ".") for k in keys):   # committed before a step
-                return {}
-            return {prefix: self.value.sharded_state_dict()}
-        out: dict[str, Any] = {prefix: nested_template(keys, prefix)}
+            if any(k.startswith(prefix + ".") for k in keys):   # else committed before a step
+                out[prefix] = self.value.sharded_state_dict()
+        else:
+            out[prefix] = nested_template(keys, prefix)
         mine = f"{prefix}_feedback_rank{rank}"
         if f"{mine}.meta" in keys:
             out[mine] = nested_template(keys, mine)
@@ -181,13 +198,9 @@ class OptimizerHandler(Handler):
 
     def load(self, prefix: str, loaded: dict[str, Any], old_world: int, rank: int,
              world: int) -> None:
-        if self.sharded:
-            if prefix in loaded:
-                self.value.load_sharded_state_dict(loaded[prefix])
-            return
-        state = _from_items(loaded[prefix])
         entry = next((v for k, v in loaded.items()
                       if k.startswith(f"{prefix}_feedback_rank")), None)
+        feedback = None
         if entry is not None:
             feedback = unpack(entry["meta"])
             if old_world == world and feedback.get("rank") == rank:
@@ -195,6 +208,14 @@ class OptimizerHandler(Handler):
                                          entry.get("residuals", {}).items()}
             else:                      # dropped: the warm-up count only
                 feedback = {"steps": feedback.get("steps", 0)}
+        if self.sharded:
+            if prefix in loaded:
+                self._load_sharded(loaded[prefix], feedback is not None)
+            if feedback is not None:
+                self.value.dear_load_feedback_state(feedback)
+            return
+        state = _from_items(loaded[prefix])
+        if feedback is not None:
             state[self.feedback_key] = feedback
         self.value.load_state_dict(state)
 

@@ -190,6 +190,21 @@ class _DistributedOptimizer(ExtensionPoints, torch.optim.Optimizer):
         commit()); `saved` is that commit (the engine kept its own copy)."""
         self.dear_engine.rejoin()
 
+    def dear_feedback_state(self) -> Optional[dict[str, Any]]:
+        """Quantized compression's state on this rank (its warm-up count and its residuals,
+        which are per rank), with no collective: what a per-rank commit keeps beside a sharded
+        one, whose sharded_state_dict() holds no residuals. None without error feedback."""
+        engine = self.dear_engine
+        engine.flush()
+        return None if engine.feedback is None else engine.feedback.state(engine)
+
+    def dear_load_feedback_state(self, state: dict[str, Any]) -> None:
+        """Put back what dear_feedback_state() returned: the residuals if they are this rank's
+        of the same world size (else they start from zero, said once)."""
+        engine = self.dear_engine
+        engine.flush()
+        self._reload_feedback(lambda fb: fb.load(engine, state))
+
     def sharded_state_dict(self) -> dict[str, Any]:
         """With shard_optimizer_state: this rank's pieces of the state as ShardedTensors, for
         torch.distributed.checkpoint.save / .load on any world size
