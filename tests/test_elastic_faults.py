@@ -1,11 +1,13 @@
 """The bad cases of elastic training under torchrun's real agent (workers from
 test_elastic_torchrun.py): too few nodes for longer than the rendezvous' join timeout, every
 worker failing, one worker failing again and again (torchrun's --max-restarts is the reset
-limit), a worker lost in the middle of a commit. In each, the job ends (never hangs: every
-wait has the cluster's deadline) or goes on, and nothing committed is lost."""
+limit), a worker lost in the middle of a commit, a node that freezes. In each, the job ends
+(never hangs: every wait has the cluster's deadline) or goes on, and nothing committed is
+lost."""
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +19,7 @@ from tests.test_elastic_torchrun import (
     _cluster,
     _go,
     _hold,
+    _tail,
     check,
     generations,
     read_logs,
@@ -95,3 +98,28 @@ def test_worker_lost_in_the_middle_of_a_commit(tmp_path: Path) -> None:
     assert not cluster.leftovers()
     gens = check(tmp_path, options, 8)
     assert [(g["world"], g["start"]) for g in gens] == [(2, 0), (2, 3)]
+
+
+def test_a_frozen_node_is_left_behind_without_waiting_for_dear_timeout(tmp_path: Path) -> None:
+    """A node freezes at the 3rd step of 2 (its agent and worker stopped, their connections
+    open, so no collective fails): torchrun's rendezvous declares it dead when its heartbeat
+    expires, and the survivor leaves at once for a restart at size 1 from the 2nd step's
+    commit. DEAR_TIMEOUT is 600 s and the cluster's deadline 240 s: a survivor that waited for
+    its collective to time out could not finish in time."""
+    steps = 6
+    _hold(tmp_path, 2, 3)
+    with _cluster(tmp_path, {}, steps, "1:2", {"DEAR_TIMEOUT": "600"}) as cluster:
+        a, b = cluster.start_agent(), cluster.start_agent()
+        cluster.wait_for(lambda: _at(tmp_path, 2, 3, 2), "both ranks at their 3rd step")
+        frozen = [a, b][_agent_of_rank(tmp_path, 2, 1)]
+        survivor = a if frozen is b else b
+        cluster.kill_worker(frozen, signal.SIGSTOP)
+        cluster.kill_agent(frozen, signal.SIGSTOP)
+        _go(tmp_path, 2, 3)
+        [code] = cluster.wait_agents([survivor])
+        log = survivor.log.read_text(errors="replace")
+    assert code == 0, log[-3000:]
+    assert "declared 1 node(s) of this round dead" in log, log[-3000:]
+    assert not cluster.leftovers()
+    gens = check(tmp_path, {}, steps)
+    assert _tail(gens, 2) == [(2, 0), (1, 2)], [(g["world"], g["start"]) for g in gens]

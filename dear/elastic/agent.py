@@ -242,6 +242,51 @@ class Rendezvous:
         return len(state.wait_list), member
 
 
+class PeerWatch:
+    """Exit at once when torchrun's rendezvous declares a node of this worker's round dead (its
+    agent's heartbeat late past keep_alive_interval x keep_alive_max_attempt) while the worker
+    trains. A collective with a dead peer mostly fails at once (a reset connection), but one
+    already waiting to receive from it can wait the whole DEAR_TIMEOUT; the rendezvous knows
+    within the heartbeat expiry. A daemon thread reads the round every `interval` seconds over
+    a store connection of its own; it stands aside once the round moves on (a resize the agent
+    announces with SIGTERM), after SIGTERM, and once stopped."""
+
+    def __init__(self, rendezvous: Rendezvous, term: TermWatch, interval: float = 1.0) -> None:
+        self.rendezvous = rendezvous
+        self.term = term
+        self.interval = interval
+        self.stopped = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    def start(self) -> bool:
+        """Watch this round's nodes; False where the rendezvous cannot be read."""
+        state = self.rendezvous.state()
+        if state is None or not state.complete or state.closed:
+            return False
+        nodes = set(state.participants)
+        self._thread = threading.Thread(target=self._watch, args=(state.round, nodes),
+                                        name="dear-elastic-peers", daemon=True)
+        self._thread.start()
+        return True
+
+    def stop(self) -> None:
+        self.stopped.set()
+
+    def _watch(self, round_: int, nodes: set) -> None:
+        while not self.stopped.wait(self.interval):
+            state = self.rendezvous.state()
+            if state is None or state.closed or state.round != round_ or not state.complete:
+                return                         # unreadable, or the agents moved on
+            gone = nodes - set(state.participants)
+            if not gone or self.stopped.is_set() or self.term.requested.is_set():
+                continue
+            _say(f"dear.elastic: torchrun's rendezvous declared {len(gone)} node(s) of this "
+                 f"round dead ({', '.join(sorted(str(n) for n in gone))}): exiting with code "
+                 f"{EXIT_RESTART} so that torchrun's agent restarts the workers at the new "
+                 "size; they resume from the last commit")
+            os._exit(EXIT_RESTART)
+
+
 def agent_args() -> Any:
     """The agent's (the parent process's) torchrun arguments, parsed by torchrun's own parser
     (an argparse.Namespace), or None where the parent is not torchrun."""
@@ -343,6 +388,6 @@ def exit_for_change(term: TermWatch, nodes_waiting: Optional[int]) -> NoReturn:
     os._exit(EXIT_RESTART)
 
 
-__all__ = ["EXIT_RESTART", "EXIT_TERM", "Launch", "Rendezvous", "TermWatch", "agent_alive",
-           "agent_args", "elastic_launch",
-           "exit_after_failure", "exit_for_change"]
+__all__ = ["EXIT_RESTART", "EXIT_TERM", "Launch", "PeerWatch", "Rendezvous", "TermWatch",
+           "agent_alive", "agent_args", "elastic_launch", "exit_after_failure",
+           "exit_for_change"]

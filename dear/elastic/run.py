@@ -28,6 +28,7 @@ from typing import Any, Callable, Optional, TypeVar
 
 from .agent import (
     Launch,
+    PeerWatch,
     Rendezvous,
     TermWatch,
     agent_args,
@@ -124,7 +125,15 @@ def _under_torchrun(func: Callable[..., R], launch: Launch, state: BaseState, ar
             if restarted:
                 state.on_reset()
             state.sync()
-            result = func(state, *args, **kwargs)
+            peers = Rendezvous.of_parent(launch.run_id)    # a store connection of its own
+            watch = PeerWatch(peers, term) if peers is not None else None
+            if watch is not None:
+                watch.start()
+            try:
+                result = func(state, *args, **kwargs)
+            finally:
+                if watch is not None:
+                    watch.stop()
             session.finish(state)
         except HostsUpdatedInterrupt:
             exit_for_change(term, session.agreed_waiting)
