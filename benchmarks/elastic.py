@@ -85,13 +85,14 @@ def worker(args: argparse.Namespace) -> None:
                 finally:
                     t2 = time.perf_counter()
                     log("commit", step=state.step, save_s=t1 - t0, commit_s=t2 - t1,
-                        mb=_state_mb(model, optimizer))
+                        mb=state_mb(model, optimizer))
 
     train(state)
     log("end", step=state.step)
 
 
-def _state_mb(model: Any, optimizer: Any) -> float:
+def state_mb(model: Any, optimizer: Any) -> float:
+    """The MB of tensors in the model's state_dict() and the optimizer's state (this rank's)."""
     import torch
     n = sum(v.numel() * v.element_size() for v in model.state_dict().values()
             if isinstance(v, torch.Tensor))
@@ -224,18 +225,24 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(json.dumps(row), flush=True)
             rows.append(row)
     if args.name:
-        from benchmarks.results import markdown_table, write
-        keys = [k for k in ("lost_at_step", "resumed_from_step", "old_workers_last_commit_s",
-                            "new_processes_began_s", "imported_and_built_s", "resumed_s",
-                            "first_step_s", "state_mb", "commits", "commit_ms_median",
-                            "commit_ms_per_mb", "in_memory_copy_ms_median")
-                if any(k in r for r in rows)]
-        table = markdown_table(["scenario", *keys], [[r["scenario"], *(r.get(k, "") for k in keys)]
-                                                    for r in rows])
-        write(args.name, "Elastic training under torchrun: resizes and commits (ResNet-50)",
-              {"rows": rows, "rdzv_conf": args.rdzv_conf, "dear_timeout": args.dear_timeout},
-              table)
+        write_rows(args.name, "Elastic training under torchrun: resizes and commits (ResNet-50)",
+                   rows, ("lost_at_step", "resumed_from_step", "old_workers_last_commit_s",
+                          "new_processes_began_s", "imported_and_built_s", "resumed_s",
+                          "first_step_s", "state_mb", "commits", "commit_ms_median",
+                          "commit_ms_per_mb", "in_memory_copy_ms_median"),
+                   {"rdzv_conf": args.rdzv_conf, "dear_timeout": args.dear_timeout})
     return 0
+
+
+def write_rows(name: str, title: str, rows: list[dict[str, Any]], columns: tuple[str, ...],
+               extra: dict[str, Any]) -> None:
+    """The scenarios' rows as benchmarks/results/<name>: a column for each of `columns` that
+    some row has."""
+    from benchmarks.results import markdown_table, write
+    keys = [k for k in columns if any(k in r for r in rows)]
+    table = markdown_table(["scenario", *keys], [[r["scenario"], *(r.get(k, "") for k in keys)]
+                                                for r in rows])
+    write(name, title, {"rows": rows, **extra}, table)
 
 
 if __name__ == "__main__":

@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from benchmarks import cli, emulated, results, timing
 from benchmarks.emulated_report import EXPLAIN, chart, summarize, table
-from benchmarks.methods import Built, Method, horovod_installed, parse_methods
+from benchmarks.methods import Built, Committing, Method, horovod_installed, parse_methods
 
 DEFAULT_METHODS = "ddp,wfbp,horovod,fsdp2,dear,dear:schedule=dear"
 # (model, ranks) -> (bandwidth per host, scale). Scale: every parameter's first dimension divided
@@ -93,8 +93,9 @@ def train(method: Method, model_spec: emulated.ModelSpec, warmup: int, iters: in
         if built.is_dear:
             built.opt.synchronize()                # the last step's updates, before reading
         params = {n: p.detach().clone() for n, p in model.named_parameters()}
-    commits = getattr(built.opt, "commit_s", None)
-    commit = None if commits is None else {"seconds": commits, "mb": built.opt.state_mb()}
+    opt = built.opt
+    commit = ({"seconds": opt.commit_s, "mb": opt.state_mb()} if isinstance(opt, Committing)
+              else None)
     del model
     built.finish()
     return {"times": run.times, "losses": run.losses, "warmup": warmup, "cpu_s": run.cpu_s,

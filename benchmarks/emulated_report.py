@@ -115,15 +115,15 @@ def summarize(gathered: list[dict[str, Any]], methods: list[Method],
         q = statistics.quantiles(totals, n=4) if len(totals) > 1 else [totals[0]] * 3
         runs0 = per_rank[0]
         cpu = statistics.mean(run["cpu_s"] / args.iters for runs in per_rank for run in runs)
+        # per round, each timed iteration's slowest rank: stalls show here, not in medians
+        iters = [[max(ts) for ts in zip(*(runs[k]["times"]["total"] for runs in per_rank))]
+                 for k in range(len(per_rank[0]))]
         res = {
             "median_s": ph["total"], "q1_s": q[0], "q3_s": q[2],
             # what a step every K iterations adds shows in the mean, not the median
-            "mean_s": statistics.mean(max(ts) for k in range(len(per_rank[0])) for ts in
-                                      zip(*(runs[k]["times"]["total"] for runs in per_rank))),
+            "mean_s": statistics.mean(t for rnd in iters for t in rnd),
             "commit": _commits(per_rank),
-            # per round, each timed iteration's slowest rank: stalls show here, not in medians
-            "iters_s": [[max(ts) for ts in zip(*(runs[k]["times"]["total"] for runs in per_rank))]
-                        for k in range(len(per_rank[0]))],
+            "iters_s": iters,
             "row_sparse": _rows_sent(runs0),
             "forward_s": ph["forward"], "backward_s": ph["backward"], "step_s": ph["step"],
             "forward_wait_s": ph["forward"] - base["forward"],

@@ -33,7 +33,7 @@ import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any, Optional  # noqa: E402
 
-from benchmarks.elastic import _events, _state_mb  # noqa: E402  (the same logs)
+from benchmarks.elastic import _events, state_mb, write_rows  # noqa: E402  (the same logs)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -92,7 +92,7 @@ def worker(args: argparse.Namespace) -> None:
                 state.commit()
             finally:
                 log("commit", step=state.step, s=time.perf_counter() - t0,
-                    mb=_state_mb(model, optimizer))
+                    mb=state_mb(model, optimizer))
 
     state = hvd.elastic.TorchState(model, optimizer, step=0)
     train(state)
@@ -191,15 +191,11 @@ def main(argv: Optional[list[str]] = None) -> int:
                 print(json.dumps(row), flush=True)
                 rows.append(row)
     if args.name:
-        from benchmarks.results import markdown_table, write
-        keys = [k for k in ("resumed_from_step", "new_process_began_s", "first_step_s",
-                            "state_mb", "commits", "commit_ms_median", "commit_ms_per_mb")
-                if any(k in r for r in rows)]
-        table = markdown_table(["scenario", *keys], [[r["scenario"], *(r.get(k, "") for k in keys)]
-                                                    for r in rows])
-        write(args.name, "Real Horovod's elastic mode: resizes and commits (ResNet-50), "
-              "Horovod's optimizer and dear's", {"rows": rows,
-                                                 "dear_timeout": args.dear_timeout}, table)
+        write_rows(args.name, "Real Horovod's elastic mode: resizes and commits (ResNet-50), "
+                   "Horovod's optimizer and dear's", rows,
+                   ("resumed_from_step", "new_process_began_s", "first_step_s", "state_mb",
+                    "commits", "commit_ms_median", "commit_ms_per_mb"),
+                   {"dear_timeout": args.dear_timeout})
     return 0
 
 

@@ -308,7 +308,6 @@ class Committing:
     Horovod Elastic. Everything else is the optimizer's."""
 
     def __init__(self, opt: Any, model: torch.nn.Module, every: int, to: str) -> None:
-        import shutil
         import tempfile
 
         from dear.elastic import State
@@ -334,7 +333,6 @@ class Committing:
                                           TermWatch(), "bench", self.state.ops))
             finally:
                 del os.environ["DEAR_ELASTIC_DIR"]
-        self._remove = shutil.rmtree
 
     def step(self, closure: Any = None) -> Any:
         out = self.opt.step(closure)
@@ -346,29 +344,18 @@ class Committing:
         return out
 
     def state_mb(self) -> float:
-        """The bytes of tensors one in-memory commit copies (model and optimizer), in MB."""
-        sizes = [t.numel() * t.element_size() for sd in (self.state.model.state_dict(),
-                                                         self.opt.state_dict())
-                 for t in _tensors(sd)]
-        return sum(sizes) / 1e6
+        """The MB of tensors one in-memory commit copies (model and optimizer)."""
+        from benchmarks.elastic import state_mb
+        return state_mb(self.state.model, self.opt)
 
     def finish(self) -> None:
+        import shutil
         dist.barrier()
         if self.directory is not None and dist.get_rank() == 0:
-            self._remove(self.directory, ignore_errors=True)
+            shutil.rmtree(self.directory, ignore_errors=True)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.opt, name)
-
-
-def _tensors(obj: Any) -> list[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, dict):
-        return [t for v in obj.values() for t in _tensors(v)]
-    if isinstance(obj, (list, tuple)):
-        return [t for v in obj for t in _tensors(v)]
-    return []
 
 
 def release(opt: Any) -> None:
