@@ -256,17 +256,14 @@ class PeerWatch:
         self.term = term
         self.interval = interval
         self.stopped = threading.Event()
-        self._thread: Optional[threading.Thread] = None
 
     def start(self) -> bool:
         """Watch this round's nodes; False where the rendezvous cannot be read."""
         state = self.rendezvous.state()
         if state is None or not state.complete or state.closed:
             return False
-        nodes = set(state.participants)
-        self._thread = threading.Thread(target=self._watch, args=(state.round, nodes),
-                                        name="dear-elastic-peers", daemon=True)
-        self._thread.start()
+        threading.Thread(target=self._watch, args=(state.round, set(state.participants)),
+                         name="dear-elastic-peers", daemon=True).start()
         return True
 
     def stop(self) -> None:

@@ -132,14 +132,16 @@ class OptimizerHandler(Handler):
             state = {k: v for k, v in state.items() if k != self.feedback_key}
         self.value.load_sharded_state_dict(state)
 
-    def _sharded_feedback(self) -> Optional[dict[str, Any]]:
-        return self.value.dear_feedback_state() if self.sharded else None
+    def _feedback(self) -> Optional[dict[str, Any]]:
+        """This rank's error-feedback state (dear's optimizers with quantized compression),
+        read without building the whole state_dict()."""
+        return self.value.dear_feedback_state() if self.dear else None
 
     def save(self) -> None:
         if self.sharded:
             self.saved = _copy_sharded(self.value.sharded_state_dict()) if self._stepped() \
                 else None
-            feedback = self._sharded_feedback()
+            feedback = self._feedback()
             self.saved_feedback = _fresh(feedback) if feedback is not None else None
         else:
             self.saved = _fresh(self.value.state_dict())
@@ -169,8 +171,7 @@ class OptimizerHandler(Handler):
         return {prefix: self.value.sharded_state_dict()} if self._stepped() else {}
 
     def own(self, prefix: str, rank: int) -> dict[str, Any]:
-        feedback = self._sharded_feedback() if self.sharded else \
-            self.value.state_dict().get(self.feedback_key)
+        feedback = self._feedback()
         if feedback is None:
             return {}
         meta = {k: v for k, v in feedback.items() if k != "residuals"}
