@@ -47,12 +47,39 @@ def digest(obj: object) -> str:
     return hashlib.sha256(buf.getvalue()).hexdigest()
 
 
+def guard_whole_state(whole: dict[str, bool]) -> None:
+    """Every way dear puts sharded state together whole raises unless `whole["allowed"]`."""
+    from dear.sharding.state import ShardedState
+    for name in ("gather_full", "take_carried_whole"):
+        original = getattr(ShardedState, name)
+
+        def guarded(self: ShardedState, *a: object, _original=original, _name=name,
+                    **k: object) -> object:
+            if not whole["allowed"]:
+                raise AssertionError(f"dear put the sharded optimizer state together whole "
+                                     f"({_name}) while training")
+            return _original(self, *a, **k)
+        setattr(ShardedState, name, guarded)
+
+
+def committed_bytes(opt: object) -> int:
+    """Bytes of optimizer state this rank keeps for the last commit: its own pieces and the
+    copies it holds of another rank's (0 when the state is not sharded). A test's look inside."""
+    commit = opt.dear_engine.updates.commit      # type: ignore[attr-defined]
+    if commit is None:
+        return 0
+    return sum(v.numel() * v.element_size() for pieces in commit.held.values()
+               for piece in pieces for v in piece.state.values() if v.dim() > 0)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--batches", type=int, default=4)
     parser.add_argument("--sharded", action="store_true")
+    parser.add_argument("--never-whole", action="store_true",
+                        help="fail if dear puts the sharded state together whole while training")
     parser.add_argument("--commit-every", type=int, default=1, help="batches per commit")
     parser.add_argument("--kill", default="",
                         help="epoch,batch,host: the process on that host kills itself there, "
@@ -63,6 +90,9 @@ def main() -> None:
     if os.environ.get("DEBUG_DUMP"):           # seconds: every process's stacks, repeatedly
         import faulthandler
         faulthandler.dump_traceback_later(float(os.environ["DEBUG_DUMP"]), repeat=True)
+    whole = {"allowed": not args.never_whole}
+    if args.never_whole:
+        guard_whole_state(whole)
     hvd.init()
     torch.set_num_threads(1)
     host = os.environ.get("HOROVOD_HOSTNAME", "")
@@ -96,11 +126,13 @@ def main() -> None:
                 state.batch += 1
                 if state.batch % args.commit_every == 0:
                     state.commit()
+                    held.append((hvd.size(), committed_bytes(opt)))
             with open(os.path.join(args.out, f"rank{hvd.rank()}.jsonl"), "a") as f:
                 f.write(json.dumps({"epoch": state.epoch, "size": hvd.size(),
                                     "model": digest(model.state_dict()),
-                                    "optimizer": digest(opt.state_dict()),
-                                    "history": state.history}) + "\n")
+                                    "optimizer": "" if args.never_whole
+                                    else digest(opt.state_dict()),
+                                    "history": state.history, "held": held}) + "\n")
             if args.discovery and hvd.rank() == 0:
                 with open(os.path.join(args.out, "epochs.log"), "a") as f:
                     f.write(f"{state.epoch}\n")
@@ -115,11 +147,17 @@ def main() -> None:
             state.batch = 0
             state.commit()
 
+    held: list[tuple[int, int]] = []
     state = hvd.elastic.TorchState(model, opt, epoch=0, batch=0, history=[])
     state.register_reset_callbacks([on_reset])
     train(state)
+    whole["allowed"] = True
+    optimizer_state = opt.state_dict()          # every rank (a gather when sharded)
     if hvd.rank() == 0:
-        torch.save({"model": model.state_dict(), "history": state.history},
+        torch.save({"model": model.state_dict(), "history": state.history,
+                    "optimizer": optimizer_state,
+                    "whole_bytes": sum(p.numel() * p.element_size()
+                                       for p in model.parameters())},
                    os.path.join(args.out, "final.pt"))
     dear.shutdown()
 

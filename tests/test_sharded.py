@@ -493,6 +493,17 @@ def dcp_save(path: str, compression: str = "none") -> None:
     dear.shutdown()
 
 
+def _state_elements(opt: Any) -> tuple[int, int]:
+    """(elementwise optimizer state elements this rank holds: whole in the optimizer, in its
+    shards or carried in pieces; the model's parameter elements)."""
+    sharded = opt.dear_sharded_state
+    held = [v for entry in opt.state.values() for v in entry.values()]
+    held += [v for entry in sharded.state.values() for v in entry.values()]
+    held += [v for piece in sharded.carried or () for v in piece.state.values()]
+    return (sum(v.numel() for v in held if isinstance(v, torch.Tensor) and v.dim() > 0),
+            sum(p.numel() for p in opt.dear_engine.params))
+
+
 def dcp_resume(path: str, compression: str = "none") -> dict:
     import torch.distributed.checkpoint as dcp
     dear.init()
@@ -510,6 +521,7 @@ def dcp_resume(path: str, compression: str = "none") -> dict:
             dcp.load(state, checkpoint_id=os.path.join(path, "dcp"))
             model.load_state_dict(state["model"])
             opt.load_sharded_state_dict(state["optim"])
+            out[how + "-held"] = _state_elements(opt)
         _loop(model, opt, range(3, 6))
         out[how] = state_of(model)
         out[how + "-state"] = opt.state_dict()
@@ -532,3 +544,8 @@ def test_dcp_checkpoint_resumes_on_another_world_size(tmp_path: Any, saved_on: i
         for how in ("dcp-fresh", "dcp-after-a-step"):
             assert _same(res[how], res["whole"]), (rank, how)
             assert _same(res[how + "-state"], res["whole-state"]), (rank, how)
+            # read as this rank's pieces only (Adam: two elementwise entries), never whole:
+            # 1/N of each parameter, give or take a parameter's rounding or a shard's padding
+            held, numel = res[how + "-held"]
+            assert held <= 2 * (numel / resumed_on + len(res["whole-state"]["state"])), \
+                (rank, how, held, numel)

@@ -234,6 +234,12 @@ def register_recoverable(kind: type[BaseException]) -> None:
         _recoverable.append(kind)
 
 
+def recoverable_errors() -> tuple[type[BaseException], ...]:
+    """The error types of failed collectives a launcher recovers from (for `except`: empty
+    when none is registered)."""
+    return tuple(_recoverable)
+
+
 def collective_error(message: str, cause: BaseException) -> Exception:
     """dear's error for a failed collective (`raise collective_error(...) from cause`): a
     RuntimeError, or the cause's own type where that is one a launcher recovers from."""

@@ -8,14 +8,18 @@ point. Horovod's own optimizer handler would commit `state_dict()` and broadcast
 dear's optimizer also holds what is cut for the old world (buckets padded to N, shards, a plan,
 named collectives), so TorchState's registry gets this handler for dear's optimizers:
 
-1. `save` (commit): the optimizer's state as Horovod's handler keeps it (a commit sees the
-   applied update, never a pending one: state_dict() applies it first);
+1. `save` (commit): a commit sees the applied update, never a pending one. Whole state: the
+   optimizer's state_dict(), as Horovod's handler keeps it. With shard_optimizer_state: this
+   rank's pieces and a copy of one other rank's, on another host where there is one (a
+   collective: dear/sharding/commit.py), never the whole state;
 2. `restore` (after a failed collective, before Horovod re-forms the world): the engine drops
    what waited on the dead world (pending updates, the iteration, the layout), the same on every
-   rank, and loads the commit with no collective;
+   rank, and goes back to the commit with no collective;
 3. `sync` (every rank, after the world changed, at the same point): the engine starts over in
-   the new world (`rejoin`: a new layout at the next step, the wrap's cross-rank checks again),
-   then rank 0's state is broadcast as Horovod's handler does.
+   the new world (`rejoin`: a new layout at the next step, the wrap's cross-rank checks again).
+   Sharded state is cut for the new size from the pieces the survivors hold, without being
+   whole anywhere, and rank 0's hyperparameters are broadcast; whole state is broadcast from
+   rank 0 as Horovod's handler does.
 
 Collectives go through Horovod's own operations under elastic (dear/comm/horovod.py), so they
 follow the new world and fail with HorovodInternalError, which `hvd.elastic.run` catches.
@@ -45,8 +49,8 @@ class OptimizerStateHandler:
 
     def sync(self) -> None:
         from horovod.torch.functions import broadcast_optimizer_state
-        self.value.dear_elastic_rejoin(self._saved)
-        broadcast_optimizer_state(self.value, root_rank=0)
+        if not self.value.dear_elastic_rejoin(self._saved):
+            broadcast_optimizer_state(self.value, root_rank=0)
 
     def set_value(self, value: DearOptimizer) -> None:
         self.value = value

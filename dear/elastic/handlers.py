@@ -122,8 +122,13 @@ class OptimizerHandler(Handler):
         """Whether the optimizer has state yet. Before its first step a sharded optimizer's
         sharded_state_dict() would create the state with a step at lr 0 (its template needs
         every key), which counts as a step for Adam's bias correction: nothing is taken from
-        it then, and there is nothing to take."""
-        return bool(self.value.state) or (self.dear and self.value.dear_layout is not None)
+        it then, and there is nothing to take. State carried in pieces from another world
+        size (resumed, not yet laid out) counts."""
+        if bool(self.value.state) or not self.dear:
+            return bool(self.value.state)
+        sharded = self.value.dear_sharded_state
+        return self.value.dear_layout is not None or (
+            sharded is not None and sharded.carried is not None)
 
     def _load_sharded(self, state: dict[str, Any], feedback_follows: bool) -> None:
         """The sharded pieces; their error-feedback entry (a warm-up count, no residuals)

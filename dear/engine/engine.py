@@ -124,7 +124,7 @@ class Engine:
         that the ranks' collectives still pair up; it also carries a digest of the trained
         parameters: dear/guards/stream.py)."""
         cfg, options, comm = runtime.config(), self.options, self.comm
-        updates: Updates = (ShardedUpdates(ShardedState(comm), keep_committed=options.elastic)
+        updates: Updates = (ShardedUpdates(ShardedState(comm, lambda: self.params))
                             if options.sharded else Updates())
         # Which collective goes on the link when (dear/fusion/schedule.py): DeAR's order, or a
         # plan that also fills backward's idle link time with all-gather chunks. It reads the
@@ -591,7 +591,7 @@ class Engine:
             self.relayout(self.fusion)
 
     def _adopt_layout(self, order: list[int], provisional: bool, fusion: FusionConfig) -> None:
-        self.updates.unshard(self)             # the state follows the new shards (absorb)
+        self.updates.release(self)             # the state follows the new shards
         feedback = self.feedback               # quantized: residuals follow their parameters
         if feedback is not None:
             feedback.collect(self)
@@ -617,8 +617,7 @@ class Engine:
         next forward's order makes the real one."""
         if self.layout is None or not self.layout.provisional:
             return
-        self.updates.unshard(self)
-        self.updates.clear()
+        self.updates.release(self)
         self.layout = None
         self.learned = ForwardOrder()
         self.phase = Phase.LEARNING
@@ -747,15 +746,17 @@ class Engine:
         self.bind_hooks()
         self.hook_modules()
 
-    def rejoin(self) -> None:
+    def rejoin(self) -> bool:
         """Every rank, at the same point, once the world changed (Horovod Elastic's sync, or the
         first collective after a re-formed world): this engine starts over in the world as it
         is now. What was cut for the old world is dropped (`abandon_world`), what depends on it
         is built again (the schedule is planned again, the autotuner tunes again, quantization's
         residuals start from zero after a warm-up, the stream check counts from 1), the wrap's
         cross-rank checks run again (a new rank's first), and the next step() lays the buckets
-        out for the new N from rank 0's forward order. The optimizer state stays where it is
-        (the caller loaded the last commit, unsharded)."""
+        out for the new N from rank 0's forward order. Whole optimizer state stays where it is
+        (the caller loaded the last commit); sharded, the last commit's pieces, wherever the
+        ranks hold them, are cut again for this world (`ShardedUpdates.resume`): then True."""
+        commit, generation = self.updates.commit, self.updates.generation
         self.abandon_world()
         self.schedule.close()
         if self.autotuner is not None:
@@ -765,8 +766,10 @@ class Engine:
             self._world_bound()
         if self.options.rejoin_checks is not None:
             self.options.rejoin_checks(self.comm)
+        resumed = self.updates.resume(self, commit, generation)
         log.info("dear: rank %d of %d after the world changed; buckets are laid out again at "
                  "the next step", self.comm.rank, self.comm.size)
+        return resumed
 
     def _world_moved(self) -> bool:
         """Horovod Elastic re-formed the world since this engine joined it (the callers ask

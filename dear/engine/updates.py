@@ -15,13 +15,14 @@ they assumed changed (`settle`).
 from __future__ import annotations
 
 import collections
-import copy
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import torch
 
 from ..fusion.bucket import Bucket, Stage
 from ..fusion.schedule import scope
+from ..sharding import commit as shard_commit
+from ..sharding.commit import ShardCommit, host_name
 from ..sharding.state import KFAC_REFUSED, ShardedState, meet_every_rank, tensor_bytes
 from ..shardops import clip
 from .state import hyperparameters, same_hyperparameters
@@ -97,10 +98,22 @@ class Updates:
         for bucket in engine.buckets or ():
             bucket.group_members = None  # type: ignore[attr-defined]
 
+    #: Horovod Elastic's last commit of sharded state, and the world's generation (sharded)
+    commit: Optional[ShardCommit] = None
+    generation = 0
+
     def abandon(self, engine: "Engine") -> bool:
         """The world this state was cut for is gone (Horovod Elastic): whether the optimizer
         holds the whole state now (here it always does)."""
         return True
+
+    def make_commit(self, engine: "Engine") -> bool:
+        """Horovod Elastic's commit of sharded state: none here (the state is whole)."""
+        return False
+
+    def resume(self, engine: "Engine", commit: Optional[ShardCommit], generation: int) -> bool:
+        """A new world: nothing sharded to put back together."""
+        return False
 
     def undo_early(self, engine: "Engine") -> None:
         """Nothing runs early."""
@@ -108,11 +121,14 @@ class Updates:
     def unshard(self, engine: "Engine") -> None:
         """The whole state is already in the optimizer."""
 
+    def release(self, engine: "Engine") -> None:
+        """Before a new layout: the whole state stays in the optimizer."""
+
     def layout(self, buckets: Sequence[Bucket]) -> None:
         """A new layout is in force."""
 
     def clear(self) -> None:
-        """The layout was thrown away (a provisional plan)."""
+        """What was cut for the layout is dropped (its world is gone)."""
 
     def check_step_without_backward(self) -> None:
         """step() with zero gradients only (Horovod's broadcast_optimizer_state): allowed."""
@@ -149,13 +165,17 @@ class ShardedUpdates(Updates):
     sharded = True
     prints_at_step = False                     # settle() takes them (ShardedState.unwritten)
 
-    def __init__(self, state: ShardedState, keep_committed: bool = False) -> None:
+    def __init__(self, state: ShardedState) -> None:
         self.state = state
-        # Horovod Elastic: the state as the last state_dict() gathered it (a commit), and how
-        # many steps had updated the shards then; what `abandon` falls back on.
-        self._keep_committed = keep_committed
-        self._committed: Optional[tuple[int, dict[Any, dict[str, Any]]]] = None
-        self._steps = 0
+        # Horovod Elastic: this rank's part of the last commit (dear/sharding/commit.py), kept
+        # from world to world until the next commit; the steps since it (a reset without a
+        # restore must find the shards as committed); this world's generation (it names the
+        # commits) and each rank's host (where the copies go).
+        self.commit: Optional[ShardCommit] = None
+        self.generation = 0
+        self._commits = 0
+        self._since_commit = 0
+        self._hosts: Optional[list[str]] = None
 
     def launched(self, engine: "Engine", bucket: Bucket) -> None:
         it = engine.iteration
@@ -218,19 +238,45 @@ class ShardedUpdates(Updates):
 
     def end_step(self) -> None:
         self.state.end_step()
-        self._steps += 1
+        self._since_commit += 1
 
     def abandon(self, engine: "Engine") -> bool:
-        """The shards were cut for a world that is gone, and some of them with it: the whole
-        state is what the last state_dict() gathered (a commit), if no step updated the shards
-        since (Horovod raises its host update from commit()); else it is lost (False)."""
-        if not self.state.buckets:
-            return True
-        committed = self._committed
+        """The shards were cut for a world that is gone, and some of them with it: they are
+        dropped, and the last commit's pieces (kept) are what the next world resumes from;
+        whether that loses nothing: no step updated the shards since the commit (Horovod
+        raises its host update from commit()), or nothing was sharded."""
+        sharded = self.state.sharded_now
         self.state.clear()
-        if committed is None or committed[0] != self._steps:
+        return not sharded or (self.commit is not None and self._since_commit == 0)
+
+    def make_commit(self, engine: "Engine") -> bool:
+        """Horovod Elastic's commit (every rank): this rank's pieces, and copies of another
+        rank's, kept in memory (dear/sharding/commit.py); False, doing nothing, while the
+        state is whole in the optimizer (no layout yet)."""
+        if not self.state.sharded_now:
             return False
-        engine.opt.state.update(_copied(committed[1]))  # type: ignore[arg-type]
+        engine.flush()
+        self.undo_early(engine)
+        comm = engine.comm
+        if self._hosts is None:
+            self._hosts = comm.all_gather_object(host_name())
+        own = self.state.own_pieces() or []
+        self._commits += 1
+        self.commit = shard_commit.make(comm, own, self._hosts,
+                                        (self.generation, self._commits),
+                                        lambda i: engine.params[i].device)
+        self._since_commit = 0
+        return True
+
+    def resume(self, engine: "Engine", commit: Optional[ShardCommit], generation: int) -> bool:
+        """Every rank of a new world, at the same point (after `rejoin`): the last commit's
+        pieces, wherever the survivors hold them, become this world's interim cut, placed
+        into the shards at the next layout; whether there were any."""
+        self.commit = commit
+        self.generation, held = shard_commit.agree(engine.comm, commit, generation)
+        if held is None:
+            return False
+        self.state.carry(held)
         return True
 
     def apply(self, engine: "Engine", bucket: Bucket,
@@ -264,22 +310,34 @@ class ShardedUpdates(Updates):
             it.deferred = []
 
     def unshard(self, engine: "Engine") -> None:
-        """Before a step on whole tensors or a new layout: the sharded state, gathered, goes
-        into the optimizer's state in torch's form (absorbed again at the next sharded step)."""
+        """Before a step on whole tensors: the sharded state, gathered, goes into the
+        optimizer's state in torch's form (absorbed again at the next sharded step)."""
         if self.state.buckets:
             engine.flush()
             self.undo_early(engine)
             engine.opt.state.update(self.state.take_full())  # type: ignore[arg-type]
+        elif self.state.carried is not None:
+            engine.opt.state.update(self.state.take_carried_whole())  # type: ignore[arg-type]
+
+    def release(self, engine: "Engine") -> None:
+        """Before a new layout (every rank): the state leaves the old shards for the interim
+        cut, never whole on any rank, and the new layout takes its shards from there."""
+        if self.state.buckets:
+            engine.flush()
+            self.undo_early(engine)
+            held = self.state.own_pieces() or []
+            self.state.clear()
+            self.state.carry(held)
 
     def state_dict(self, engine: "Engine", torch_state_dict: Callable[[], dict[str, Any]]
                    ) -> dict[str, Any]:
         """The whole (unsharded) state, gathered from every rank (a collective: every rank
         calls optimizer.state_dict()), in torch's form."""
         if not self.state.buckets:
+            if self.state.carried is not None:     # a world changed: put back together
+                engine.opt.state.update(self.state.take_carried_whole())  # type: ignore[arg-type]
             return torch_state_dict()
         full = self.gather_full(engine, "optimizer.state_dict()")
-        if self._keep_committed:
-            self._committed = (self._steps, _copied(full))
         opt = engine.opt
         kept = opt.state
         merged: Any = collections.defaultdict(dict, kept)
@@ -330,11 +388,6 @@ class ShardedUpdates(Updates):
         return (tensor_bytes(self.state.shard_values),
                 sum(tensor_bytes(s.values()) for s in self.state.state.values()),
                 self.state.peak_saved_bytes)
-
-
-def _copied(state: dict[Any, dict[str, Any]]) -> dict[Any, dict[str, Any]]:
-    """Torch's unsharded state with its values copied and its keys (the parameters) kept."""
-    return {p: copy.deepcopy(entry) for p, entry in state.items()}
 
 
 def _used_anywhere(engine: "Engine") -> list[list[bool]]:

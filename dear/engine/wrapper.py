@@ -173,22 +173,42 @@ class _DistributedOptimizer(ExtensionPoints, torch.optim.Optimizer):
 
     # ------------------------------------------------------------ Horovod Elastic's state
     def dear_elastic_commit(self) -> dict[str, Any]:
-        """What hvd.elastic's commit keeps of this optimizer: state_dict() (every pending update
-        applied first, so a commit sees the applied update, never a pending one), copied."""
+        """What hvd.elastic's commit keeps of this optimizer, every pending update applied
+        first (a commit sees the applied update, never a pending one). Sharded state stays in
+        pieces, this rank's and a copy of another rank's (a collective, every rank:
+        dear/sharding/commit.py), with the hyperparameters beside them here; else
+        state_dict(), copied."""
+        engine = self.dear_engine
+        engine.flush()
+        if engine.updates.make_commit(engine):
+            return {_SHARDED_COMMIT: True, "param_groups": _hyperparameters(self.param_groups)}
         return copy.deepcopy(self.state_dict())
 
     def dear_elastic_restore(self, saved: dict[str, Any]) -> None:
         """After a failed collective, before Horovod re-forms the world: drop what waited on
-        the old one and load the last commit, with no collective."""
+        the old one and go back to the last commit, with no collective (sharded: its pieces
+        are put together in the new world, at `dear_elastic_rejoin`)."""
         self.dear_engine.abandon_world(keep_state=False)
-        self.load_state_dict(saved)
+        if saved.get(_SHARDED_COMMIT):
+            for group, hyper in zip(self.param_groups, saved["param_groups"]):
+                group.update(copy.deepcopy(hyper))
+        else:
+            self.load_state_dict(saved)
 
-    def dear_elastic_rejoin(self, saved: dict[str, Any]) -> None:
+    def dear_elastic_rejoin(self, saved: dict[str, Any]) -> bool:
         """Horovod's sync after the world changed (every rank, the same point): start over in
-        the new world. State held in shards of the old world becomes the last commit's, whole,
-        which a reset without a failure follows at once (Horovod raises its host update from
-        commit()); `saved` is that commit (the engine kept its own copy)."""
-        self.dear_engine.rejoin()
+        the new world. Sharded state comes back from the last commit's pieces, wherever the
+        ranks hold them, cut for the new size and never whole anywhere, with rank 0's
+        hyperparameters: then True (the state is in sync). False: the state is whole in the
+        optimizer, for the caller to broadcast. `saved`: the commit (the engine keeps its own
+        part of a sharded one)."""
+        engine = self.dear_engine
+        if not engine.rejoin():
+            return False
+        hyper = engine.comm.broadcast_object(_hyperparameters(self.param_groups), 0)
+        for group, values in zip(self.param_groups, hyper):
+            group.update(values)
+        return True
 
     def dear_feedback_state(self) -> Optional[dict[str, Any]]:
         """Quantized compression's state on this rank (its warm-up count and its residuals,
@@ -230,7 +250,8 @@ class _DistributedOptimizer(ExtensionPoints, torch.optim.Optimizer):
         if saved is not None:
             steps = int(saved.get("steps", 0))
             self._reload_feedback(lambda fb: fb.load_without_residuals(engine, steps))
-        sharded_checkpoint.load_sharded_state_dict(self, state_dict, self._trained_names())
+        sharded_checkpoint.load_sharded_state_dict(self, state_dict, self._trained_names(),
+                                                   engine.comm.rank, engine.comm.size)
 
     def _reload_feedback(self, load: Callable[[feedback.ErrorFeedback], None]) -> None:
         """Quantized compression: `load` its state, then lay the buckets out again if that
@@ -320,3 +341,10 @@ if TYPE_CHECKING:
 
 
 _DistributedOptimizer.step.hooked = True  # type: ignore[attr-defined]  # torch must not re-wrap
+
+
+_SHARDED_COMMIT = "dear_sharded_commit"
+
+
+def _hyperparameters(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"} for g in groups]

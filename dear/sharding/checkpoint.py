@@ -17,12 +17,14 @@ tensors, cut at the first step.
 
 from __future__ import annotations
 
+import collections
 import copy
 from typing import Any, Optional
 
 import torch
 
 from ..interfaces import DearOptimizer
+from .reshard import Piece, interim
 from .state import ShardedState, flat, pieces
 
 _STATE, _GROUPS = "state", "param_groups"
@@ -64,9 +66,20 @@ def sharded_state_dict(optimizer: Any, names: dict[Any, str], rank: int,
     full_groups = [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"}
                    | {"params": [names[p] for p in g["params"] if p in names]}
                    for g in optimizer.param_groups]
-    if not sharded.state and not optimizer.state:
-        _initialize(optimizer)                   # a template needs every key (FSDP does this)
+    if not sharded.state and not optimizer.state and sharded.carried is None:
+        _initialize(optimizer, names, rank, world)  # a template needs every key (as FSDP's)
     state: dict[str, dict[str, Any]] = {}
+    if sharded.carried is not None and not sharded.buckets:    # the interim cut
+        params = sharded.params()
+        for piece in sharded.carried:
+            p = params[piece.param]
+            cut = [(r, *interim(p.numel(), r, world)) for r in range(world)]
+            cut = [(r, lo, hi) for r, lo, hi in cut if hi > lo]
+            out = state.setdefault(names[p], {})
+            for key, v in piece.state.items():
+                out[key] = (_sharded_tensor(cut, v if piece.numel else None, p.numel(),
+                                            v.dtype, p.device, rank)
+                            if isinstance(v, torch.Tensor) and v.dim() > 0 else v)
     if sharded.buckets:
         pieces = _pieces(sharded, world)
         for segments in sharded.segments:
@@ -94,38 +107,44 @@ def _sharded(optimizer: DearOptimizer) -> ShardedState:
     return state
 
 
-def _initialize(optimizer: Any) -> None:
-    """Create the state's entries with a step of zero gradients at lr 0 (parameters unchanged),
-    on this rank's segments if there is a layout, else on whole parameters; loading overwrites
-    every entry."""
+def _initialize(optimizer: Any, names: dict[Any, str], rank: int, world: int) -> None:
+    """Create the state's entries with a step of zero gradients at lr 0 (parameters unchanged)
+    on this rank's pieces: its segments if there is a layout, else its interim cut (carried to
+    the first layout); loading overwrites every entry. Never whole on a rank."""
     sharded = _sharded(optimizer)
     groups = optimizer.param_groups
     saved = [(g["params"], g.get("lr")) for g in groups]
     kept_state = optimizer.state
-    tensors: list[torch.Tensor] = []
+    member = {p: k for k, g in enumerate(groups) for p in g["params"]}
+    lists: list[list[torch.Tensor]] = [[] for _ in groups]
+    interim_cut: list[tuple[int, int, int, torch.Tensor]] = []
     try:
         if sharded.buckets:
             optimizer.state = sharded.state
-            member = {p: k for k, g in enumerate(groups) for p in g["params"]}
-            lists: list[list[torch.Tensor]] = [[] for _ in groups]
             for segments in sharded.segments:
                 for seg in segments:
                     seg.value.copy_(flat(seg.param)[seg.lo:seg.hi])
-                    seg.value.grad = torch.zeros_like(seg.value)
                     lists[member[seg.param]].append(seg.value)
-                    tensors.append(seg.value)
-            for g, m in zip(groups, lists):
-                g["params"] = m
         else:
-            tensors = [p for g in groups for p in g["params"] if p.requires_grad]
-        grads = [t.grad for t in tensors]
+            optimizer.state = collections.defaultdict(dict)
+            for i, p in enumerate(sharded.params()):
+                if p in names and p in member:
+                    lo, hi = interim(p.numel(), rank, world)
+                    t = flat(p)[lo:hi].clone()
+                    interim_cut.append((i, lo, hi, t))
+                    lists[member[p]].append(t)
+        tensors = [t for m in lists for t in m]
         for t in tensors:
             t.grad = torch.zeros_like(t)
-        for g in groups:
+        for g, m in zip(groups, lists):
+            g["params"] = m
             g["lr"] = 0.0 if not isinstance(g.get("lr"), torch.Tensor) else g["lr"] * 0
         optimizer.dear_inner_step()
-        for t, grad in zip(tensors, grads):
-            t.grad = None if sharded.buckets else grad
+        for t in tensors:
+            t.grad = None
+        if not sharded.buckets:
+            sharded.carried = [Piece(i, lo, hi, optimizer.state.get(t, {}))
+                               for i, lo, hi, t in interim_cut]
     finally:
         optimizer.state = kept_state
         for g, (params, lr) in zip(groups, saved):
@@ -135,7 +154,7 @@ def _initialize(optimizer: Any) -> None:
 
 
 def load_sharded_state_dict(optimizer: Any, state_dict: dict[str, Any],
-                            names: dict[Any, str]) -> None:
+                            names: dict[Any, str], rank: int, world: int) -> None:
     """What DCP loaded into sharded_state_dict()'s template, put in place: this rank's pieces
     into its segments, whole tensors into the optimizer's (unsharded) state."""
     sharded = _sharded(optimizer)
@@ -151,6 +170,9 @@ def load_sharded_state_dict(optimizer: Any, state_dict: dict[str, Any],
         g.update({k: v for k, v in saved.items() if k != "params"})
     seg_of = {seg.param: seg for segments in sharded.segments for seg in segments}
     sharded.state.clear()
+    sharded.carried = None
+    index = {p: i for i, p in enumerate(sharded.params())}
+    carried: list[Piece] = []
     for name, entry in (state_dict.get(_STATE) or {}).items():
         p = by_name.get(name)
         if p is None:
@@ -158,19 +180,36 @@ def load_sharded_state_dict(optimizer: Any, state_dict: dict[str, Any],
                              "optimizer does not train")
         whole: dict[str, Any] = {}
         mine: dict[str, Any] = {}
+        offsets: set[tuple[int, int]] = set()
         for key, v in entry.items():
             if hasattr(v, "local_shards"):       # a ShardedTensor: this rank's pieces
                 shards = v.local_shards()
                 if shards:
                     mine[key] = shards[0].tensor.detach().clone()
+                    offsets.add((shards[0].metadata.shard_offsets[0],
+                                 shards[0].metadata.shard_sizes[0]))
             elif isinstance(v, torch.Tensor) and v.dim() > 0:
                 whole[key] = v.detach().reshape(p.shape).clone()
             else:
                 whole[key] = mine[key] = v
         seg = seg_of.get(p)
-        if seg is not None and any(hasattr(v, "local_shards") for v in entry.values()):
+        in_pieces = [k for k, v in entry.items() if hasattr(v, "local_shards")]
+        if seg is not None and in_pieces:
+            if offsets and offsets != {(seg.lo, seg.hi - seg.lo)}:
+                raise ValueError(
+                    f"the sharded state of {name!r} was cut otherwise than this rank's shard "
+                    "(a sharded_state_dict() taken before the first step, when the state is "
+                    "held in an interim cut, put back after it): load it through "
+                    "torch.distributed.checkpoint.load into sharded_state_dict()'s template, "
+                    "which reads whichever pieces this rank needs")
             sharded.state[seg.value] = mine
+        elif in_pieces and not sharded.buckets:  # the interim cut, placed at the first layout
+            for key in in_pieces:
+                mine.setdefault(key, torch.empty(0, dtype=entry[key].dtype, device=p.device))
+            carried.append(Piece(index[p], *interim(p.numel(), rank, world), mine))
         elif any(isinstance(v, torch.Tensor) and v.dim() > 0 for v in whole.values()):
             optimizer.state[p] = whole
+    if carried:
+        sharded.carried = carried
     if sharded.buckets:
         sharded.absorb(optimizer.state)

@@ -29,6 +29,7 @@ import torch
 from ..comm.base import Communicator
 from ..fusion.bucket import Bucket
 from ..guards.written import Fingerprint, fingerprints, first_changed
+from .reshard import Piece, describe, interim, rebuild, redistribute
 
 #: torch optimizers whose update is elementwise: safe on flat segments, the same bits.
 ELEMENTWISE: tuple[type, ...] = (
@@ -83,8 +84,13 @@ def tensor_bytes(values: Iterable[Any]) -> int:
 class ShardedState:
     """This rank's segments of every bucket, and the optimizer state of each."""
 
-    def __init__(self, comm: Communicator) -> None:
+    def __init__(self, comm: Communicator,
+                 params: Callable[[], Sequence[torch.nn.Parameter]] = list) -> None:
         self._comm = comm
+        self._trained = params                  # the engine's: a parameter's index is its id
+        # State of a world that changed, in the interim cut (dear/sharding/reshard.py): put
+        # into this rank's segments when the next layout is cut.
+        self.carried: Optional[list[Piece]] = None
         self.buckets: list[Bucket] = []
         self.segments: list[list[Segment]] = []
         self._values: list[torch.Tensor] = []   # per bucket: the parameters of its shard
@@ -114,6 +120,11 @@ class ShardedState:
     def holds_state(self) -> bool:
         return any(self.state.values())
 
+    @property
+    def sharded_now(self) -> bool:
+        """Whether the state is held in pieces (a layout's segments, or carried)."""
+        return bool(self.buckets) or self.carried is not None
+
     def layout(self, buckets: Sequence[Bucket]) -> None:
         """Cut the parameters along this rank's shards of a new layout (state must be empty:
         gather it first)."""
@@ -128,10 +139,67 @@ class ShardedState:
             self.segments.append([Segment(bucket.params[j], lo, hi, at, values[at:at + hi - lo])
                                   for j, lo, hi, at in pieces(spec, rank)])
             self._values.append(values)
+        if self.carried is not None:           # a collective: every rank lays out alike
+            segments = [seg for segs in self.segments for seg in segs]
+            index = self._index()
+            placed = redistribute(self._comm, self.carried,
+                                  [(index[s.param], s.lo, s.hi) for s in segments],
+                                  self._device_of)
+            by_range = {(p.param, p.lo, p.hi): p.state for p in placed}
+            for seg in segments:
+                entry = by_range.get((index[seg.param], seg.lo, seg.hi))
+                if entry:
+                    self.state[seg.value] = entry
+            self.carried = None
+
+    def params(self) -> Sequence[torch.nn.Parameter]:
+        """The engine's trained parameters: a piece names its parameter by index here."""
+        return self._trained()
+
+    def _index(self) -> dict[torch.nn.Parameter, int]:
+        return {p: i for i, p in enumerate(self._trained())}
+
+    def _device_of(self, param: int) -> torch.device:
+        return self._trained()[param].device
+
+    # ------------------------------------------------------------ pieces (elastic)
+    def own_pieces(self) -> Optional[list[Piece]]:
+        """This rank's pieces of the state, copied (its segments', or what it carries); None
+        if the state is not held in pieces now (it is whole in the optimizer)."""
+        if self.buckets:
+            index = self._index()
+            return [Piece(index[seg.param], seg.lo, seg.hi,
+                          {k: _saved_copy(v) for k, v in self.state[seg.value].items()})
+                    for segments in self.segments for seg in segments
+                    if self.state.get(seg.value)]
+        if self.carried is not None:
+            return [Piece(p.param, p.lo, p.hi, {k: _saved_copy(v) for k, v in p.state.items()})
+                    for p in self.carried]
+        return None
+
+    def carry(self, held: Sequence[Piece]) -> None:
+        """Every rank, at the same point, with no layout: the pieces each rank holds (of one
+        state, any cut) become this world's interim cut, placed at the next layout."""
+        assert not self.buckets, "carried state is placed by the next layout"
+        world, rank = self._comm.size, self._comm.rank
+        wanted = [(i, *interim(p.numel(), rank, world)) for i, p in enumerate(self._trained())]
+        self.carried = redistribute(self._comm, held, wanted, self._device_of)
+
+    def take_carried_whole(self) -> dict[torch.nn.Parameter, dict[str, Any]]:
+        """The carried state in torch's unsharded form, on every rank (a collective: for
+        state_dict(), which is whole by definition)."""
+        held, self.carried = self.carried or [], None
+        params = self._trained()
+        wanted = [(i, 0, p.numel()) for i, p in enumerate(params)]
+        return {params[p.param]: {k: (v.view(params[p.param].shape)
+                                      if isinstance(v, torch.Tensor) and v.dim() > 0 else v)
+                                  for k, v in p.state.items()}
+                for p in redistribute(self._comm, held, wanted, self._device_of)}
 
     def clear(self) -> None:
         self.buckets, self.segments, self._values = [], [], []
         self.state.clear()
+        self.carried = None
         self.end_step()
 
     # ------------------------------------------------------------------------ the step
@@ -293,7 +361,7 @@ class ShardedState:
                 entry = self.state.get(seg.value)
                 if entry:
                     mine[(b, index[seg.param])] = {
-                        k: _describe(v, seg) for k, v in entry.items()}
+                        k: describe(v) for k, v in entry.items()}
         described = comm.all_gather_object(
             [[b, j, list(desc.items())] for (b, j), desc in mine.items()])
         # Per (bucket, parameter): the key order and scalars of the rank holding its first
@@ -307,9 +375,9 @@ class ShardedState:
             spec = bucket.spec
             keys: dict[str, str] = {}
             for j in range(len(bucket.params)):
-                for k, (kind, info) in first.get((b, j), ()):
-                    if kind == "elementwise":
-                        keys.setdefault(k, info)
+                for k, info in first.get((b, j), ()):
+                    if info[0] == "elementwise":
+                        keys.setdefault(k, info[1])
             gathered = {}
             for key in sorted(keys):
                 dtype = getattr(torch, keys[key])
@@ -327,8 +395,8 @@ class ShardedState:
                     continue
                 o, n = spec.offsets[j], spec.numels[j]
                 full[p] = {k: (gathered[k][o:o + n].view(p.shape).clone()
-                               if kind == "elementwise" else _scalar(info, p.device))
-                           for k, (kind, info) in items}
+                               if info[0] == "elementwise" else rebuild(info, p.device))
+                           for k, info in items}
         return full
 
     def take_full(self) -> dict[torch.nn.Parameter, dict[str, Any]]:
@@ -382,23 +450,6 @@ def _read_on_this_stream(v: torch.Tensor) -> None:
 
 def _saved_copy(v: Any) -> Any:
     return v.detach().clone() if isinstance(v, torch.Tensor) else v
-
-
-def _describe(v: Any, seg: Segment) -> tuple[str, Any]:
-    """How one state entry crosses ranks: elementwise (gathered by all-gather) or a scalar."""
-    if isinstance(v, torch.Tensor) and v.dim() > 0:
-        return ("elementwise", str(v.dtype).removeprefix("torch."))
-    if isinstance(v, torch.Tensor):
-        return ("tensor", [str(v.dtype).removeprefix("torch."), v.item(), str(v.device)])
-    return ("value", v)
-
-
-def _scalar(info: Any, device: torch.device) -> Any:
-    if isinstance(info, list) and len(info) == 3 and isinstance(info[0], str):
-        dtype, value, where = info
-        return torch.tensor(value, dtype=getattr(torch, dtype),
-                            device=device if where != "cpu" else "cpu")
-    return info
 
 
 _meetings = 0       # how many this process held: the same sequence on every rank
