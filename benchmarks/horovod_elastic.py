@@ -10,6 +10,9 @@ hosts of one slot each):
 - commit: what hvd.elastic's commit (TorchState: a copy of the model's and the optimizer's
   state in memory) costs each time, in ms and ms per MB of state.
 
+`--optimizers horovod,dear,dear-sharded`: dear-sharded is dear's with shard_optimizer_state=True,
+whose commit keeps this rank's pieces and a copy of the other rank's (dear/sharding/commit.py).
+
     python -m benchmarks.horovod_elastic --name horovod_elastic_resize
 
 Each worker appends JSON lines (its process start, each step with its world size, each commit)
@@ -36,13 +39,16 @@ from typing import Any, Optional  # noqa: E402
 from benchmarks.elastic import _events, state_mb, write_rows  # noqa: E402  (the same logs)
 
 ROOT = Path(__file__).resolve().parent.parent
+#: dear's optimizer with shard_optimizer_state=True (its commit: pieces, never the whole state;
+#: its MB counted as the whole state's, momentum included, for the same ms per MB)
+SHARDED = "dear-sharded"
 
 
 # ------------------------------------------------------------------------------- worker
 def worker(args: argparse.Namespace) -> None:
     import torch
 
-    if args.optimizer == "dear":
+    if args.optimizer.startswith("dear"):
         import dear  # noqa: F401  (before hvd.init(): Horovod's Gloo timeout)
     import horovod.torch as hvd
 
@@ -62,10 +68,11 @@ def worker(args: argparse.Namespace) -> None:
     torch.manual_seed(0)
     model = resnet50(num_classes=10)
     sgd = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    if args.optimizer == "dear":
+    if args.optimizer.startswith("dear"):
         import dear
         optimizer = dear.DistributedOptimizer(sgd, named_parameters=model.named_parameters(),
-                                              model=model)
+                                              model=model,
+                                              shard_optimizer_state=args.optimizer == SHARDED)
     else:
         optimizer = hvd.DistributedOptimizer(sgd, named_parameters=model.named_parameters())
     log("ready")
@@ -92,7 +99,9 @@ def worker(args: argparse.Namespace) -> None:
                 state.commit()
             finally:
                 log("commit", step=state.step, s=time.perf_counter() - t0,
-                    mb=state_mb(model, optimizer))
+                    mb=state_mb(model, optimizer) if args.optimizer != SHARDED else
+                    state_mb(model, sgd) + sum(p.numel() * p.element_size()
+                                               for p in model.parameters()) / 1e6)
 
     state = hvd.elastic.TorchState(model, optimizer, step=0)
     train(state)

@@ -101,3 +101,47 @@ def test_each_rank_is_copied_to_another_host(hosts: list[str], expected: list[in
     assert got == expected
     if len(set(hosts)) > 1:
         assert all(hosts[b] != hosts[r] for r, b in enumerate(got))
+
+
+def commit_and_resume(hosts: list[str], lost: list[int]) -> dict[str, Any]:
+    """Each rank commits its interim pieces of the known state (copies to its buddy); the
+    ranks in `lost` then drop everything they hold, as if they had left; every rank resumes."""
+    from dear.sharding.commit import agree, make
+    from dear.sharding.reshard import StateLost, redistribute
+    comm = _comm()
+    rank, world = comm.rank, comm.size
+    whole = _whole()
+    own = [_piece(whole, i, *interim(n, rank, world)) for i, n in enumerate(NUMELS)]
+    commit = make(comm, own, hosts, (1, 1), lambda i: torch.device("cpu"))
+    kept = {r: [(p.param, p.lo, p.hi, p.state) for p in pieces]
+            for r, pieces in commit.held.items()}
+    try:
+        _, held = agree(comm, None if rank in lost else commit, generation=1)
+    except StateLost as exc:
+        return {"kept": kept, "lost": str(exc)}
+    # what a new world of the same ranks would cut: parameter 2 whole on every rank
+    got = redistribute(comm, held or [], [(2, 0, NUMELS[2])], lambda i: torch.device("cpu"))
+    return {"kept": kept, "got": got[0].state}
+
+
+@pytest.mark.parametrize("hosts,lost", [(["a", "b", "c"], [1]), (["a", "a", "b"], [2])])
+def test_a_lost_ranks_pieces_come_back_from_its_copy(hosts: list[str], lost: list[int]) -> None:
+    whole = _whole()
+    results = run_distributed(commit_and_resume, 3, hosts, lost, timeout=90)
+    backup = buddies(hosts)
+    for rank, res in enumerate(results):
+        # each rank keeps its own pieces and copies of exactly the ranks it backs up
+        assert sorted(res["kept"]) == sorted({rank} | {r for r in range(3) if backup[r] == rank})
+        for r, pieces in res["kept"].items():
+            for param, lo, hi, state in pieces:
+                assert (lo, hi) == interim(NUMELS[param], r, 3)
+                assert torch.equal(state["exp_avg"], whole[param]["exp_avg"][lo:hi])
+        assert torch.equal(res["got"]["exp_avg"], whole[2]["exp_avg"])
+        assert torch.equal(res["got"]["exp_avg_sq"], whole[2]["exp_avg_sq"])
+
+
+def test_a_rank_lost_with_its_copy_is_named_on_every_rank() -> None:
+    """Ranks 0 and 1 share host a; rank 2 (host b) backs both up: losing ranks 0 and 2 loses
+    rank 0's pieces (and rank 2's: rank 0 held its copy)."""
+    for res in run_distributed(commit_and_resume, 3, ["a", "a", "b"], [0, 2], timeout=90):
+        assert "rank(s) [0, 2] of the 3-rank world" in res["lost"], res["lost"]
