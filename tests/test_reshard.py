@@ -44,6 +44,8 @@ def move(case: str) -> dict[str, Any]:
     if case == "rounds":                    # each pair's slices cut across many rounds
         reshard.ROUND_BYTES = 24
     comm = _comm()
+    if case == "broadcast":                 # a backend without an all-to-all
+        type(comm).supports_all_to_all = property(lambda self: False)
     rank, world = comm.rank, comm.size
     whole = _whole()
     # held: each rank its interim piece of every parameter, and a copy of the next rank's
@@ -75,6 +77,14 @@ def test_every_rank_gets_the_slices_it_asked_for() -> None:
             assert torch.equal(state["exp_avg_sq"], whole[param]["exp_avg_sq"][lo:hi])
             assert state["exp_avg_sq"].dtype == torch.float64
             assert torch.equal(state["step"], whole[param]["step"])
+
+
+def test_a_backend_without_all_to_all_moves_the_same_values() -> None:
+    whole = _whole()
+    for res in run_distributed(move, 3, "broadcast", timeout=90):
+        for param, lo, hi, state in res["got"]:
+            assert torch.equal(state["exp_avg"], whole[param]["exp_avg"][lo:hi])
+            assert torch.equal(state["exp_avg_sq"], whole[param]["exp_avg_sq"][lo:hi])
 
 
 def test_a_missing_piece_is_named_on_every_rank() -> None:

@@ -144,9 +144,8 @@ def _move(comm: Communicator, held: Sequence[Piece], target: Sequence[Optional[P
           keys_of: dict[int, dict[str, tuple[Any, ...]]], rows: list[Any],
           dtype_name: str) -> None:
     """The elements of one dtype: each transfer's slice of each elementwise key of that dtype,
-    in transfer order then key order, sent from its holder to its asker."""
+    in transfer order then key order, from its holder to its asker (on one rank: a copy)."""
     me, world = comm.rank, comm.size
-    dtype = getattr(torch, dtype_name)
 
     def keys(src: int, index: int) -> list[str]:
         param = rows[src][0][index][0]
@@ -154,75 +153,74 @@ def _move(comm: Communicator, held: Sequence[Piece], target: Sequence[Optional[P
                       if info[0] == "elementwise" and info[1] == dtype_name)
 
     sizes = [[0] * world for _ in range(world)]
-    for src, index, dst, _, lo, hi in transfers:
-        sizes[src][dst] += (hi - lo) * len(keys(src, index))
-    device = next((v.device for p in held for v in p.state.values()
-                   if isinstance(v, torch.Tensor) and v.dim() > 0), None)
-    device = device or next((v.device for p in target if p is not None
-                             for v in p.state.values() if isinstance(v, torch.Tensor)),
-                            torch.device("cpu"))
-    sends = []
-    for dst in range(world):
-        parts = [held[index].state[k][lo - held[index].lo:hi - held[index].lo]
-                 for src, index, d, _, lo, hi in transfers if src == me and d == dst
-                 for k in keys(src, index)]
-        sends.append(torch.cat(parts).to(device) if parts
-                     else torch.empty(0, dtype=dtype, device=device))
-    received = exchange(comm, sends, sizes)
-    offsets = [0] * world
+    sends: list[list[torch.Tensor]] = [[] for _ in range(world)]
+    receives: list[list[torch.Tensor]] = [[] for _ in range(world)]
     for src, index, dst, w, lo, hi in transfers:
-        if dst != me:
-            continue
-        piece = target[w]
-        assert piece is not None
-        for k in keys(src, index):
-            n = hi - lo
-            piece.state[k][lo - piece.lo:hi - piece.lo].copy_(
-                received[src][offsets[src]:offsets[src] + n])
-            offsets[src] += n
+        names = keys(src, index)
+        sizes[src][dst] += (hi - lo) * len(names)
+        if src == me:
+            piece = held[index]
+            sends[dst] += [piece.state[k][lo - piece.lo:hi - piece.lo] for k in names]
+        if dst == me:
+            into = target[w]
+            assert into is not None
+            receives[src] += [into.state[k][lo - into.lo:hi - into.lo] for k in names]
+    exchange(comm, sends, receives, sizes)
 
 
-def exchange(comm: Communicator, sends: Sequence[torch.Tensor],
-             sizes: Sequence[Sequence[int]]) -> list[torch.Tensor]:
-    """Every rank: `sends[d]` goes to rank d; returns what each rank sent here. `sizes[s][d]`:
-    how many elements rank s sends rank d (every rank knows them all). In all-to-alls of at
-    most ROUND_BYTES per rank, or, on a backend without one, a broadcast from each rank."""
+def exchange(comm: Communicator, sends: Sequence[Sequence[torch.Tensor]],
+             receives: Sequence[Sequence[torch.Tensor]], sizes: Sequence[Sequence[int]]) -> None:
+    """Every rank: the tensors `sends[d]`, one after another, go to rank d, where they land in
+    its `receives[me]` (the same sizes in the same order). `sizes[s][d]`: how many elements
+    rank s sends rank d (every rank knows them all). In all-to-alls of at most ROUND_BYTES per
+    rank, or, on a backend without one, a broadcast from each rank in turn."""
     me, world = comm.rank, comm.size
-    like = sends[me]
-    received = [torch.empty(sizes[s][me], dtype=like.dtype, device=like.device)
-                for s in range(world)]
-    received[me].copy_(sends[me])
+    for part, into in zip(sends[me], receives[me]):
+        into.copy_(part)
     others = [sizes[s][d] for s in range(world) for d in range(world) if s != d]
     biggest = max(others, default=0)
     if biggest == 0:
-        return received
+        return
+    like = next(t for ts in (*sends, *receives) for t in ts)
     if comm.supports_all_to_all:
         block = max(1, min(biggest, ROUND_BYTES // (world * like.element_size())))
+        out = torch.empty(world * block, dtype=like.dtype, device=like.device)
+        into = torch.empty_like(out)
         for k in range(math.ceil(biggest / block)):
-            lo = k * block
-            out = torch.zeros(world * block, dtype=like.dtype, device=like.device)
             for d in range(world):
-                part = sends[d][lo:lo + block]
-                if d != me and part.numel():
-                    out[d * block:d * block + part.numel()].copy_(part)
-            into = torch.empty_like(out)
+                if d != me:
+                    _copy_span(sends[d], k * block, out[d * block:(d + 1) * block], True)
             comm.all_to_all(out, into).wait()
             for s in range(world):
-                n = max(0, min(block, sizes[s][me] - lo))
-                if s != me and n:
-                    received[s][lo:lo + n].copy_(into[s * block:s * block + n])
-        return received
+                if s != me:
+                    _copy_span(receives[s], k * block, into[s * block:(s + 1) * block], False)
+        return
     for root in range(world):
         total = sum(sizes[root][d] for d in range(world) if d != root)
         if total == 0:
             continue
-        buf = (torch.cat([sends[d] for d in range(world) if d != root]) if root == me
-               else torch.empty(total, dtype=like.dtype, device=like.device))
+        buf = (torch.cat([t.reshape(-1) for d in range(world) if d != root for t in sends[d]])
+               if root == me else torch.empty(total, dtype=like.dtype, device=like.device))
         comm.broadcast(buf, root).wait()
         if root != me:
             at = sum(sizes[root][d] for d in range(me) if d != root)
-            received[root].copy_(buf[at:at + sizes[root][me]])
-    return received
+            _copy_span(receives[root], 0, buf[at:at + sizes[root][me]], False)
+
+
+def _copy_span(parts: Sequence[torch.Tensor], start: int, flat: torch.Tensor,
+               outgoing: bool) -> None:
+    """Between `flat` and elements [start, start + len(flat)) of `parts` laid end to end:
+    into `flat` (`outgoing`) or out of it."""
+    at, end = 0, start + flat.numel()
+    for part in parts:
+        n = part.numel()
+        lo, hi = max(start, at), min(end, at + n)
+        if hi > lo:
+            a, b = flat[lo - start:hi - start], part[lo - at:hi - at]
+            (a.copy_(b) if outgoing else b.copy_(a))
+        at += n
+        if at >= end:
+            break
 
 
 __all__ = ["Piece", "StateLost", "describe", "exchange", "interim", "rebuild", "redistribute"]
