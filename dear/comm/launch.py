@@ -310,6 +310,13 @@ def under_horovodrun(environ: Optional[Mapping[str, str]] = None) -> bool:
     return "HOROVOD_RANK" in env
 
 
+def host_name(environ: Optional[Mapping[str, str]] = None) -> str:
+    """This process's host as the launcher names it (horovodrun's HOROVOD_HOSTNAME: two names
+    of one machine are two hosts to it), else the machine's name."""
+    env = os.environ if environ is None else environ
+    return env.get("HOROVOD_HOSTNAME") or socket.gethostname()
+
+
 #: seconds Horovod's own Gloo waits may take beyond DEAR_TIMEOUT: dear raises first (DEAR_TIMEOUT
 #: plus its hang report), and Horovod's background thread, stuck on a frozen peer, lets the
 #: process end soon after (it ends only when that wait times out: 30 s by default)

@@ -19,10 +19,11 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import torch
 
+from ..comm.launch import host_name
 from ..fusion.bucket import Bucket, Stage
 from ..fusion.schedule import scope
 from ..sharding import commit as shard_commit
-from ..sharding.commit import ShardCommit, host_name
+from ..sharding.commit import ShardCommit
 from ..sharding.state import KFAC_REFUSED, ShardedState, meet_every_rank, tensor_bytes
 from ..shardops import clip
 from .state import hyperparameters, same_hyperparameters
@@ -335,6 +336,7 @@ class ShardedUpdates(Updates):
         calls optimizer.state_dict()), in torch's form."""
         if not self.state.buckets:
             if self.state.carried is not None:     # a world changed: put back together
+                meet_every_rank("optimizer.state_dict()", engine.comm.size)
                 engine.opt.state.update(self.state.take_carried_whole())  # type: ignore[arg-type]
             return torch_state_dict()
         full = self.gather_full(engine, "optimizer.state_dict()")

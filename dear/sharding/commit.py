@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
-import socket
 from typing import Any, Optional, Sequence
 
 from ..comm.base import Communicator, recoverable_errors
@@ -27,12 +25,6 @@ class ShardCommit:
     world: int
     tag: tuple[int, int]
     held: dict[int, list[Piece]]
-
-
-def host_name() -> str:
-    """This process's host as the launcher names it (Horovod's HOROVOD_HOSTNAME), else the
-    machine's name."""
-    return os.environ.get("HOROVOD_HOSTNAME") or socket.gethostname()
 
 
 def buddies(hosts: Sequence[str]) -> list[int]:
@@ -109,4 +101,4 @@ def agree(comm: Communicator, commit: Optional[ShardCommit], generation: int
     return new_generation, held
 
 
-__all__ = ["ShardCommit", "agree", "buddies", "host_name", "make"]
+__all__ = ["ShardCommit", "agree", "buddies", "make"]
