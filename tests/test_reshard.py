@@ -155,3 +155,49 @@ def test_a_rank_lost_with_its_copy_is_named_on_every_rank() -> None:
     rank 0's pieces (and rank 2's: rank 0 held its copy)."""
     for res in run_distributed(commit_and_resume, 3, ["a", "a", "b"], [0, 2], timeout=90):
         assert "rank(s) [0, 2] of the 3-rank world" in res["lost"], res["lost"]
+
+
+def rejoin_twice() -> dict[str, Any]:
+    """Sharded Adam, 2 steps, a commit (Horovod Elastic's, in memory); a rejoin whose cross-rank
+    checks fail (a rank lost during the sync), then one that succeeds: the state put together
+    after it against the state at the commit."""
+    import dataclasses
+
+    import dear
+    dear.init(backend="torch")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 2))
+    opt = dear.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01), model=model,
+                                    shard_optimizer_state=True)
+    g = torch.Generator().manual_seed(dear.rank())
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.randn(4, 5, generator=g)).pow(2).mean().backward()
+        opt.step()
+    engine = opt.dear_engine                   # a test's look inside: Horovod's handler's calls
+    assert engine.updates.make_commit(engine)
+    at_commit = opt.state_dict()["state"]
+    options = engine.options
+
+    def lost(comm: Any) -> None:
+        raise RuntimeError("a rank was lost during the sync")
+    engine.options = dataclasses.replace(options, rejoin_checks=lost)
+    try:
+        engine.rejoin()
+        failed = False
+    except RuntimeError:
+        failed = True
+    engine.options = options
+    resumed = engine.rejoin()
+    after = opt.state_dict()["state"]
+    dear.shutdown()
+    return {"failed": failed, "resumed": resumed, "at_commit": at_commit, "after": after}
+
+
+def test_a_failed_rejoin_keeps_the_commit_for_the_next() -> None:
+    for res in run_distributed(rejoin_twice, 2, timeout=90):
+        assert res["failed"] and res["resumed"]
+        assert sorted(res["after"]) == sorted(res["at_commit"])
+        for i, entry in res["at_commit"].items():
+            for key, value in entry.items():
+                assert torch.equal(res["after"][i][key], value), (i, key)

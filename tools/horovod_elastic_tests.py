@@ -7,9 +7,10 @@ removed, a single rank failing by exception and by kill, fault tolerance without
 rank failing, every host blacklisted, too few hosts for too long, the reset limit, a blacklisted
 host coming back) and its data/elastic_torch_main.py, and runs every scenario twice under
 horovodrun (Gloo, CPU, localhost and 127.0.0.1 as the two hosts): with Horovod's
-hvd.DistributedOptimizer (the reference) and with dear.DistributedOptimizer swapped in (`import
-dear` before hvd.init(), the one constructor call changed; nothing else). Upstream skips four of
-these as failing (Horovod issues 2030, 2908): not here. One fix to the test itself:
+hvd.DistributedOptimizer (the reference), with dear.DistributedOptimizer swapped in (`import
+dear` before hvd.init(), the one constructor call changed; nothing else), and with it given
+shard_optimizer_state=True (-k to choose: HorovodOptimizer, DearOptimizer, DearSharded).
+Upstream skips four of these as failing (Horovod issues 2030, 2908): not here. One fix to the test itself:
 test_min_hosts_timeout passes `np=4`, which its own `_run` does not take (`num_proc=4`).
 Prints pytest's verdicts; a JUnit XML in DIR.
 """
@@ -46,6 +47,13 @@ class DearOptimizer(BaseElasticTests, unittest.TestCase):
     def __init__(self, *args, **kwargs):
         super().__init__(os.path.join(HERE, "data/elastic_torch_main_dear.py"), *args, **kwargs)
         warnings.simplefilter("module")
+
+
+class DearShardedOptimizer(BaseElasticTests, unittest.TestCase):
+    def __init__(self, *args, **kwargs):
+        super().__init__(os.path.join(HERE, "data/elastic_torch_main_dear_sharded.py"), *args,
+                         **kwargs)
+        warnings.simplefilter("module")
 '''
 
 
@@ -80,6 +88,12 @@ def main() -> int:
         "Horovod's script changed: update the swap"
     with open(os.path.join(work, "data/elastic_torch_main_dear.py"), "w") as f:
         f.write(swapped)
+    with open(os.path.join(work, "data/elastic_torch_main_dear_sharded.py"), "w") as f:
+        sharded = swapped.replace(
+            "dear.DistributedOptimizer(optimizer,",
+            "dear.DistributedOptimizer(optimizer, shard_optimizer_state=True,", 1)
+        assert "shard_optimizer_state=True" in sharded, "Horovod's script changed: update it"
+        f.write(sharded)
     with open(os.path.join(work, "test_variants.py"), "w") as f:
         f.write(VARIANTS)
     env = {**os.environ, "PYTHONPATH": root,

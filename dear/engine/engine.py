@@ -764,6 +764,9 @@ class Engine:
         self.comm.rejoin()
         self.updates, self.schedule, self.feedback, self.autotuner, self.stream = \
             self._world_bound()
+        # before any collective: a rejoin that fails in one (a rank lost meanwhile) leaves the
+        # commit where the next rejoin finds it
+        self.updates.commit, self.updates.generation = commit, generation
         if self.options.rejoin_checks is not None:
             self.options.rejoin_checks(self.comm)
         resumed = self.updates.resume(self, commit, generation)
