@@ -10,8 +10,8 @@ horovodrun (Gloo, CPU, localhost and 127.0.0.1 as the two hosts): with Horovod's
 hvd.DistributedOptimizer (the reference), with dear.DistributedOptimizer swapped in (`import
 dear` before hvd.init(), the one constructor call changed; nothing else), and with it given
 shard_optimizer_state=True (-k to choose: HorovodOptimizer, DearOptimizer, DearSharded).
-Upstream skips four of these as failing (Horovod issues 2030, 2908): not here. One fix to the test itself:
-test_min_hosts_timeout passes `np=4`, which its own `_run` does not take (`num_proc=4`).
+Upstream skips four of these as failing (Horovod issues 2030, 2908): not here. One fix to the
+test itself: test_min_hosts_timeout passes `np=4`, which its own `_run` does not take (`num_proc=4`).
 Prints pytest's verdicts; a JUnit XML in DIR.
 """
 
