@@ -5,14 +5,14 @@
 Takes Horovod v0.28.1's test/integration/elastic_common.py (the scenarios: hosts added and
 removed, a single rank failing by exception and by kill, fault tolerance without scaling, every
 rank failing, every host blacklisted, too few hosts for too long, the reset limit, a blacklisted
-host coming back) and its data/elastic_torch_main.py, and runs every scenario twice under
-horovodrun (Gloo, CPU, localhost and 127.0.0.1 as the two hosts): with Horovod's
+host coming back) and its data/elastic_torch_main.py, and runs every scenario under
+horovodrun (Gloo, CPU, localhost and 127.0.0.1 as the two hosts), three times: with Horovod's
 hvd.DistributedOptimizer (the reference), with dear.DistributedOptimizer swapped in (`import
 dear` before hvd.init(), the one constructor call changed; nothing else), and with it given
 shard_optimizer_state=True (-k to choose: HorovodOptimizer, DearOptimizer, DearSharded).
 Upstream skips four of these as failing (Horovod issues 2030, 2908): not here. One fix to the
-test itself: test_min_hosts_timeout passes `np=4`, which its own `_run` does not take (`num_proc=4`).
-Prints pytest's verdicts; a JUnit XML in DIR.
+test itself: test_min_hosts_timeout passes `np=4`, which its own `_run` does not take
+(`num_proc=4`). Prints pytest's verdicts; a JUnit XML in DIR.
 """
 
 from __future__ import annotations
