@@ -28,6 +28,7 @@ from .hooks import weak_method
 from .options import EngineOptions
 from .params import ParameterSet
 from .sparse import SparseGradients
+from .state import hyperparameters
 
 log = logging.getLogger("dear")
 
@@ -181,7 +182,8 @@ class _DistributedOptimizer(ExtensionPoints, torch.optim.Optimizer):
         engine = self.dear_engine
         engine.flush()
         if engine.updates.make_commit(engine):
-            return {_SHARDED_COMMIT: True, "param_groups": _hyperparameters(self.param_groups)}
+            return {_SHARDED_COMMIT: True, "param_groups": copy.deepcopy(
+                [hyperparameters(g) for g in self.param_groups])}
         return copy.deepcopy(self.state_dict())
 
     def dear_elastic_restore(self, saved: dict[str, Any]) -> None:
@@ -202,12 +204,9 @@ class _DistributedOptimizer(ExtensionPoints, torch.optim.Optimizer):
         hyperparameters: then True (the state is in sync). False: the state is whole in the
         optimizer, for the caller to broadcast. `saved`: the commit (the engine keeps its own
         part of a sharded one)."""
-        engine = self.dear_engine
-        if not engine.rejoin():
+        if not self.dear_engine.rejoin():
             return False
-        hyper = engine.comm.broadcast_object(_hyperparameters(self.param_groups), 0)
-        for group, values in zip(self.param_groups, hyper):
-            group.update(values)
+        runtime.broadcast_optimizer_state(self, 0)     # sharded: the hyperparameters only
         return True
 
     def dear_feedback_state(self) -> Optional[dict[str, Any]]:
@@ -345,6 +344,3 @@ _DistributedOptimizer.step.hooked = True  # type: ignore[attr-defined]  # torch 
 
 _SHARDED_COMMIT = "dear_sharded_commit"
 
-
-def _hyperparameters(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"} for g in groups]
