@@ -90,26 +90,23 @@ def redistribute(comm: Communicator, held: Sequence[Piece],
         ([(p.param, p.lo, p.hi, {k: describe(v) for k, v in p.state.items()}) for p in held],
          [tuple(w) for w in wanted]))
     holders: dict[int, list[_Held]] = {}
+    # per parameter, its keys as the first piece with elements has them (else the first piece)
+    keys_of: dict[int, dict[str, tuple[Any, ...]]] = {}
     for rank, (pieces, _) in enumerate(rows):
-        for index, (param, lo, hi, _) in enumerate(pieces):
+        for index, (param, lo, hi, keys) in enumerate(pieces):
             if hi > lo:
+                if param not in holders:
+                    keys_of[param] = keys
                 holders.setdefault(param, []).append(_Held(rank, index, lo, hi))
+            else:
+                keys_of.setdefault(param, keys)
     # (src, its piece, dst, its wanted index, lo, hi) in one order that every rank computes
     transfers: list[tuple[int, int, int, int, int, int]] = []
-    keys_of: dict[int, dict[str, tuple[Any, ...]]] = {}
     for dst, (_, wants) in enumerate(rows):
         for w, (param, lo, hi) in enumerate(wants):
-            found = holders.get(param)
-            if not found:
-                any_row = next(((r, i) for r, (pieces, _) in enumerate(rows)
-                                for i, piece in enumerate(pieces) if piece[0] == param), None)
-                if any_row is not None:
-                    keys_of.setdefault(param, rows[any_row[0]][0][any_row[1]][3])
-                continue
-            first = found[0]
-            keys_of.setdefault(param, rows[first.rank][0][first.index][3])
+            found = holders.get(param, [])
             at = lo
-            while at < hi:
+            while at < hi and found:
                 cover = [h for h in found if h.lo <= at < h.hi]
                 if not cover:
                     raise StateLost(
@@ -119,24 +116,19 @@ def redistribute(comm: Communicator, held: Sequence[Piece],
                 end = min(hi, h.hi)
                 transfers.append((h.rank, h.index, dst, w, at, end))
                 at = end
-    out = []
+    target: list[Optional[Piece]] = []         # per wanted range (None: no state)
     for param, lo, hi in wanted:
         keys = keys_of.get(param)
-        if keys is None:
-            continue
         device = device_of(param)
-        state: dict[str, Any] = {}
-        for k, info in keys.items():
-            state[k] = (torch.empty(hi - lo, dtype=getattr(torch, info[1]), device=device)
-                        if info[0] == "elementwise" else rebuild(info, device))
-        out.append(Piece(param, lo, hi, state))
-    placed = {(p.param, p.lo, p.hi): p for p in out}
-    target = [placed.get((param, lo, hi)) for param, lo, hi in wanted]
+        target.append(None if keys is None else Piece(param, lo, hi, {
+            k: (torch.empty(hi - lo, dtype=getattr(torch, info[1]), device=device)
+                if info[0] == "elementwise" else rebuild(info, device))
+            for k, info in keys.items()}))
     dtypes = sorted({info[1] for keys in keys_of.values() for info in keys.values()
                      if info[0] == "elementwise"})
     for dtype_name in dtypes:
         _move(comm, held, target, transfers, keys_of, rows, dtype_name)
-    return out
+    return [p for p in target if p is not None]
 
 
 def _move(comm: Communicator, held: Sequence[Piece], target: Sequence[Optional[Piece]],

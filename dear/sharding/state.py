@@ -29,7 +29,7 @@ import torch
 from ..comm.base import Communicator
 from ..fusion.bucket import Bucket
 from ..guards.written import Fingerprint, fingerprints, first_changed
-from .reshard import Piece, describe, interim, rebuild, redistribute
+from .reshard import Piece, interim, redistribute
 
 #: torch optimizers whose update is elementwise: safe on flat segments, the same bits.
 ELEMENTWISE: tuple[type, ...] = (
@@ -166,16 +166,18 @@ class ShardedState:
     def own_pieces(self) -> Optional[list[Piece]]:
         """This rank's pieces of the state, copied (its segments', or what it carries); None
         if the state is not held in pieces now (it is whole in the optimizer)."""
+        return self._pieces(copied=True) if self.sharded_now else None
+
+    def _pieces(self, copied: bool) -> list[Piece]:
+        keep = _saved_copy if copied else (lambda v: v)
         if self.buckets:
             index = self._index()
             return [Piece(index[seg.param], seg.lo, seg.hi,
-                          {k: _saved_copy(v) for k, v in self.state[seg.value].items()})
+                          {k: keep(v) for k, v in self.state[seg.value].items()})
                     for segments in self.segments for seg in segments
                     if self.state.get(seg.value)]
-        if self.carried is not None:
-            return [Piece(p.param, p.lo, p.hi, {k: _saved_copy(v) for k, v in p.state.items()})
-                    for p in self.carried]
-        return None
+        return [Piece(p.param, p.lo, p.hi, {k: keep(v) for k, v in p.state.items()})
+                for p in self.carried or ()]
 
     def carry(self, held: Sequence[Piece]) -> None:
         """Every rank, at the same point, with no layout: the pieces each rank holds (of one
@@ -189,6 +191,10 @@ class ShardedState:
         """The carried state in torch's unsharded form, on every rank (a collective: for
         state_dict(), which is whole by definition)."""
         held, self.carried = self.carried or [], None
+        return self._whole(held)
+
+    def _whole(self, held: Sequence[Piece]) -> dict[torch.nn.Parameter, dict[str, Any]]:
+        """The state every rank holds pieces of, whole on every rank, keyed by parameter."""
         params = self._trained()
         wanted = [(i, 0, p.numel()) for i, p in enumerate(params)]
         return {params[p.param]: {k: (v.view(params[p.param].shape)
@@ -353,51 +359,7 @@ class ShardedState:
     def gather_full(self) -> dict[torch.nn.Parameter, dict[str, Any]]:
         """Every rank's segments' state put together into torch's unsharded form, keyed by
         parameter (a collective: call it on every rank at the same point)."""
-        comm = self._comm
-        mine: dict[tuple[int, int], dict[str, Any]] = {}     # (bucket, param) -> key: kind
-        for b, segments in enumerate(self.segments):
-            index = {p: j for j, p in enumerate(self.buckets[b].params)}
-            for seg in segments:
-                entry = self.state.get(seg.value)
-                if entry:
-                    mine[(b, index[seg.param])] = {
-                        k: describe(v) for k, v in entry.items()}
-        described = comm.all_gather_object(
-            [[b, j, list(desc.items())] for (b, j), desc in mine.items()])
-        # Per (bucket, parameter): the key order and scalars of the rank holding its first
-        # element (the lowest rank that has it), and which elementwise keys exist.
-        first: dict[tuple[int, int], list[Any]] = {}
-        for rows in described:
-            for b, j, items in rows:
-                first.setdefault((b, j), items)
-        full: dict[torch.nn.Parameter, dict[str, Any]] = {}
-        for b, bucket in enumerate(self.buckets):
-            spec = bucket.spec
-            keys: dict[str, str] = {}
-            for j in range(len(bucket.params)):
-                for k, info in first.get((b, j), ()):
-                    if info[0] == "elementwise":
-                        keys.setdefault(k, info[1])
-            gathered = {}
-            for key in sorted(keys):
-                dtype = getattr(torch, keys[key])
-                send = torch.zeros(spec.shard_numel, dtype=dtype, device=spec.device)
-                for seg in self.segments[b]:
-                    v = self.state.get(seg.value, {}).get(key)
-                    if isinstance(v, torch.Tensor) and v.dim() > 0:
-                        send[seg.at:seg.at + seg.hi - seg.lo].copy_(v)
-                recv = torch.empty(spec.padded_numel, dtype=dtype, device=spec.device)
-                comm.all_gather(send, recv).wait()
-                gathered[key] = recv
-            for j, p in enumerate(bucket.params):
-                items = first.get((b, j))
-                if items is None:
-                    continue
-                o, n = spec.offsets[j], spec.numels[j]
-                full[p] = {k: (gathered[k][o:o + n].view(p.shape).clone()
-                               if info[0] == "elementwise" else rebuild(info, p.device))
-                           for k, info in items}
-        return full
+        return self._whole(self._pieces(copied=False))
 
     def take_full(self) -> dict[torch.nn.Parameter, dict[str, Any]]:
         """gather_full, and this rank's sharded state dropped (a new layout follows, or a step
